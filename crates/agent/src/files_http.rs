@@ -1,0 +1,121 @@
+//! HTTP `GET /files` (download) and `POST /files` (upload, multipart or raw body), streamed
+//! in both directions so that a large file never sits in memory.
+
+use crate::fs::{FsError, FsRoot};
+use crate::users;
+use axum::body::Body;
+use axum::extract::{FromRequest, Multipart, Query, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use tokio::io::AsyncWriteExt;
+
+/// Query parameters of `/files`, as E2B's SDKs send them.
+#[derive(Debug, Deserialize)]
+pub struct FilesQuery {
+    pub path: Option<String>,
+    pub username: Option<String>,
+}
+
+/// One written file in the upload response.
+#[derive(Debug, Serialize)]
+pub struct WrittenEntry {
+    pub name: String,
+    pub r#type: &'static str,
+    pub path: String,
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    let body = serde_json::json!({ "code": status.as_u16(), "message": message.into() });
+    (status, axum::Json(body)).into_response()
+}
+
+impl IntoResponse for FsError {
+    fn into_response(self) -> Response {
+        error(self.http_status(), self.to_string())
+    }
+}
+
+fn user_for(root: &FsRoot, q: &FilesQuery, headers: &HeaderMap) -> Result<users::User, FsError> {
+    let name = q.username.clone().or_else(|| users::from_headers(headers));
+    users::resolve(root.config(), name.as_deref()).ok_or_else(|| FsError::UnknownUser(name.unwrap_or_default()))
+}
+
+/// `GET /files?path=...`: streams the file's bytes.
+pub async fn download(State(root): State<Arc<FsRoot>>, Query(q): Query<FilesQuery>, headers: HeaderMap) -> Result<Response, FsError> {
+    let user = user_for(&root, &q, &headers)?;
+    let path = q.path.as_deref().ok_or_else(|| FsError::InvalidPath("missing path".into()))?;
+    let p = root.check(path, &user)?;
+    let r2 = root.clone();
+    let p2 = p.clone();
+    let (file, size) = tokio::task::spawn_blocking(move || r2.open_read(&p2))
+        .await
+        .map_err(|e| FsError::Io(p.abs.clone(), std::io::Error::other(e)))??;
+    let stream = tokio_util::io::ReaderStream::with_capacity(tokio::fs::File::from_std(file), 256 * 1024);
+    let name = std::path::Path::new(&p.abs).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let disposition = format!("attachment; filename=\"{}\"", name.replace(['"', '\\', '\r', '\n'], "_"));
+    Ok(Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "application/octet-stream")
+        .header(header::CONTENT_LENGTH, size)
+        .header(header::CONTENT_DISPOSITION, disposition)
+        .body(Body::from_stream(stream))
+        .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "response build failed")))
+}
+
+async fn write_stream<S, E>(root: &Arc<FsRoot>, path: &str, user: &users::User, mut body: S) -> Result<WrittenEntry, FsError>
+where
+    S: futures::Stream<Item = Result<bytes::Bytes, E>> + Unpin,
+    E: std::fmt::Display,
+{
+    let p = root.check(path, user)?;
+    let (r2, p2, u2) = (root.clone(), p.clone(), user.clone());
+    let file = tokio::task::spawn_blocking(move || r2.create_file(&p2, &u2))
+        .await
+        .map_err(|e| FsError::Io(p.abs.clone(), std::io::Error::other(e)))??;
+    let mut file = tokio::fs::File::from_std(file);
+    while let Some(chunk) = body.next().await {
+        let chunk = chunk.map_err(|e| FsError::InvalidPath(format!("upload interrupted: {e}")))?;
+        file.write_all(&chunk).await.map_err(|e| FsError::from_io(&p.abs, e))?;
+    }
+    file.flush().await.map_err(|e| FsError::from_io(&p.abs, e))?;
+    let name = std::path::Path::new(&p.abs).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    Ok(WrittenEntry { name, r#type: "file", path: p.abs })
+}
+
+/// `POST /files?path=...`: multipart (field `file`, several allowed) or a raw body.
+pub async fn upload(State(root): State<Arc<FsRoot>>, Query(q): Query<FilesQuery>, request: Request) -> Result<Response, FsError> {
+    let user = user_for(&root, &q, request.headers())?;
+    let is_multipart = request
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("multipart/form-data"));
+    let mut written = Vec::new();
+    if is_multipart {
+        let mut mp = Multipart::from_request(request, &())
+            .await
+            .map_err(|e| FsError::InvalidPath(format!("bad multipart body: {e}")))?;
+        loop {
+            let field = match mp.next_field().await {
+                Ok(Some(f)) => f,
+                Ok(None) => break,
+                Err(e) => return Err(FsError::InvalidPath(format!("bad multipart body: {e}"))),
+            };
+            // With one file, `path` names it; otherwise each part's filename is its path.
+            let dest = match (&q.path, field.file_name()) {
+                (Some(p), _) if written.is_empty() => p.clone(),
+                (_, Some(f)) => f.to_string(),
+                _ => return Err(FsError::InvalidPath("multipart part without a path".into())),
+            };
+            written.push(write_stream(&root, &dest, &user, field).await?);
+        }
+    } else {
+        let path = q.path.clone().ok_or_else(|| FsError::InvalidPath("missing path".into()))?;
+        let body = request.into_body().into_data_stream();
+        written.push(write_stream(&root, &path, &user, body).await?);
+    }
+    Ok((StatusCode::OK, axum::Json(written)).into_response())
+}

@@ -1,0 +1,564 @@
+//! Path resolution confined to the sandbox root, and the `filesystem.Filesystem` service.
+//!
+//! Every lookup goes through `openat2` from a directory fd of the root: in a container
+//! (`RESOLVE_IN_ROOT`) symlinks resolve as if the root were `/`, in the process runtime
+//! (`RESOLVE_BENEATH`) anything that would leave the root is refused. Either way the
+//! kernel does the check at the moment of use, so a symlink swapped in mid-request
+//! cannot redirect an operation to the host.
+
+use crate::config::{AgentConfig, IsolationMode};
+use crate::users::{self, User};
+use connectrpc::{ConnectError, RequestContext, Response, ServiceRequest, ServiceResult};
+use nix::errno::Errno;
+use nix::fcntl::{OFlag, OpenHow, ResolveFlag, openat2};
+use nix::sys::stat::{FileStat, Mode, SFlag, fstatat};
+use sandpit_proto::filesystem::*;
+use std::ffi::OsString;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+
+/// Why a file operation failed; each maps onto a Connect code and an HTTP status.
+#[derive(Debug, thiserror::Error)]
+pub enum FsError {
+    #[error("invalid path: {0}")]
+    InvalidPath(String),
+    #[error("path escapes the sandbox root: {0}")]
+    Escape(String),
+    #[error("not found: {0}")]
+    NotFound(String),
+    #[error("already exists: {0}")]
+    Exists(String),
+    #[error("not a directory: {0}")]
+    NotDir(String),
+    #[error("is a directory: {0}")]
+    IsDir(String),
+    #[error("permission denied: {0}")]
+    Permission(String),
+    #[error("no space left in the sandbox: {0}")]
+    NoSpace(String),
+    #[error("unknown user: {0}")]
+    UnknownUser(String),
+    #[error("{0}: {1}")]
+    Io(String, std::io::Error),
+}
+
+impl FsError {
+    /// Classifies an errno raised while working on `path`.
+    pub fn from_errno(path: &str, e: Errno) -> Self {
+        let p = path.to_string();
+        match e {
+            Errno::ENOENT => FsError::NotFound(p),
+            Errno::EEXIST | Errno::ENOTEMPTY => FsError::Exists(p),
+            Errno::ENOTDIR => FsError::NotDir(p),
+            Errno::EISDIR => FsError::IsDir(p),
+            Errno::EACCES | Errno::EPERM | Errno::EROFS => FsError::Permission(p),
+            Errno::EXDEV | Errno::ELOOP => FsError::Escape(p),
+            Errno::ENOSPC | Errno::EDQUOT | Errno::EFBIG => FsError::NoSpace(p),
+            Errno::ENAMETOOLONG | Errno::EINVAL => FsError::InvalidPath(p),
+            other => FsError::Io(p, std::io::Error::from(other)),
+        }
+    }
+
+    /// Classifies an `std::io::Error` raised while working on `path`.
+    pub fn from_io(path: &str, e: std::io::Error) -> Self {
+        match e.raw_os_error() {
+            Some(code) => Self::from_errno(path, Errno::from_raw(code)),
+            None => FsError::Io(path.to_string(), e),
+        }
+    }
+
+    /// HTTP status for the `/files` endpoints.
+    pub fn http_status(&self) -> http::StatusCode {
+        use http::StatusCode as S;
+        match self {
+            FsError::InvalidPath(_) | FsError::UnknownUser(_) => S::BAD_REQUEST,
+            FsError::Escape(_) | FsError::Permission(_) => S::FORBIDDEN,
+            FsError::NotFound(_) => S::NOT_FOUND,
+            FsError::Exists(_) => S::CONFLICT,
+            FsError::NotDir(_) | FsError::IsDir(_) => S::BAD_REQUEST,
+            FsError::NoSpace(_) => S::INSUFFICIENT_STORAGE,
+            FsError::Io(..) => S::INTERNAL_SERVER_ERROR,
+        }
+    }
+}
+
+impl From<FsError> for ConnectError {
+    fn from(e: FsError) -> Self {
+        let msg = e.to_string();
+        match e {
+            FsError::InvalidPath(_) | FsError::UnknownUser(_) | FsError::NotDir(_) | FsError::IsDir(_) => {
+                ConnectError::invalid_argument(msg)
+            }
+            FsError::Escape(_) | FsError::Permission(_) => ConnectError::permission_denied(msg),
+            FsError::NotFound(_) => ConnectError::not_found(msg),
+            FsError::Exists(_) => ConnectError::already_exists(msg),
+            FsError::NoSpace(_) => ConnectError::resource_exhausted(msg),
+            FsError::Io(..) => ConnectError::internal(msg),
+        }
+    }
+}
+
+/// A directory that all file operations are confined to.
+pub struct FsRoot {
+    dir: OwnedFd,
+    resolve: ResolveFlag,
+    cfg: Arc<AgentConfig>,
+}
+
+/// A path checked lexically: absolute inside the sandbox, without `.` or `..`.
+#[derive(Debug, Clone)]
+pub struct SandboxPath {
+    /// Absolute, normalised path as seen inside the sandbox.
+    pub abs: String,
+}
+
+impl SandboxPath {
+    /// The path relative to the root, as openat2 wants it (`.` for the root itself).
+    fn rel(&self) -> &str {
+        let r = self.abs.trim_start_matches('/');
+        if r.is_empty() { "." } else { r }
+    }
+
+    /// The final component and the path of its parent, or None for the root.
+    fn split(&self) -> Option<(SandboxPath, OsString)> {
+        let p = Path::new(&self.abs);
+        let name = p.file_name()?.to_os_string();
+        let parent = p.parent().map(|x| x.to_string_lossy().into_owned()).unwrap_or_else(|| "/".into());
+        Some((SandboxPath { abs: parent }, name))
+    }
+}
+
+impl FsRoot {
+    /// Opens the configured root directory.
+    pub fn open(cfg: Arc<AgentConfig>) -> Result<Self, FsError> {
+        let root = cfg.root.to_string_lossy().into_owned();
+        let dir = nix::fcntl::open(&cfg.root, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
+            .map_err(|e| FsError::from_errno(&root, e))?;
+        let resolve = match cfg.mode {
+            IsolationMode::Container => ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS,
+            IsolationMode::Process => ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_MAGICLINKS,
+        };
+        Ok(Self { dir, resolve, cfg })
+    }
+
+    /// The agent configuration this root belongs to.
+    pub fn config(&self) -> &AgentConfig {
+        &self.cfg
+    }
+
+    /// Normalises an API path. Relative paths are taken from the user's home, as E2B does;
+    /// a `..` that would climb above `/` is refused rather than clamped, so that a caller
+    /// never silently gets a different file than the one it named.
+    pub fn check(&self, path: &str, user: &User) -> Result<SandboxPath, FsError> {
+        if path.is_empty() {
+            return Err(FsError::InvalidPath("empty path".into()));
+        }
+        if path.contains('\0') {
+            return Err(FsError::InvalidPath("path contains a NUL byte".into()));
+        }
+        if path.len() > 4096 {
+            return Err(FsError::InvalidPath("path longer than 4096 bytes".into()));
+        }
+        let joined = if path.starts_with('/') { PathBuf::from(path) } else { Path::new(user.home).join(path) };
+        let mut parts: Vec<&std::ffi::OsStr> = Vec::new();
+        for c in joined.components() {
+            match c {
+                Component::RootDir | Component::CurDir => {}
+                Component::ParentDir => {
+                    if parts.pop().is_none() {
+                        return Err(FsError::Escape(path.to_string()));
+                    }
+                }
+                Component::Normal(n) => parts.push(n),
+                Component::Prefix(_) => return Err(FsError::InvalidPath(path.to_string())),
+            }
+        }
+        let mut abs = String::from("/");
+        abs.push_str(&parts.iter().map(|p| p.to_string_lossy()).collect::<Vec<_>>().join("/"));
+        Ok(SandboxPath { abs })
+    }
+
+    /// Opens a path with the root's confinement.
+    pub fn open_at(&self, p: &SandboxPath, flags: OFlag, mode: Mode) -> Result<OwnedFd, FsError> {
+        let how = OpenHow::new().flags(flags | OFlag::O_CLOEXEC).mode(mode).resolve(self.resolve);
+        openat2(self.dir.as_fd(), p.rel(), how).map_err(|e| FsError::from_errno(&p.abs, e))
+    }
+
+    /// Opens the parent directory of `p` and returns it with the final component.
+    pub fn open_parent(&self, p: &SandboxPath) -> Result<(OwnedFd, OsString), FsError> {
+        let (parent, name) = p.split().ok_or_else(|| FsError::InvalidPath("the root itself".into()))?;
+        let fd = self.open_at(&parent, OFlag::O_PATH | OFlag::O_DIRECTORY, Mode::empty())?;
+        Ok((fd, name))
+    }
+
+    /// Creates a directory and its missing parents, owned by `user`.
+    pub fn mkdir_all(&self, p: &SandboxPath, user: &User) -> Result<bool, FsError> {
+        let mut created = false;
+        let mut cur = String::new();
+        for comp in p.abs.split('/').filter(|c| !c.is_empty()) {
+            cur.push('/');
+            cur.push_str(comp);
+            let sp = SandboxPath { abs: cur.clone() };
+            let (parent, name) = self.open_parent(&sp)?;
+            match nix::sys::stat::mkdirat(parent.as_fd(), name.as_os_str(), Mode::from_bits_truncate(0o755)) {
+                Ok(()) => {
+                    created = true;
+                    self.chown_at(&parent, &name, user);
+                }
+                Err(Errno::EEXIST) => {
+                    let st = fstatat(parent.as_fd(), name.as_os_str(), nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW)
+                        .map_err(|e| FsError::from_errno(&sp.abs, e))?;
+                    if !is_dir(&st) && !is_symlink(&st) {
+                        return Err(FsError::NotDir(sp.abs));
+                    }
+                }
+                Err(e) => return Err(FsError::from_errno(&sp.abs, e)),
+            }
+        }
+        Ok(created)
+    }
+
+    /// Gives a freshly created entry to the acting user, so files written through the API
+    /// look the same as files the user's own commands write.
+    pub fn chown_at(&self, parent: &OwnedFd, name: &OsString, user: &User) {
+        if !user.switch {
+            return;
+        }
+        let r = nix::unistd::fchownat(
+            parent.as_fd(),
+            name.as_os_str(),
+            Some(nix::unistd::Uid::from_raw(user.uid)),
+            Some(nix::unistd::Gid::from_raw(user.gid)),
+            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+        );
+        if let Err(e) = r {
+            tracing::debug!(error = %e, "chown of a new entry failed");
+        }
+    }
+
+    /// Path through which std can reach an entry below an already opened directory fd.
+    pub fn fd_path(fd: &OwnedFd, name: Option<&OsString>) -> PathBuf {
+        let mut p = PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()));
+        if let Some(n) = name {
+            p.push(n);
+        }
+        p
+    }
+
+    /// Describes one entry in E2B's `EntryInfo` shape.
+    pub fn entry_info(&self, p: &SandboxPath) -> Result<EntryInfo, FsError> {
+        let (parent, name) = match p.split() {
+            Some(x) => {
+                let (fd, n) = self.open_parent(p).map(|(fd, n)| (fd, n))?;
+                let _ = x;
+                (Some(fd), n)
+            }
+            None => (None, OsString::from("/")),
+        };
+        let lst = match &parent {
+            Some(fd) => fstatat(fd.as_fd(), name.as_os_str(), nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW),
+            None => nix::sys::stat::fstat(self.dir.as_fd()),
+        }
+        .map_err(|e| FsError::from_errno(&p.abs, e))?;
+        let mut info = self.info_from_stat(&p.abs, &lst);
+        if is_symlink(&lst) {
+            if let Some(fd) = &parent {
+                if let Ok(target) = nix::fcntl::readlinkat(fd.as_fd(), name.as_os_str()) {
+                    info.symlink_target = Some(target.to_string_lossy().into_owned());
+                }
+            }
+            info.is_symlink = true;
+            // E2B reports what the link points at; a dangling link stays a file.
+            if let Ok(fd) = self.open_at(p, OFlag::O_PATH, Mode::empty()) {
+                if let Ok(st) = nix::sys::stat::fstat(fd.as_fd()) {
+                    info.r#type = file_type(&st).into();
+                    info.size = st.st_size;
+                }
+            }
+        }
+        Ok(info)
+    }
+
+    fn info_from_stat(&self, abs: &str, st: &FileStat) -> EntryInfo {
+        let name = Path::new(abs).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "/".into());
+        EntryInfo {
+            name,
+            r#type: file_type(st).into(),
+            path: abs.to_string(),
+            size: st.st_size,
+            mode: st.st_mode & 0o7777,
+            permissions: permissions_string(st.st_mode),
+            owner: users::name_of(&self.cfg, st.st_uid),
+            group: users::name_of(&self.cfg, st.st_gid),
+            modified_time: sandpit_proto::buffa_types::google::protobuf::Timestamp {
+                seconds: st.st_mtime,
+                nanos: st.st_mtime_nsec as i32,
+                ..Default::default()
+            }
+            .into(),
+            ..Default::default()
+        }
+    }
+
+    /// Lists a directory, descending `depth` levels (symlinked directories are not followed).
+    pub fn list_dir(&self, p: &SandboxPath, depth: u32) -> Result<Vec<EntryInfo>, FsError> {
+        let dir = self.open_at(p, OFlag::O_RDONLY | OFlag::O_DIRECTORY, Mode::empty())?;
+        let mut out = Vec::new();
+        self.list_into(&dir, &p.abs, depth.max(1), &mut out)?;
+        Ok(out)
+    }
+
+    fn list_into(&self, dir: &OwnedFd, abs: &str, depth: u32, out: &mut Vec<EntryInfo>) -> Result<(), FsError> {
+        let rd = std::fs::read_dir(Self::fd_path(dir, None)).map_err(|e| FsError::from_io(abs, e))?;
+        let mut names: Vec<OsString> = rd.filter_map(|e| e.ok().map(|e| e.file_name())).collect();
+        names.sort();
+        for name in names {
+            let child_abs = if abs == "/" {
+                format!("/{}", name.to_string_lossy())
+            } else {
+                format!("{abs}/{}", name.to_string_lossy())
+            };
+            let sp = SandboxPath { abs: child_abs.clone() };
+            let info = match self.entry_info(&sp) {
+                Ok(i) => i,
+                Err(FsError::NotFound(_)) => continue, // removed while listing
+                Err(e) => return Err(e),
+            };
+            let descend = depth > 1 && !info.is_symlink && info.r#type.as_known() == Some(FileType::FILE_TYPE_DIRECTORY);
+            out.push(info);
+            if descend {
+                let how = OpenHow::new()
+                    .flags(OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
+                    .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS);
+                if let Ok(sub) = openat2(dir.as_fd(), name.as_os_str(), how) {
+                    self.list_into(&sub, &child_abs, depth - 1, out)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes a file, a symlink (not its target) or a whole directory tree.
+    pub fn remove(&self, p: &SandboxPath) -> Result<(), FsError> {
+        let (parent, name) = self.open_parent(p)?;
+        let st = fstatat(parent.as_fd(), name.as_os_str(), nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW)
+            .map_err(|e| FsError::from_errno(&p.abs, e))?;
+        if is_dir(&st) {
+            // std's remove_dir_all never follows symlinks inside the tree.
+            std::fs::remove_dir_all(Self::fd_path(&parent, Some(&name))).map_err(|e| FsError::from_io(&p.abs, e))
+        } else {
+            nix::unistd::unlinkat(parent.as_fd(), name.as_os_str(), nix::unistd::UnlinkatFlags::NoRemoveDir)
+                .map_err(|e| FsError::from_errno(&p.abs, e))
+        }
+    }
+
+    /// Renames an entry, creating the destination's parents.
+    pub fn rename(&self, from: &SandboxPath, to: &SandboxPath, user: &User) -> Result<(), FsError> {
+        let (src_dir, src_name) = self.open_parent(from)?;
+        if let Some((dst_parent, _)) = to.split() {
+            self.mkdir_all(&dst_parent, user)?;
+        }
+        let (dst_dir, dst_name) = self.open_parent(to)?;
+        nix::fcntl::renameat(src_dir.as_fd(), src_name.as_os_str(), dst_dir.as_fd(), dst_name.as_os_str())
+            .map_err(|e| FsError::from_errno(&from.abs, e))
+    }
+
+    /// Opens (creating or truncating) a file for writing, creating its parents.
+    pub fn create_file(&self, p: &SandboxPath, user: &User) -> Result<std::fs::File, FsError> {
+        if let Some((parent, _)) = p.split() {
+            self.mkdir_all(&parent, user)?;
+        }
+        let existed = self.open_at(p, OFlag::O_PATH, Mode::empty()).is_ok();
+        let fd = self.open_at(p, OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_TRUNC, Mode::from_bits_truncate(0o644))?;
+        if !existed && user.switch {
+            let _ = nix::unistd::fchown(
+                fd.as_fd(),
+                Some(nix::unistd::Uid::from_raw(user.uid)),
+                Some(nix::unistd::Gid::from_raw(user.gid)),
+            );
+        }
+        Ok(std::fs::File::from(fd))
+    }
+
+    /// Opens a regular file for reading.
+    pub fn open_read(&self, p: &SandboxPath) -> Result<(std::fs::File, u64), FsError> {
+        let fd = self.open_at(p, OFlag::O_RDONLY, Mode::empty())?;
+        let st = nix::sys::stat::fstat(fd.as_fd()).map_err(|e| FsError::from_errno(&p.abs, e))?;
+        if is_dir(&st) {
+            return Err(FsError::IsDir(p.abs.clone()));
+        }
+        Ok((std::fs::File::from(fd), st.st_size as u64))
+    }
+}
+
+fn is_dir(st: &FileStat) -> bool {
+    SFlag::from_bits_truncate(st.st_mode & SFlag::S_IFMT.bits()) == SFlag::S_IFDIR
+}
+
+fn is_symlink(st: &FileStat) -> bool {
+    SFlag::from_bits_truncate(st.st_mode & SFlag::S_IFMT.bits()) == SFlag::S_IFLNK
+}
+
+fn file_type(st: &FileStat) -> FileType {
+    if is_dir(st) {
+        FileType::FILE_TYPE_DIRECTORY
+    } else if is_symlink(st) {
+        FileType::FILE_TYPE_SYMLINK
+    } else {
+        FileType::FILE_TYPE_FILE
+    }
+}
+
+/// `ls -l` style permissions, the form E2B's SDKs show.
+fn permissions_string(mode: u32) -> String {
+    let kind = match mode & SFlag::S_IFMT.bits() {
+        m if m == SFlag::S_IFDIR.bits() => 'd',
+        m if m == SFlag::S_IFLNK.bits() => 'L',
+        _ => '-',
+    };
+    let mut s = String::with_capacity(10);
+    s.push(kind);
+    for shift in [6u32, 3, 0] {
+        let bits = (mode >> shift) & 7;
+        s.push(if bits & 4 != 0 { 'r' } else { '-' });
+        s.push(if bits & 2 != 0 { 'w' } else { '-' });
+        s.push(if bits & 1 != 0 { 'x' } else { '-' });
+    }
+    s
+}
+
+/// The `filesystem.Filesystem` Connect service.
+pub struct FilesystemService {
+    root: Arc<FsRoot>,
+    watchers: crate::watch::Watchers,
+}
+
+impl FilesystemService {
+    /// Serves the given root.
+    pub fn new(root: Arc<FsRoot>) -> Self {
+        Self { watchers: crate::watch::Watchers::new(root.clone()), root }
+    }
+
+    fn user(&self, ctx: &RequestContext) -> Result<User, ConnectError> {
+        let name = users::from_headers(ctx.headers());
+        users::resolve(self.root.config(), name.as_deref())
+            .ok_or_else(|| ConnectError::invalid_argument(format!("unknown user {:?}", name.unwrap_or_default())))
+    }
+}
+
+/// Runs blocking filesystem work off the async thread.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, FsError> + Send + 'static) -> Result<T, ConnectError> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r.map_err(ConnectError::from),
+        Err(e) => Err(ConnectError::internal(format!("worker failed: {e}"))),
+    }
+}
+
+impl Filesystem for FilesystemService {
+    async fn stat(&self, ctx: RequestContext, request: ServiceRequest<'_, StatRequest>) -> ServiceResult<StatResponse> {
+        let user = self.user(&ctx)?;
+        let p = self.root.check(request.path, &user)?;
+        let root = self.root.clone();
+        let entry = blocking(move || root.entry_info(&p)).await?;
+        Response::ok(StatResponse { entry: entry.into(), ..Default::default() })
+    }
+
+    async fn make_dir(&self, ctx: RequestContext, request: ServiceRequest<'_, MakeDirRequest>) -> ServiceResult<MakeDirResponse> {
+        let user = self.user(&ctx)?;
+        let p = self.root.check(request.path, &user)?;
+        let root = self.root.clone();
+        let entry = blocking(move || {
+            if !root.mkdir_all(&p, &user)? {
+                return Err(FsError::Exists(p.abs.clone()));
+            }
+            root.entry_info(&p)
+        })
+        .await?;
+        Response::ok(MakeDirResponse { entry: entry.into(), ..Default::default() })
+    }
+
+    async fn r#move(&self, ctx: RequestContext, request: ServiceRequest<'_, MoveRequest>) -> ServiceResult<MoveResponse> {
+        let user = self.user(&ctx)?;
+        let from = self.root.check(request.source, &user)?;
+        let to = self.root.check(request.destination, &user)?;
+        let root = self.root.clone();
+        let entry = blocking(move || {
+            root.rename(&from, &to, &user)?;
+            root.entry_info(&to)
+        })
+        .await?;
+        Response::ok(MoveResponse { entry: entry.into(), ..Default::default() })
+    }
+
+    async fn list_dir(&self, ctx: RequestContext, request: ServiceRequest<'_, ListDirRequest>) -> ServiceResult<ListDirResponse> {
+        let user = self.user(&ctx)?;
+        let p = self.root.check(request.path, &user)?;
+        let depth = request.depth;
+        let root = self.root.clone();
+        let entries = blocking(move || root.list_dir(&p, depth)).await?;
+        Response::ok(ListDirResponse { entries, ..Default::default() })
+    }
+
+    async fn remove(&self, ctx: RequestContext, request: ServiceRequest<'_, RemoveRequest>) -> ServiceResult<RemoveResponse> {
+        let user = self.user(&ctx)?;
+        let p = self.root.check(request.path, &user)?;
+        let root = self.root.clone();
+        blocking(move || root.remove(&p)).await?;
+        Response::ok(RemoveResponse::default())
+    }
+
+    async fn watch_dir(
+        &self,
+        ctx: RequestContext,
+        request: ServiceRequest<'_, WatchDirRequest>,
+    ) -> ServiceResult<connectrpc::ServiceStream<WatchDirResponse>> {
+        let user = self.user(&ctx)?;
+        let p = self.root.check(request.path, &user)?;
+        let keepalive = crate::process::keepalive_interval(&ctx);
+        let stream = self.watchers.stream(p, request.recursive, request.include_entry, keepalive)?;
+        Ok(Response::new(stream))
+    }
+
+    async fn create_watcher(
+        &self,
+        ctx: RequestContext,
+        request: ServiceRequest<'_, CreateWatcherRequest>,
+    ) -> ServiceResult<CreateWatcherResponse> {
+        let user = self.user(&ctx)?;
+        let p = self.root.check(request.path, &user)?;
+        let id = self.watchers.create(p, request.recursive, request.include_entry)?;
+        Response::ok(CreateWatcherResponse { watcher_id: id, ..Default::default() })
+    }
+
+    async fn get_watcher_events(
+        &self,
+        _ctx: RequestContext,
+        request: ServiceRequest<'_, GetWatcherEventsRequest>,
+    ) -> ServiceResult<GetWatcherEventsResponse> {
+        let events = self.watchers.drain(request.watcher_id)?;
+        Response::ok(GetWatcherEventsResponse { events, ..Default::default() })
+    }
+
+    async fn remove_watcher(
+        &self,
+        _ctx: RequestContext,
+        request: ServiceRequest<'_, RemoveWatcherRequest>,
+    ) -> ServiceResult<RemoveWatcherResponse> {
+        self.watchers.remove(request.watcher_id)?;
+        Response::ok(RemoveWatcherResponse::default())
+    }
+}
+
+/// Opens `p` as a directory and returns a path through which a watcher can follow it.
+pub fn watch_target(root: &FsRoot, p: &SandboxPath) -> Result<(OwnedFd, PathBuf), FsError> {
+    let fd = root.open_at(p, OFlag::O_RDONLY | OFlag::O_DIRECTORY, Mode::empty())?;
+    let path = FsRoot::fd_path(&fd, None);
+    Ok((fd, path))
+}
+
+/// Converts bytes of an OS string for messages.
+pub fn lossy(name: &OsString) -> String {
+    String::from_utf8_lossy(name.as_bytes()).into_owned()
+}

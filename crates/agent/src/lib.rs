@@ -1,0 +1,17 @@
+//! The in-sandbox agent. It runs as PID 1 of a container sandbox (or as a plain child of
+//! the daemon for the unisolated `process` runtime), reaps orphans, forwards termination
+//! to its children, and serves `process.Process`, `filesystem.Filesystem` and HTTP
+//! `/files` to the daemon over an inherited unix socket.
+
+#![allow(refining_impl_trait)]
+
+pub mod config;
+pub mod files_http;
+pub mod fs;
+pub mod process;
+pub mod server;
+mod users;
+pub mod watch;
+
+pub use config::{AgentConfig, IsolationMode};
+pub use server::{AgentError, run, run_from_env};

@@ -1,0 +1,700 @@
+//! Processes started through `process.Process`: spawning with pipes or a pty, the table
+//! the reaper reports exits to, output kept for reattachment, signals and input.
+//!
+//! Output is delivered to every attached stream; while nobody is attached it is kept
+//! (up to [`BACKLOG_LIMIT`] bytes) so that a client that went away can reconnect minutes
+//! later and read everything it missed.
+
+use crate::config::{AgentConfig, IsolationMode};
+use crate::users::{self, User};
+use connectrpc::{ConnectError, RequestContext, Response, ServiceRequest, ServiceResult, ServiceStream};
+use nix::errno::Errno;
+use nix::sys::signal::{Signal as NixSignal, kill, killpg};
+use nix::unistd::Pid;
+use sandpit_proto::process::__buffa::oneof::process_event::Event;
+use sandpit_proto::process::__buffa::oneof::process_event::data_event::Output;
+use sandpit_proto::process::__buffa::oneof::process_input::Input;
+use sandpit_proto::process::__buffa::oneof::process_selector::Selector;
+use sandpit_proto::process::__buffa::oneof::stream_input_request::Event as InputEvent;
+use sandpit_proto::process::process_event::{DataEvent, EndEvent, StartEvent};
+use sandpit_proto::process::*;
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::unix::AsyncFd;
+use tokio::sync::mpsc;
+
+/// Output bytes kept for a process while no client is attached.
+pub const BACKLOG_LIMIT: usize = 64 << 20;
+/// How long an ended process whose output nobody collected stays reattachable.
+const ENDED_RETENTION: Duration = Duration::from_secs(30 * 60);
+/// After the process exits, how long to wait for descendants still holding its pipes.
+const DRAIN_GRACE: Duration = Duration::from_millis(250);
+const READ_CHUNK: usize = 64 * 1024;
+
+/// Non-blocking access to a pipe or pty master.
+pub struct FdIo(AsyncFd<OwnedFd>);
+
+impl FdIo {
+    fn new(fd: OwnedFd) -> std::io::Result<Self> {
+        let flags = nix::fcntl::fcntl(fd.as_fd(), nix::fcntl::FcntlArg::F_GETFL)?;
+        let flags = nix::fcntl::OFlag::from_bits_truncate(flags) | nix::fcntl::OFlag::O_NONBLOCK;
+        nix::fcntl::fcntl(fd.as_fd(), nix::fcntl::FcntlArg::F_SETFL(flags))?;
+        // SAFETY: the OwnedFd is moved in and stays open for as long as the AsyncFd lives.
+        Ok(Self(unsafe { AsyncFd::register(fd)? }))
+    }
+
+    /// Reads some bytes; Ok(0) at end of file (EIO on a pty master means the same).
+    async fn read(&self, buf: &mut [u8]) -> std::io::Result<usize> {
+        loop {
+            let mut guard = self.0.readable().await?;
+            match guard.try_io(|inner| nix::unistd::read(inner.get_ref(), buf).map_err(std::io::Error::from)) {
+                Ok(Ok(n)) => return Ok(n),
+                Ok(Err(e)) if e.raw_os_error() == Some(libc::EIO) => return Ok(0),
+                Ok(Err(e)) => return Err(e),
+                Err(_would_block) => continue,
+            }
+        }
+    }
+
+    async fn write_all(&self, mut data: &[u8]) -> std::io::Result<()> {
+        while !data.is_empty() {
+            let mut guard = self.0.writable().await?;
+            match guard.try_io(|inner| nix::unistd::write(inner.get_ref(), data).map_err(std::io::Error::from)) {
+                Ok(Ok(n)) => data = &data[n..],
+                Ok(Err(e)) => return Err(e),
+                Err(_would_block) => continue,
+            }
+        }
+        Ok(())
+    }
+
+    fn raw(&self) -> i32 {
+        self.0.get_ref().as_raw_fd()
+    }
+}
+
+#[derive(Default)]
+struct Output_ {
+    backlog: VecDeque<ProcessEvent>,
+    backlog_bytes: usize,
+    subscribers: Vec<mpsc::Sender<ProcessEvent>>,
+    end: Option<ProcessEvent>,
+    ended_at: Option<std::time::Instant>,
+}
+
+/// One started process.
+pub struct Proc {
+    pid: u32,
+    tag: Option<String>,
+    config: ProcessConfig,
+    stdin: tokio::sync::Mutex<Option<Arc<FdIo>>>,
+    pty: Option<Arc<FdIo>>,
+    out: Mutex<Output_>,
+    exit: tokio::sync::watch::Sender<Option<(i32, Option<i32>)>>,
+}
+
+fn event_size(ev: &ProcessEvent) -> usize {
+    match &ev.event {
+        Some(Event::Data(d)) => match &d.output {
+            Some(Output::Stdout(b) | Output::Stderr(b) | Output::Pty(b)) => b.len(),
+            None => 0,
+        },
+        _ => 64,
+    }
+}
+
+impl Proc {
+    /// Hands an event to the attached streams, or keeps it until someone attaches.
+    async fn publish(&self, ev: ProcessEvent) {
+        let subs = {
+            let Ok(mut out) = self.out.lock() else { return };
+            out.subscribers.retain(|s| !s.is_closed());
+            if matches!(ev.event, Some(Event::End(_))) {
+                out.end = Some(ev.clone());
+                out.ended_at = Some(std::time::Instant::now());
+            }
+            if out.subscribers.is_empty() {
+                Self::keep(&mut out, ev);
+                return;
+            }
+            out.subscribers.clone()
+        };
+        let mut delivered = false;
+        for s in subs {
+            // Awaiting a full channel is the back-pressure: a slow reader slows the process.
+            delivered |= s.send(ev.clone()).await.is_ok();
+        }
+        if !delivered {
+            if let Ok(mut out) = self.out.lock() {
+                Self::keep(&mut out, ev);
+            }
+        }
+    }
+
+    fn keep(out: &mut Output_, ev: ProcessEvent) {
+        if matches!(ev.event, Some(Event::End(_))) {
+            return; // kept separately in `end`
+        }
+        out.backlog_bytes += event_size(&ev);
+        out.backlog.push_back(ev);
+        while out.backlog_bytes > BACKLOG_LIMIT {
+            match out.backlog.pop_front() {
+                Some(old) => out.backlog_bytes -= event_size(&old),
+                None => break,
+            }
+        }
+    }
+
+    /// Attaches a stream: returns what was missed and a channel for what follows.
+    fn subscribe(&self) -> (Vec<ProcessEvent>, Option<mpsc::Receiver<ProcessEvent>>) {
+        let Ok(mut out) = self.out.lock() else { return (Vec::new(), None) };
+        let mut missed: Vec<ProcessEvent> = out.backlog.drain(..).collect();
+        out.backlog_bytes = 0;
+        if let Some(end) = &out.end {
+            missed.push(end.clone());
+            return (missed, None);
+        }
+        let (tx, rx) = mpsc::channel(64);
+        out.subscribers.push(tx);
+        (missed, Some(rx))
+    }
+
+    fn is_running(&self) -> bool {
+        self.exit.borrow().is_none()
+    }
+
+    fn info(&self) -> ProcessInfo {
+        ProcessInfo { config: self.config.clone().into(), pid: self.pid, tag: self.tag.clone(), ..Default::default() }
+    }
+}
+
+/// Every process the agent started and has not forgotten yet.
+pub struct ProcessTable {
+    cfg: Arc<AgentConfig>,
+    procs: Mutex<HashMap<u32, Arc<Proc>>>,
+    /// Exits the reaper saw before the spawner registered the pid.
+    unclaimed: Mutex<HashMap<u32, (i32, Option<i32>)>>,
+}
+
+/// What a caller asks to run.
+pub struct SpawnSpec {
+    pub config: ProcessConfig,
+    pub user: User,
+    pub tag: Option<String>,
+    pub pty: Option<(u16, u16)>,
+    pub stdin: bool,
+}
+
+impl ProcessTable {
+    /// An empty table for the given agent.
+    pub fn new(cfg: Arc<AgentConfig>) -> Arc<Self> {
+        Arc::new(Self { cfg, procs: Mutex::default(), unclaimed: Mutex::default() })
+    }
+
+    fn get(&self, sel: &ProcessSelector) -> Result<Arc<Proc>, ConnectError> {
+        let procs = self.procs.lock().map_err(|_| ConnectError::internal("process table poisoned"))?;
+        let found = match &sel.selector {
+            Some(Selector::Pid(pid)) => procs.get(pid).cloned(),
+            Some(Selector::Tag(tag)) => procs.values().find(|p| p.tag.as_deref() == Some(tag.as_str())).cloned(),
+            None => return Err(ConnectError::invalid_argument("process selector is empty")),
+        };
+        found.ok_or_else(|| ConnectError::not_found("process not found"))
+    }
+
+    /// Called by the reaper for every child it collected.
+    pub fn on_exit(&self, pid: u32, code: i32, signal: Option<i32>) {
+        let proc = self.procs.lock().ok().and_then(|p| p.get(&pid).cloned());
+        match proc {
+            Some(p) => {
+                let _ = p.exit.send(Some((code, signal)));
+            }
+            None => {
+                if let Ok(mut u) = self.unclaimed.lock() {
+                    // Orphans re-parented to PID 1 land here too; keep the map small.
+                    if u.len() > 4096 {
+                        u.clear();
+                    }
+                    u.insert(pid, (code, signal));
+                }
+            }
+        }
+    }
+
+    /// Drops ended processes whose output was collected or that are too old.
+    fn gc(&self) {
+        let Ok(mut procs) = self.procs.lock() else { return };
+        procs.retain(|_, p| {
+            let Ok(out) = p.out.lock() else { return true };
+            match out.ended_at {
+                None => true,
+                Some(at) => {
+                    let collected = out.backlog.is_empty() && !out.subscribers.is_empty();
+                    !collected && at.elapsed() < ENDED_RETENTION
+                }
+            }
+        });
+    }
+
+    /// Starts a process and returns it; its output flows into the table entry.
+    pub fn spawn(self: &Arc<Self>, spec: SpawnSpec) -> Result<(Arc<Proc>, Vec<ProcessEvent>, mpsc::Receiver<ProcessEvent>), ConnectError> {
+        self.gc();
+        let cfg = &self.cfg;
+        let c = &spec.config;
+        if c.cmd.is_empty() {
+            return Err(ConnectError::invalid_argument("cmd is empty"));
+        }
+        if c.cmd.contains('\0') || c.args.iter().any(|a| a.contains('\0')) {
+            return Err(ConnectError::invalid_argument("cmd and args must not contain NUL bytes"));
+        }
+        let mut cmd = std::process::Command::new(&c.cmd);
+        cmd.args(&c.args);
+        cmd.env_clear();
+        let home = users::host_path(cfg, spec.user.home);
+        let cwd_inside = c.cwd.clone().filter(|s| !s.is_empty()).unwrap_or_else(|| cfg.workdir.clone());
+        let cwd = users::host_path(cfg, &cwd_inside);
+        let mut env: Vec<(String, String)> = vec![
+            ("PATH".into(), "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into()),
+            ("HOME".into(), home.to_string_lossy().into_owned()),
+            ("USER".into(), spec.user.name.into()),
+            ("LOGNAME".into(), spec.user.name.into()),
+            ("SHELL".into(), "/bin/bash".into()),
+            ("LANG".into(), "C.UTF-8".into()),
+            ("PWD".into(), cwd.to_string_lossy().into_owned()),
+        ];
+        if spec.pty.is_some() {
+            env.push(("TERM".into(), "xterm-256color".into()));
+        }
+        env.extend(cfg.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+        env.extend(c.envs.iter().map(|(k, v)| (k.clone(), v.clone())));
+        for (k, v) in &env {
+            if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+                return Err(ConnectError::invalid_argument(format!("invalid environment variable {k:?}")));
+            }
+        }
+        cmd.envs(env);
+        cmd.current_dir(&cwd);
+        if spec.user.switch {
+            cmd.uid(spec.user.uid).gid(spec.user.gid);
+        }
+        let container = cfg.mode == IsolationMode::Container;
+
+        let mut pty_master = None;
+        if let Some((cols, rows)) = spec.pty {
+            let ws = nix::pty::Winsize { ws_row: rows, ws_col: cols, ws_xpixel: 0, ws_ypixel: 0 };
+            let pty = nix::pty::openpty(Some(&ws), None).map_err(|e| ConnectError::internal(format!("openpty: {e}")))?;
+            let slave = pty.slave;
+            let dup = |fd: &OwnedFd| fd.try_clone().map(Stdio::from);
+            let (i, o, e) = (dup(&slave), dup(&slave), dup(&slave));
+            match (i, o, e) {
+                (Ok(i), Ok(o), Ok(e)) => {
+                    cmd.stdin(i).stdout(o).stderr(e);
+                }
+                _ => return Err(ConnectError::internal("dup of pty slave failed")),
+            }
+            pty_master = Some(pty.master);
+            // SAFETY: only async-signal-safe calls between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::setsid() < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    if libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    reset_child(container);
+                    Ok(())
+                });
+            }
+        } else {
+            cmd.stdin(if spec.stdin { Stdio::piped() } else { Stdio::null() });
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+            // SAFETY: only async-signal-safe calls between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::setsid() < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    reset_child(container);
+                    Ok(())
+                });
+            }
+        }
+
+        let mut child = cmd.spawn().map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => ConnectError::not_found(format!("{}: command or working directory not found", c.cmd)),
+            std::io::ErrorKind::PermissionDenied => ConnectError::permission_denied(format!("{}: permission denied", c.cmd)),
+            _ => ConnectError::internal(format!("spawn {}: {e}", c.cmd)),
+        })?;
+        let pid = child.id();
+        let io_err = |e: std::io::Error| ConnectError::internal(format!("pipe setup: {e}"));
+        let stdin = match child.stdin.take() {
+            Some(s) => Some(Arc::new(FdIo::new(OwnedFd::from(s)).map_err(io_err)?)),
+            None => None,
+        };
+        let pty = match pty_master {
+            Some(m) => Some(Arc::new(FdIo::new(m).map_err(io_err)?)),
+            None => None,
+        };
+        let stdout = child.stdout.take().map(OwnedFd::from);
+        let stderr = child.stderr.take().map(OwnedFd::from);
+        // The reaper, not std, collects the exit status.
+        drop(child);
+
+        let (exit_tx, _) = tokio::sync::watch::channel(None);
+        let proc = Arc::new(Proc {
+            pid,
+            tag: spec.tag.clone(),
+            config: spec.config.clone(),
+            stdin: tokio::sync::Mutex::new(if pty.is_some() { pty.clone() } else { stdin }),
+            pty: pty.clone(),
+            out: Mutex::default(),
+            exit: exit_tx,
+        });
+        if let Ok(mut procs) = self.procs.lock() {
+            procs.insert(pid, proc.clone());
+        }
+        if let Some(early) = self.unclaimed.lock().ok().and_then(|mut u| u.remove(&pid)) {
+            let _ = proc.exit.send(Some(early));
+        }
+        let (missed, rx) = proc.subscribe();
+        let rx = rx.ok_or_else(|| ConnectError::internal("process ended before it started"))?;
+
+        let mut readers = Vec::new();
+        let mk = |fd: OwnedFd, kind: fn(Vec<u8>) -> Output| -> Result<_, ConnectError> {
+            let io = FdIo::new(fd).map_err(io_err)?;
+            Ok(tokio::spawn(pump(proc.clone(), Arc::new(io), kind)))
+        };
+        if let Some(p) = &pty {
+            readers.push(tokio::spawn(pump(proc.clone(), p.clone(), Output::Pty)));
+        }
+        if let Some(fd) = stdout {
+            readers.push(mk(fd, Output::Stdout)?);
+        }
+        if let Some(fd) = stderr {
+            readers.push(mk(fd, Output::Stderr)?);
+        }
+        tokio::spawn(finish(proc.clone(), readers));
+        Ok((proc, missed, rx))
+    }
+}
+
+/// Undoes what the agent set for itself but commands must not inherit.
+fn reset_child(container: bool) {
+    // SAFETY: plain syscalls on the child's own state, async-signal-safe.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigprocmask(libc::SIG_SETMASK, &set, std::ptr::null_mut());
+        if container {
+            // The agent shields itself from the OOM killer; its commands must not be shielded.
+            let fd = libc::open(c"/proc/self/oom_score_adj".as_ptr(), libc::O_WRONLY);
+            if fd >= 0 {
+                libc::write(fd, b"0".as_ptr().cast(), 1);
+                libc::close(fd);
+            }
+        }
+    }
+}
+
+async fn pump(proc: Arc<Proc>, io: Arc<FdIo>, kind: fn(Vec<u8>) -> Output) {
+    let mut buf = vec![0u8; READ_CHUNK];
+    loop {
+        match io.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                let ev = ProcessEvent {
+                    event: Some(Event::Data(Box::new(DataEvent { output: Some(kind(buf[..n].to_vec())), ..Default::default() }))),
+                    ..Default::default()
+                };
+                proc.publish(ev).await;
+            }
+        }
+    }
+}
+
+/// Waits for the exit, lets the readers drain, then publishes the end event.
+async fn finish(proc: Arc<Proc>, readers: Vec<tokio::task::JoinHandle<()>>) {
+    let mut rx = proc.exit.subscribe();
+    let (code, signal) = loop {
+        if let Some(v) = *rx.borrow_and_update() {
+            break v;
+        }
+        if rx.changed().await.is_err() {
+            return;
+        }
+    };
+    let drain = futures::future::join_all(readers);
+    if tokio::time::timeout(DRAIN_GRACE, drain).await.is_err() {
+        tracing::debug!(pid = proc.pid, "descendants still hold the output pipes; ending anyway");
+    }
+    *proc.stdin.lock().await = None;
+    let status = match signal {
+        Some(s) => format!(
+            "signal: {}",
+            NixSignal::try_from(s).map(|s| s.as_str().trim_start_matches("SIG").to_lowercase()).unwrap_or_else(|_| s.to_string())
+        ),
+        None => format!("exit status {code}"),
+    };
+    let end = EndEvent { exit_code: code, exited: signal.is_none(), status, error: None, ..Default::default() };
+    let ev = ProcessEvent { event: Some(Event::End(Box::new(end))), ..Default::default() };
+    proc.publish(ev).await;
+}
+
+/// Sends `sig` to a process, its process group and every descendant.
+pub fn kill_tree(pid: u32, sig: NixSignal) {
+    let mut victims = descendants(pid);
+    victims.push(pid);
+    let _ = killpg(Pid::from_raw(pid as i32), sig);
+    for v in victims {
+        match kill(Pid::from_raw(v as i32), sig) {
+            Ok(()) | Err(Errno::ESRCH) => {}
+            Err(e) => tracing::debug!(pid = v, error = %e, "kill failed"),
+        }
+    }
+}
+
+/// Pids below `root` in the parent tree, read from /proc.
+fn descendants(root: u32) -> Vec<u32> {
+    let mut parent_of: Vec<(u32, u32)> = Vec::new();
+    if let Ok(rd) = std::fs::read_dir("/proc") {
+        for e in rd.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+            // The command name may contain spaces and parens; fields resume after the last ')'.
+            let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else { continue };
+            let ppid = rest.split_whitespace().nth(1).and_then(|s| s.parse::<u32>().ok()).unwrap_or(0);
+            parent_of.push((pid, ppid));
+        }
+    }
+    let mut out = Vec::new();
+    let mut frontier = vec![root];
+    while let Some(p) = frontier.pop() {
+        for (child, _) in parent_of.iter().filter(|(_, pp)| *pp == p) {
+            if !out.contains(child) {
+                out.push(*child);
+                frontier.push(*child);
+            }
+        }
+    }
+    out
+}
+
+/// The interval for keepalive events, from E2B's `Keepalive-Ping-Interval` header (seconds).
+pub fn keepalive_interval(ctx: &RequestContext) -> Duration {
+    let secs = ctx
+        .header("keepalive-ping-interval")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|s| *s > 0)
+        .unwrap_or(30);
+    Duration::from_secs(secs.min(3600))
+}
+
+/// Turns the attach result into a Connect stream with a start event, missed output,
+/// live output and keepalives; it ends after the end event.
+fn event_stream<T: Send + 'static>(
+    pid: u32,
+    missed: Vec<ProcessEvent>,
+    rx: Option<mpsc::Receiver<ProcessEvent>>,
+    keepalive: Duration,
+    wrap: fn(ProcessEvent) -> T,
+) -> ServiceStream<T> {
+    let start = ProcessEvent { event: Some(Event::Start(Box::new(StartEvent { pid, ..Default::default() }))), ..Default::default() };
+    let mut queue: VecDeque<ProcessEvent> = VecDeque::from(missed);
+    queue.push_front(start);
+    let state = (queue, rx, false);
+    let s = futures::stream::unfold(state, move |(mut queue, mut rx, done)| async move {
+        if done {
+            return None;
+        }
+        let ev = match queue.pop_front() {
+            Some(ev) => ev,
+            None => {
+                let r = rx.as_mut()?;
+                tokio::select! {
+                    ev = r.recv() => ev?,
+                    _ = tokio::time::sleep(keepalive) => ProcessEvent {
+                        event: Some(Event::Keepalive(Box::default())), ..Default::default()
+                    },
+                }
+            }
+        };
+        let is_end = matches!(ev.event, Some(Event::End(_)));
+        Some((Ok(wrap(ev)), (queue, rx, is_end)))
+    });
+    Box::pin(s)
+}
+
+/// The `process.Process` Connect service.
+pub struct ProcessService {
+    pub table: Arc<ProcessTable>,
+}
+
+impl ProcessService {
+    fn user(&self, ctx: &RequestContext) -> Result<User, ConnectError> {
+        let name = users::from_headers(ctx.headers());
+        users::resolve(&self.table.cfg, name.as_deref())
+            .ok_or_else(|| ConnectError::invalid_argument(format!("unknown user {:?}", name.unwrap_or_default())))
+    }
+
+    async fn write_input(&self, sel: &ProcessSelector, input: &ProcessInput) -> Result<(), ConnectError> {
+        let proc = self.table.get(sel)?;
+        let (data, to_pty) = match &input.input {
+            Some(Input::Stdin(d)) => (d, false),
+            Some(Input::Pty(d)) => (d, true),
+            None => return Ok(()),
+        };
+        let sink = if to_pty {
+            proc.pty.clone().ok_or_else(|| ConnectError::failed_precondition("process has no pty"))?
+        } else {
+            proc.stdin.lock().await.clone().ok_or_else(|| ConnectError::failed_precondition("stdin is closed"))?
+        };
+        sink.write_all(data).await.map_err(|e| ConnectError::failed_precondition(format!("write to process: {e}")))
+    }
+}
+
+impl Process for ProcessService {
+    async fn list(&self, _ctx: RequestContext, _request: ServiceRequest<'_, ListRequest>) -> ServiceResult<ListResponse> {
+        let procs = self.table.procs.lock().map_err(|_| ConnectError::internal("process table poisoned"))?;
+        let mut processes: Vec<ProcessInfo> = procs.values().filter(|p| p.is_running()).map(|p| p.info()).collect();
+        processes.sort_by_key(|p| p.pid);
+        Response::ok(ListResponse { processes, ..Default::default() })
+    }
+
+    async fn connect(&self, ctx: RequestContext, request: ServiceRequest<'_, ConnectRequest>) -> ServiceResult<ServiceStream<ConnectResponse>> {
+        let req = request.to_owned_message();
+        let proc = self.table.get(&req.process)?;
+        let (missed, rx) = proc.subscribe();
+        let wrap = |ev: ProcessEvent| ConnectResponse { event: ev.into(), ..Default::default() };
+        Ok(Response::new(event_stream(proc.pid, missed, rx, keepalive_interval(&ctx), wrap)))
+    }
+
+    async fn start(&self, ctx: RequestContext, request: ServiceRequest<'_, StartRequest>) -> ServiceResult<ServiceStream<StartResponse>> {
+        let req = request.to_owned_message();
+        let user = self.user(&ctx)?;
+        let pty = req.pty.as_option().map(|p| {
+            let cols = p.size.cols.clamp(1, u16::MAX as u32) as u16;
+            let rows = p.size.rows.clamp(1, u16::MAX as u32) as u16;
+            (cols, rows)
+        });
+        let spec = SpawnSpec {
+            config: (*req.process).clone(),
+            user,
+            tag: req.tag.clone(),
+            pty,
+            stdin: req.stdin.unwrap_or(true),
+        };
+        let (proc, missed, rx) = self.table.spawn(spec)?;
+        let wrap = |ev: ProcessEvent| StartResponse { event: ev.into(), ..Default::default() };
+        Ok(Response::new(event_stream(proc.pid, missed, Some(rx), keepalive_interval(&ctx), wrap)))
+    }
+
+    async fn update(&self, _ctx: RequestContext, request: ServiceRequest<'_, UpdateRequest>) -> ServiceResult<UpdateResponse> {
+        let req = request.to_owned_message();
+        let proc = self.table.get(&req.process)?;
+        if let Some(p) = req.pty.as_option() {
+            let fd = proc.pty.as_ref().ok_or_else(|| ConnectError::failed_precondition("process has no pty"))?;
+            let ws = libc::winsize {
+                ws_row: p.size.rows.clamp(1, u16::MAX as u32) as u16,
+                ws_col: p.size.cols.clamp(1, u16::MAX as u32) as u16,
+                ws_xpixel: 0,
+                ws_ypixel: 0,
+            };
+            // SAFETY: TIOCSWINSZ reads a winsize struct that lives for the call.
+            if unsafe { libc::ioctl(fd.raw(), libc::TIOCSWINSZ, &ws) } < 0 {
+                return Err(ConnectError::internal(format!("resize: {}", std::io::Error::last_os_error())));
+            }
+        }
+        Response::ok(UpdateResponse::default())
+    }
+
+    async fn stream_input(&self, _ctx: RequestContext, mut requests: connectrpc::InboundStream<StreamInputRequest>) -> ServiceResult<StreamInputResponse> {
+        use futures::StreamExt;
+        let mut selector: Option<ProcessSelector> = None;
+        while let Some(item) = requests.next().await {
+            let msg = item?.to_owned_message();
+            match msg.event {
+                Some(InputEvent::Start(s)) => selector = Some((*s.process).clone()),
+                Some(InputEvent::Data(d)) => {
+                    let sel = selector.as_ref().ok_or_else(|| ConnectError::invalid_argument("data before start"))?;
+                    self.write_input(sel, &d.input).await?;
+                }
+                Some(InputEvent::Keepalive(_)) | None => {}
+            }
+        }
+        Response::ok(StreamInputResponse::default())
+    }
+
+    async fn send_input(&self, _ctx: RequestContext, request: ServiceRequest<'_, SendInputRequest>) -> ServiceResult<SendInputResponse> {
+        let req = request.to_owned_message();
+        self.write_input(&req.process, &req.input).await?;
+        Response::ok(SendInputResponse::default())
+    }
+
+    async fn send_signal(&self, _ctx: RequestContext, request: ServiceRequest<'_, SendSignalRequest>) -> ServiceResult<SendSignalResponse> {
+        let req = request.to_owned_message();
+        let proc = self.table.get(&req.process)?;
+        if !proc.is_running() {
+            return Err(ConnectError::failed_precondition("process has already ended"));
+        }
+        match req.signal.as_known() {
+            Some(Signal::SIGNAL_SIGKILL) => kill_tree(proc.pid, NixSignal::SIGKILL),
+            Some(Signal::SIGNAL_SIGTERM) => {
+                let _ = killpg(Pid::from_raw(proc.pid as i32), NixSignal::SIGTERM);
+                let _ = kill(Pid::from_raw(proc.pid as i32), NixSignal::SIGTERM);
+            }
+            _ => return Err(ConnectError::invalid_argument("unsupported signal")),
+        }
+        Response::ok(SendSignalResponse::default())
+    }
+
+    async fn close_stdin(&self, _ctx: RequestContext, request: ServiceRequest<'_, CloseStdinRequest>) -> ServiceResult<CloseStdinResponse> {
+        let req = request.to_owned_message();
+        let proc = self.table.get(&req.process)?;
+        if proc.pty.is_some() {
+            // A pty has no separate stdin; EOF is ^D on the terminal.
+            if let Some(p) = &proc.pty {
+                let _ = p.write_all(&[4]).await;
+            }
+        } else {
+            *proc.stdin.lock().await = None;
+        }
+        Response::ok(CloseStdinResponse::default())
+    }
+}
+
+/// Collects exit statuses of every child (and, as PID 1, of every orphan).
+pub async fn reap(table: Arc<ProcessTable>, mut sigchld: tokio::signal::unix::Signal) {
+    use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+    loop {
+        loop {
+            match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::Exited(pid, code)) => table.on_exit(pid.as_raw() as u32, code, None),
+                Ok(WaitStatus::Signaled(pid, sig, _)) => table.on_exit(pid.as_raw() as u32, 128 + sig as i32, Some(sig as i32)),
+                Ok(WaitStatus::StillAlive) | Err(Errno::ECHILD) => break,
+                Ok(_) => continue,
+                Err(Errno::EINTR) => continue,
+                Err(e) => {
+                    tracing::warn!(error = %e, "waitpid failed");
+                    break;
+                }
+            }
+        }
+        if sigchld.recv().await.is_none() {
+            return;
+        }
+    }
+}
+
+/// Raw fd helper for tests and the server: wraps an inherited descriptor number.
+///
+/// # Safety
+/// `fd` must be an open descriptor that nothing else owns.
+pub unsafe fn owned_fd(fd: i32) -> OwnedFd {
+    // SAFETY: guaranteed by the caller.
+    unsafe { OwnedFd::from_raw_fd(fd) }
+}

@@ -1,0 +1,97 @@
+//! Agent start-up: PID 1 duties, the listener, and the router that serves the Connect
+//! services and `/files`.
+
+use crate::config::{AgentConfig, CONFIG_ENV};
+use crate::fs::{FilesystemService, FsRoot};
+use crate::process::{ProcessService, ProcessTable};
+use axum::Router;
+use axum::routing::get;
+use std::os::fd::FromRawFd;
+use std::sync::Arc;
+use tokio::signal::unix::{SignalKind, signal};
+
+/// Failures that stop the agent.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("agent configuration: {0}")]
+    Config(String),
+    #[error("agent i/o: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Fs(#[from] crate::fs::FsError),
+}
+
+/// Reads the configuration from the environment and runs the agent until it is told to stop.
+pub fn run_from_env() -> Result<(), AgentError> {
+    let raw = std::env::var(CONFIG_ENV).map_err(|_| AgentError::Config(format!("{CONFIG_ENV} is not set")))?;
+    // SAFETY: still single-threaded; no other thread can read the environment concurrently.
+    unsafe { std::env::remove_var(CONFIG_ENV) };
+    let cfg: AgentConfig = serde_json::from_str(&raw).map_err(|e| AgentError::Config(e.to_string()))?;
+    // One thread keeps an idle sandbox small; file work goes to spawn_blocking threads.
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(run(cfg))
+}
+
+/// The router serving one agent (exposed for tests that run the agent in-process).
+pub fn router(cfg: Arc<AgentConfig>, table: Arc<ProcessTable>) -> Result<Router, AgentError> {
+    let root = Arc::new(FsRoot::open(cfg.clone())?);
+    let connect = connectrpc::Router::new()
+        .add_service(Arc::new(ProcessService { table }))
+        .add_service(Arc::new(FilesystemService::new(root.clone())));
+    Ok(Router::new()
+        .route("/health", get(|| async { axum::http::StatusCode::NO_CONTENT }))
+        .route("/files", get(crate::files_http::download).post(crate::files_http::upload))
+        .with_state(root)
+        .layer(axum::extract::DefaultBodyLimit::disable())
+        .fallback_service(connect.into_axum_service()))
+}
+
+/// Runs the agent: reaper, signal forwarding and the RPC server.
+pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
+    let cfg = Arc::new(cfg);
+    // Registered before anything is spawned so that no exit goes unnoticed.
+    let sigchld = signal(SignalKind::child())?;
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sigint = signal(SignalKind::interrupt())?;
+    if std::process::id() != 1 {
+        // Outside a pid namespace, adopt orphans of our commands so they are reaped here.
+        // SAFETY: prctl with integer arguments only.
+        unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    }
+    let table = ProcessTable::new(cfg.clone());
+    tokio::spawn(crate::process::reap(table.clone(), sigchld));
+
+    let listener = match (cfg.listen_fd, &cfg.listen_path) {
+        (Some(fd), _) => {
+            // SAFETY: the daemon passed this descriptor for our exclusive use.
+            let std_listener = unsafe { std::os::unix::net::UnixListener::from_raw_fd(fd) };
+            std_listener.set_nonblocking(true)?;
+            tokio::net::UnixListener::from_std(std_listener)?
+        }
+        (None, Some(path)) => {
+            let _ = std::fs::remove_file(path);
+            tokio::net::UnixListener::bind(path)?
+        }
+        (None, None) => return Err(AgentError::Config("no listen_fd or listen_path".into())),
+    };
+    let app = router(cfg.clone(), table.clone())?;
+    tracing::info!("agent serving");
+    let server = axum::serve(listener, app);
+    tokio::select! {
+        r = server => r?,
+        _ = sigterm.recv() => terminate(&table).await,
+        _ = sigint.recv() => terminate(&table).await,
+    }
+    Ok(())
+}
+
+/// Forwards termination to every command, gives them a moment, then returns (and, as
+/// PID 1, takes the whole sandbox down with it).
+async fn terminate(_table: &Arc<ProcessTable>) {
+    // SAFETY: kill(-1) signals every process we may signal; in a pid namespace that is the sandbox.
+    if std::process::id() == 1 {
+        unsafe { libc::kill(-1, libc::SIGTERM) };
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        unsafe { libc::kill(-1, libc::SIGKILL) };
+    }
+}

@@ -1,0 +1,161 @@
+//! Directory watching for `WatchDir` (a stream) and the polling watcher calls, on inotify
+//! through the `notify` crate.
+
+use crate::fs::{FsError, FsRoot, SandboxPath, watch_target};
+use connectrpc::{ConnectError, ServiceStream};
+use notify::{EventKind, RecursiveMode, Watcher as _};
+use sandpit_proto::filesystem::__buffa::oneof::watch_dir_response::Event as WatchEvent;
+use sandpit_proto::filesystem::*;
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// Events a polling watcher keeps before the oldest are dropped.
+const MAX_PENDING_EVENTS: usize = 10_000;
+
+/// A live inotify watch; dropping it stops watching.
+struct Live {
+    _watcher: notify::RecommendedWatcher,
+    _dir: OwnedFd,
+}
+
+struct Polling {
+    _live: Live,
+    events: Arc<Mutex<Vec<FilesystemEvent>>>,
+}
+
+/// All polling watchers of one agent.
+pub struct Watchers {
+    root: Arc<FsRoot>,
+    polling: Mutex<HashMap<String, Polling>>,
+}
+
+fn map_kind(kind: &EventKind) -> Option<EventType> {
+    use notify::event::ModifyKind;
+    Some(match kind {
+        EventKind::Create(_) => EventType::EVENT_TYPE_CREATE,
+        EventKind::Remove(_) => EventType::EVENT_TYPE_REMOVE,
+        EventKind::Modify(ModifyKind::Name(_)) => EventType::EVENT_TYPE_RENAME,
+        EventKind::Modify(ModifyKind::Metadata(_)) => EventType::EVENT_TYPE_CHMOD,
+        EventKind::Modify(_) => EventType::EVENT_TYPE_WRITE,
+        _ => return None,
+    })
+}
+
+impl Watchers {
+    /// Watchers confined to `root`.
+    pub fn new(root: Arc<FsRoot>) -> Self {
+        Self { root, polling: Mutex::new(HashMap::new()) }
+    }
+
+    /// Starts watching; every event is handed to `sink` already converted.
+    fn start(
+        &self,
+        p: &SandboxPath,
+        recursive: bool,
+        include_entry: bool,
+        sink: impl Fn(FilesystemEvent) + Send + 'static,
+    ) -> Result<Live, ConnectError> {
+        let (dir, watch_path) = watch_target(&self.root, p)?;
+        let root = self.root.clone();
+        let base: PathBuf = watch_path.clone();
+        let abs = p.abs.clone();
+        let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+            let Ok(ev) = res else { return };
+            let Some(kind) = map_kind(&ev.kind) else { return };
+            for path in ev.paths {
+                let Ok(rel) = path.strip_prefix(&base) else { continue };
+                let name = rel.to_string_lossy().into_owned();
+                let mut fe = FilesystemEvent { name: name.clone(), r#type: kind.into(), ..Default::default() };
+                if include_entry {
+                    let full = if abs == "/" { format!("/{name}") } else { format!("{abs}/{name}") };
+                    if let Ok(info) = root.entry_info(&SandboxPath { abs: full }) {
+                        fe.entry = info.into();
+                    }
+                }
+                sink(fe);
+            }
+        })
+        .map_err(|e| ConnectError::internal(format!("watch: {e}")))?;
+        let mode = if recursive { RecursiveMode::Recursive } else { RecursiveMode::NonRecursive };
+        watcher
+            .watch(&watch_path, mode)
+            .map_err(|e| ConnectError::from(FsError::Io(p.abs.clone(), std::io::Error::other(e.to_string()))))?;
+        Ok(Live { _watcher: watcher, _dir: dir })
+    }
+
+    /// A `WatchDir` stream: a start event, then filesystem events and keepalives.
+    pub fn stream(
+        &self,
+        p: SandboxPath,
+        recursive: bool,
+        include_entry: bool,
+        keepalive: Duration,
+    ) -> Result<ServiceStream<WatchDirResponse>, ConnectError> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let live = self.start(&p, recursive, include_entry, move |fe| {
+            let _ = tx.send(fe);
+        })?;
+        let first = WatchDirResponse {
+            event: Some(WatchEvent::Start(Box::default())),
+            ..Default::default()
+        };
+        let state = (Some(first), rx, live);
+        let s = futures::stream::unfold(state, move |(first, mut rx, live)| {
+            async move {
+                if let Some(f) = first {
+                    return Some((Ok(f), (None, rx, live)));
+                }
+                let ev = tokio::select! {
+                    ev = rx.recv() => match ev {
+                        Some(fe) => WatchEvent::Filesystem(Box::new(fe)),
+                        None => return None,
+                    },
+                    _ = tokio::time::sleep(keepalive) => WatchEvent::Keepalive(Box::default()),
+                };
+                Some((Ok(WatchDirResponse { event: Some(ev), ..Default::default() }), (None, rx, live)))
+            }
+        });
+        Ok(Box::pin(s))
+    }
+
+    /// Creates a polling watcher and returns its id.
+    pub fn create(&self, p: SandboxPath, recursive: bool, include_entry: bool) -> Result<String, ConnectError> {
+        let events: Arc<Mutex<Vec<FilesystemEvent>>> = Arc::default();
+        let sink_events = events.clone();
+        let live = self.start(&p, recursive, include_entry, move |fe| {
+            if let Ok(mut v) = sink_events.lock() {
+                if v.len() >= MAX_PENDING_EVENTS {
+                    v.remove(0);
+                }
+                v.push(fe);
+            }
+        })?;
+        let id = uuid::Uuid::new_v4().to_string();
+        self.lock()?.insert(id.clone(), Polling { _live: live, events });
+        Ok(id)
+    }
+
+    /// Returns and clears the events a polling watcher has gathered.
+    pub fn drain(&self, id: &str) -> Result<Vec<FilesystemEvent>, ConnectError> {
+        let map = self.lock()?;
+        let w = map.get(id).ok_or_else(|| ConnectError::not_found(format!("watcher {id} not found")))?;
+        let mut ev = w.events.lock().map_err(|_| ConnectError::internal("watcher state poisoned"))?;
+        Ok(std::mem::take(&mut *ev))
+    }
+
+    /// Stops a polling watcher.
+    pub fn remove(&self, id: &str) -> Result<(), ConnectError> {
+        self.lock()?
+            .remove(id)
+            .map(|_| ())
+            .ok_or_else(|| ConnectError::not_found(format!("watcher {id} not found")))
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, HashMap<String, Polling>>, ConnectError> {
+        self.polling.lock().map_err(|_| ConnectError::internal("watcher table poisoned"))
+    }
+}

@@ -1,0 +1,160 @@
+//! Persistent state of the sandpit daemon (API keys, sandboxes, templates) behind a small
+//! repository API. SQLite is the embedded backend; SQL is kept portable for a later PostgreSQL one.
+
+#![warn(missing_docs)]
+
+mod error;
+mod keys;
+mod model;
+mod sandboxes;
+mod schema;
+mod templates;
+
+use std::path::Path;
+use std::str::FromStr;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use sqlx::SqlitePool;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+
+pub use error::StoreError;
+pub use model::{
+    ApiKey, ParseSandboxStateError, SandboxFilter, SandboxPage, SandboxRecord, SandboxState,
+    TemplateRecord,
+};
+pub use schema::SCHEMA_VERSION;
+
+/// How long a connection waits on another writer's lock before failing with "database is locked".
+const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// SQLite serialises writers anyway; a few connections let reads proceed beside a write.
+const MAX_FILE_CONNECTIONS: u32 = 4;
+
+/// Handle to the daemon's database; cheap to clone (clones share one connection pool).
+#[derive(Debug, Clone)]
+pub struct Store {
+    pool: SqlitePool,
+}
+
+impl Store {
+    /// Opens (creating if missing) the database file at `path` and brings its schema up to date.
+    pub async fn open(path: &Path) -> Result<Store, StoreError> {
+        let options = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            // WAL lets readers run while the daemon writes; NORMAL sync is durable enough
+            // under WAL (a power cut can lose the last commits, never corrupt the file).
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(BUSY_TIMEOUT)
+            .foreign_keys(true);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(MAX_FILE_CONNECTIONS)
+            .connect_with(options)
+            .await?;
+        schema::apply(&pool).await?;
+        tracing::info!(path = %path.display(), "store opened");
+        Ok(Store { pool })
+    }
+
+    /// Opens a fresh private in-memory database (for tests); its data is gone when dropped.
+    pub async fn open_in_memory() -> Result<Store, StoreError> {
+        let options = SqliteConnectOptions::from_str("sqlite::memory:")?
+            .busy_timeout(BUSY_TIMEOUT)
+            .foreign_keys(true);
+        // Each SQLite in-memory connection is its own database, so the pool must hold
+        // exactly one connection and never retire it.
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .min_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .connect_with(options)
+            .await?;
+        schema::apply(&pool).await?;
+        Ok(Store { pool })
+    }
+
+    /// Waits for in-flight queries and closes every connection (checkpointing the WAL).
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+}
+
+/// Current wall-clock time in unix milliseconds.
+pub(crate) fn now_ms() -> i64 {
+    // A clock before 1970 is a broken host; 0 keeps timestamps ordered rather than failing.
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn schema_rows(store: &Store) -> Vec<i64> {
+        sqlx::query_as::<_, (i64,)>("SELECT version FROM schema_version ORDER BY version")
+            .fetch_all(&store.pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|(v,)| v)
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn schema_is_applied_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("schema.db");
+        let store = Store::open(&path).await.unwrap();
+        assert_eq!(schema_rows(&store).await, [SCHEMA_VERSION]);
+        // Applying again on a live database changes nothing and does not fail.
+        schema::apply(&store.pool).await.unwrap();
+        store.close().await;
+        let store = Store::open(&path).await.unwrap();
+        assert_eq!(schema_rows(&store).await, [SCHEMA_VERSION]);
+        let (mode,): (String,) = sqlx::query_as("PRAGMA journal_mode")
+            .fetch_one(&store.pool)
+            .await
+            .unwrap();
+        assert_eq!(mode, "wal");
+        let (fk,): (i64,) = sqlx::query_as("PRAGMA foreign_keys")
+            .fetch_one(&store.pool)
+            .await
+            .unwrap();
+        assert_eq!(fk, 1);
+    }
+
+    #[tokio::test]
+    async fn newer_schema_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("future.db");
+        let store = Store::open(&path).await.unwrap();
+        sqlx::query("INSERT INTO schema_version (version, applied_at_ms) VALUES ($1, 0)")
+            .bind(SCHEMA_VERSION + 1)
+            .execute(&store.pool)
+            .await
+            .unwrap();
+        store.close().await;
+        let err = Store::open(&path).await.unwrap_err();
+        assert!(matches!(err, StoreError::SchemaTooNew { .. }), "{err:?}");
+    }
+
+    #[tokio::test]
+    async fn corrupt_rows_are_reported_not_panicked() {
+        let store = Store::open_in_memory().await.unwrap();
+        sqlx::query(
+            "INSERT INTO sandboxes (id, owner, template, runtime, state, cpu_millis, memory_bytes,
+             disk_bytes, max_processes, env, metadata, created_at_ms, updated_at_ms,
+             expires_at_ms, runtime_state, error, version)
+             VALUES ('bad', 'o', 't', 'r', 'exploded', 0, 0, 0, 0, '{}', '{}', 0, 0, 0, '{}', NULL, 0)",
+        )
+        .execute(&store.pool)
+        .await
+        .unwrap();
+        let err = store.get_sandbox("bad").await.unwrap_err();
+        assert!(matches!(err, StoreError::Corrupt(_)), "{err:?}");
+    }
+}

@@ -1,0 +1,168 @@
+//! Plain data types stored and returned by [`crate::Store`].
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// An API key's public description; the secret itself is never stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApiKey {
+    /// Stable identifier used to list and revoke the key.
+    pub id: String,
+    /// Principal the key acts as; sandboxes created with it belong to this owner.
+    pub owner: String,
+    /// Human label chosen at creation.
+    pub name: String,
+    /// Creation time, unix milliseconds.
+    pub created_at_ms: i64,
+    /// Last successful authentication, unix milliseconds.
+    pub last_used_at_ms: Option<i64>,
+}
+
+/// Lifecycle state of a sandbox; `Stopped` and `Error` are final.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SandboxState {
+    /// Being set up by the runtime.
+    Creating,
+    /// Up and accepting work.
+    Running,
+    /// Frozen; can be resumed.
+    Paused,
+    /// Being torn down.
+    Stopping,
+    /// Torn down (final).
+    Stopped,
+    /// Failed (final); the record's `error` says why.
+    Error,
+}
+
+impl SandboxState {
+    /// Every state, in lifecycle order.
+    pub const ALL: [SandboxState; 6] = [
+        SandboxState::Creating,
+        SandboxState::Running,
+        SandboxState::Paused,
+        SandboxState::Stopping,
+        SandboxState::Stopped,
+        SandboxState::Error,
+    ];
+
+    /// States from which a sandbox never leaves.
+    pub const FINAL: [SandboxState; 2] = [SandboxState::Stopped, SandboxState::Error];
+
+    /// The lowercase name used in storage and on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SandboxState::Creating => "creating",
+            SandboxState::Running => "running",
+            SandboxState::Paused => "paused",
+            SandboxState::Stopping => "stopping",
+            SandboxState::Stopped => "stopped",
+            SandboxState::Error => "error",
+        }
+    }
+
+    /// Whether the state is terminal (`Stopped` or `Error`).
+    pub fn is_final(self) -> bool {
+        matches!(self, SandboxState::Stopped | SandboxState::Error)
+    }
+}
+
+impl fmt::Display for SandboxState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Returned when a string names no [`SandboxState`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown sandbox state {0:?}")]
+pub struct ParseSandboxStateError(pub String);
+
+impl FromStr for SandboxState {
+    type Err = ParseSandboxStateError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        SandboxState::ALL
+            .into_iter()
+            .find(|state| state.as_str() == s)
+            .ok_or_else(|| ParseSandboxStateError(s.to_string()))
+    }
+}
+
+/// One sandbox as persisted; the runtime re-adopts it after a restart from `runtime_state`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxRecord {
+    /// Unique id.
+    pub id: String,
+    /// Owner (the API key's owner that created it).
+    pub owner: String,
+    /// Template name the root filesystem came from.
+    pub template: String,
+    /// Runtime backend name that manages it.
+    pub runtime: String,
+    /// Lifecycle state; change it only through [`crate::Store::transition`].
+    pub state: SandboxState,
+    /// CPU limit in thousandths of a core.
+    pub cpu_millis: i64,
+    /// Memory limit in bytes.
+    pub memory_bytes: i64,
+    /// Disk limit in bytes.
+    pub disk_bytes: i64,
+    /// Maximum number of processes.
+    pub max_processes: i64,
+    /// Environment variables given to processes in the sandbox.
+    pub env: BTreeMap<String, String>,
+    /// Caller-defined labels, filterable in listings.
+    pub metadata: BTreeMap<String, String>,
+    /// Creation time, unix milliseconds.
+    pub created_at_ms: i64,
+    /// Last modification time, unix milliseconds.
+    pub updated_at_ms: i64,
+    /// Time after which the reaper may stop it, unix milliseconds.
+    pub expires_at_ms: i64,
+    /// Opaque data the runtime needs to re-adopt the sandbox (host pid, uid range...).
+    pub runtime_state: serde_json::Value,
+    /// Why the sandbox failed, when it did.
+    pub error: Option<String>,
+    /// Counts state transitions; lets callers detect that a record changed under them.
+    pub version: i64,
+}
+
+/// Criteria for [`crate::Store::list_sandboxes`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SandboxFilter {
+    /// Only this owner's sandboxes.
+    pub owner: Option<String>,
+    /// Only sandboxes in one of these states; empty means any state.
+    pub states: Vec<SandboxState>,
+    /// Every pair must be present in the sandbox's metadata with exactly this value.
+    pub metadata: Vec<(String, String)>,
+    /// Page size; 0 means 100, otherwise clamped to 1..=1000.
+    pub limit: u32,
+    /// Opaque `next_cursor` from a previous page.
+    pub cursor: Option<String>,
+}
+
+/// One page of [`crate::Store::list_sandboxes`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct SandboxPage {
+    /// Matching sandboxes ordered by creation time, then id.
+    pub items: Vec<SandboxRecord>,
+    /// Cursor for the next page; `None` when this page is the last.
+    pub next_cursor: Option<String>,
+}
+
+/// A named root filesystem sandboxes are created from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TemplateRecord {
+    /// Unique template name.
+    pub name: String,
+    /// Path of the root filesystem directory on the host.
+    pub rootfs: String,
+    /// Registration time, unix milliseconds.
+    pub created_at_ms: i64,
+}

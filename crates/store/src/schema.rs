@@ -1,0 +1,91 @@
+//! Embedded, versioned schema. Each migration runs once, inside the same transaction that
+//! records its version, so a crash mid-way leaves the previous version intact.
+
+use sqlx::SqlitePool;
+
+use crate::StoreError;
+
+/// Ordered migrations: (version, statements). Statements are kept one per entry because
+/// PostgreSQL cannot prepare several statements at once, and plain DDL so they port.
+const MIGRATIONS: &[(i64, &[&str])] = &[(
+    1,
+    &[
+        "CREATE TABLE api_keys (
+            id TEXT PRIMARY KEY NOT NULL,
+            owner TEXT NOT NULL,
+            name TEXT NOT NULL,
+            key_hash TEXT NOT NULL UNIQUE,
+            created_at_ms BIGINT NOT NULL,
+            last_used_at_ms BIGINT
+        )",
+        "CREATE TABLE sandboxes (
+            id TEXT PRIMARY KEY NOT NULL,
+            owner TEXT NOT NULL,
+            template TEXT NOT NULL,
+            runtime TEXT NOT NULL,
+            state TEXT NOT NULL,
+            cpu_millis BIGINT NOT NULL,
+            memory_bytes BIGINT NOT NULL,
+            disk_bytes BIGINT NOT NULL,
+            max_processes BIGINT NOT NULL,
+            env TEXT NOT NULL,
+            metadata TEXT NOT NULL,
+            created_at_ms BIGINT NOT NULL,
+            updated_at_ms BIGINT NOT NULL,
+            expires_at_ms BIGINT NOT NULL,
+            runtime_state TEXT NOT NULL,
+            error TEXT,
+            version BIGINT NOT NULL
+        )",
+        // Listing pages by (created_at_ms, id), optionally per owner.
+        "CREATE INDEX sandboxes_created_idx ON sandboxes (created_at_ms, id)",
+        "CREATE INDEX sandboxes_owner_created_idx ON sandboxes (owner, created_at_ms, id)",
+        // The reaper and restart reconciliation select by state.
+        "CREATE INDEX sandboxes_state_expires_idx ON sandboxes (state, expires_at_ms)",
+        "CREATE TABLE templates (
+            name TEXT PRIMARY KEY NOT NULL,
+            rootfs TEXT NOT NULL,
+            created_at_ms BIGINT NOT NULL
+        )",
+    ],
+)];
+
+/// Highest schema version this build knows.
+pub const SCHEMA_VERSION: i64 = 1;
+
+/// Brings the database up to [`SCHEMA_VERSION`]; a no-op when it is already there.
+pub(crate) async fn apply(pool: &SqlitePool) -> Result<(), StoreError> {
+    // IMMEDIATE takes the write lock before reading the version, so two processes opening
+    // the same fresh file cannot both decide to run the same migration.
+    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS schema_version (
+            version BIGINT PRIMARY KEY NOT NULL,
+            applied_at_ms BIGINT NOT NULL
+        )",
+    )
+    .execute(&mut *tx)
+    .await?;
+    let (current,): (i64,) = sqlx::query_as("SELECT COALESCE(MAX(version), 0) FROM schema_version")
+        .fetch_one(&mut *tx)
+        .await?;
+    if current > SCHEMA_VERSION {
+        return Err(StoreError::SchemaTooNew {
+            found: current,
+            supported: SCHEMA_VERSION,
+        });
+    }
+    for (version, statements) in MIGRATIONS.iter().filter(|(v, _)| *v > current) {
+        tracing::info!(version, "applying store schema migration");
+        for statement in statements.iter() {
+            sqlx::query(statement).execute(&mut *tx).await?;
+        }
+        sqlx::query("INSERT INTO schema_version (version, applied_at_ms) VALUES ($1, $2)")
+            .bind(version)
+            .bind(crate::now_ms())
+            .execute(&mut *tx)
+            .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
