@@ -15,3 +15,4 @@ pub mod watch;
 
 pub use config::{AgentConfig, IsolationMode};
 pub use server::{AgentError, run, run_from_env};
+pub use users::USER_UID;

@@ -1,0 +1,261 @@
+//! Request and response bodies of the REST API under `/v1`, shared by server and client.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use utoipa::ToSchema;
+
+/// Default port of a local daemon.
+pub const DEFAULT_PORT: u16 = 7423;
+/// Default URL clients use to reach a local daemon.
+pub const DEFAULT_URL: &str = "http://127.0.0.1:7423";
+
+/// Every error: a stable machine-readable code and a human message.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ErrorBody {
+    /// e.g. `not_found`, `invalid_argument`, `unauthenticated`.
+    pub code: String,
+    pub message: String,
+}
+
+/// Resource limits; omitted fields take the daemon's defaults.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct LimitsSpec {
+    pub cpu_millis: Option<u64>,
+    pub memory_bytes: Option<u64>,
+    pub disk_bytes: Option<u64>,
+    pub max_processes: Option<u64>,
+}
+
+/// Effective limits of a sandbox.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct Limits {
+    pub cpu_millis: u64,
+    pub memory_bytes: u64,
+    pub disk_bytes: u64,
+    pub max_processes: u64,
+}
+
+/// `POST /v1/sandboxes`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSandboxRequest {
+    /// Template name (default `host`).
+    pub template: Option<String>,
+    /// `container` (default) or `process` (unisolated, development only).
+    pub runtime: Option<String>,
+    /// Seconds until the sandbox expires (default 300).
+    pub timeout: Option<u64>,
+    #[serde(default)]
+    pub limits: LimitsSpec,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    /// Default working directory of commands (default `/home/user`).
+    pub workdir: Option<String>,
+}
+
+/// A sandbox as the API shows it.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Sandbox {
+    pub id: String,
+    pub template: String,
+    pub runtime: String,
+    /// False for the `process` runtime, which does not isolate anything.
+    pub isolated: bool,
+    /// creating, running, paused, stopping, stopped or error.
+    pub state: String,
+    pub limits: Limits,
+    pub metadata: BTreeMap<String, String>,
+    /// Unix milliseconds.
+    pub created_at_ms: i64,
+    pub expires_at_ms: i64,
+    pub error: Option<String>,
+}
+
+/// One page of `GET /v1/sandboxes`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SandboxList {
+    pub items: Vec<Sandbox>,
+    /// Pass as `cursor` to get the next page.
+    pub next_cursor: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{id}/timeout`: the sandbox expires this many seconds from now.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SetTimeoutRequest {
+    pub timeout: u64,
+}
+
+/// Resource usage of a sandbox.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SandboxStats {
+    pub cpu_usage_ns: u64,
+    pub memory_current_bytes: u64,
+    pub memory_peak_bytes: u64,
+    pub pids_current: u64,
+}
+
+/// `POST /v1/sandboxes/{id}/commands`, and the first message of a command WebSocket.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RunCommandRequest {
+    /// Program and arguments (no shell; use `["bash","-lc","..."]` for one).
+    pub argv: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    pub cwd: Option<String>,
+    /// `user` (default) or `root`.
+    pub user: Option<String>,
+    /// Text written to stdin, which is then closed.
+    pub stdin: Option<String>,
+    /// Kill the command's whole process tree after this many milliseconds.
+    pub timeout_ms: Option<u64>,
+    /// Cap on captured stdout and stderr each (default 10 MiB, at most 64 MiB).
+    pub max_output_bytes: Option<u64>,
+    /// Return at once with the pid; reattach later.
+    #[serde(default)]
+    pub background: bool,
+    pub tag: Option<String>,
+    /// Run on a pseudo-terminal of this size (WebSocket only).
+    pub pty: Option<PtySize>,
+}
+
+/// Terminal size.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct PtySize {
+    pub cols: u16,
+    pub rows: u16,
+}
+
+/// Result of a command run to completion.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct RunCommandResponse {
+    pub pid: u32,
+    pub exit_code: i32,
+    pub stdout: String,
+    pub stderr: String,
+    pub duration_ms: u64,
+    /// True if output beyond `max_output_bytes` was dropped.
+    pub truncated: bool,
+    /// True if the command was killed by its timeout.
+    pub timed_out: bool,
+}
+
+/// A command started in the background.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct BackgroundCommand {
+    pub pid: u32,
+}
+
+/// A running command.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct CommandInfo {
+    pub pid: u32,
+    pub tag: Option<String>,
+    pub argv: Vec<String>,
+    pub cwd: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{id}/commands/{pid}/signal`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SignalRequest {
+    /// `SIGTERM` or `SIGKILL` (which kills the whole process tree).
+    pub signal: String,
+}
+
+/// `POST /v1/sandboxes/{id}/commands/{pid}/stdin`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StdinRequest {
+    #[serde(default)]
+    pub data: String,
+    /// Close stdin after writing.
+    #[serde(default)]
+    pub close: bool,
+}
+
+/// Messages a client sends on a command WebSocket after the start message.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ClientMessage {
+    /// Base64 bytes for stdin (or the pty).
+    Stdin { data: String },
+    CloseStdin,
+    Signal { signal: String },
+    Resize { cols: u16, rows: u16 },
+}
+
+/// Events a command WebSocket delivers; output is base64.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum CommandEvent {
+    Start { pid: u32 },
+    Stdout { data: String },
+    Stderr { data: String },
+    Pty { data: String },
+    End { exit_code: i32, status: String },
+    Error { message: String },
+}
+
+/// A file or directory.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct EntryInfo {
+    pub name: String,
+    pub path: String,
+    /// `file`, `dir` or `symlink` (a symlink reports its target's type and sets `symlink_target`).
+    pub r#type: String,
+    pub size: i64,
+    pub mode: u32,
+    pub permissions: String,
+    pub owner: String,
+    pub group: String,
+    pub modified_ms: i64,
+    pub symlink_target: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{id}/files/mkdir`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PathRequest {
+    pub path: String,
+}
+
+/// `POST /v1/sandboxes/{id}/files/move` and `/files/copy`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MoveRequest {
+    pub from: String,
+    pub to: String,
+}
+
+/// A template a sandbox can start from.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Template {
+    pub name: String,
+    /// Root filesystem directory; `host` for the host template.
+    pub rootfs: String,
+}
+
+/// What a runtime can do.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct RuntimeInfo {
+    pub name: String,
+    pub isolated: bool,
+    pub freeze: bool,
+    pub stats: bool,
+    pub enforces_memory: bool,
+    pub enforces_disk: bool,
+    pub enforces_processes: bool,
+}
+
+/// `GET /v1/info`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct DaemonInfo {
+    pub version: String,
+    pub runtimes: Vec<RuntimeInfo>,
+    pub default_runtime: String,
+    pub max_timeout: u64,
+}

@@ -1,0 +1,157 @@
+//! Sandbox runtimes behind one trait. A runtime places the agent in an isolated (or, for
+//! development, unisolated) environment with limits; everything else talks to the agent.
+
+pub mod cgroup;
+pub mod container;
+mod init;
+pub mod process;
+pub mod template;
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+pub use init::init_main;
+
+/// Why a runtime operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("invalid sandbox spec: {0}")]
+    InvalidSpec(String),
+    #[error("the runtime cannot do this: {0}")]
+    Unsupported(String),
+    #[error("cgroup {path}: {source}")]
+    Cgroup { path: String, source: std::io::Error },
+    #[error("sandbox setup failed: {0}")]
+    Setup(String),
+    #[error("{context}: {source}")]
+    Io { context: String, source: std::io::Error },
+}
+
+impl RuntimeError {
+    /// Wraps an i/o error with what was being done.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        RuntimeError::Io { context: context.into(), source }
+    }
+}
+
+/// Resource limits of one sandbox.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Limits {
+    /// CPU bandwidth in thousandths of a core.
+    pub cpu_millis: u64,
+    pub memory_bytes: u64,
+    /// Size of the writable layer.
+    pub disk_bytes: u64,
+    pub max_processes: u64,
+}
+
+/// The root filesystem a sandbox starts from.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum TemplateSource {
+    /// The host's own /usr and libraries, read-only.
+    Host,
+    /// A root filesystem directory (e.g. made by debootstrap), used read-only as the lower layer.
+    Rootfs { path: PathBuf },
+}
+
+/// Everything a runtime needs to start one sandbox.
+#[derive(Debug, Clone)]
+pub struct SandboxSpec {
+    pub id: String,
+    pub template: TemplateSource,
+    pub limits: Limits,
+    pub env: BTreeMap<String, String>,
+    /// Default working directory inside the sandbox.
+    pub workdir: String,
+}
+
+/// What the daemon must remember to find, re-adopt and clean up a sandbox.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SandboxHandle {
+    pub id: String,
+    /// Host pid of the agent.
+    pub pid: i32,
+    /// Start time of that pid (clock ticks since boot), to tell it from a reused pid.
+    pub pid_start: u64,
+    /// The unix socket the agent serves on.
+    pub socket: PathBuf,
+    /// The sandbox's private directory on the host.
+    pub dir: PathBuf,
+    /// First host uid of the sandbox's user namespace (containers only).
+    #[serde(default)]
+    pub uid_base: Option<u32>,
+}
+
+/// Resource usage of a sandbox.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Stats {
+    pub cpu_usage_ns: u64,
+    pub memory_current_bytes: u64,
+    pub memory_peak_bytes: u64,
+    pub pids_current: u64,
+}
+
+/// What a runtime offers, reported through the API.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Capabilities {
+    pub name: &'static str,
+    /// False for the development-only process runtime.
+    pub isolated: bool,
+    pub freeze: bool,
+    pub stats: bool,
+    pub enforces_memory: bool,
+    pub enforces_disk: bool,
+    pub enforces_processes: bool,
+}
+
+/// A way of running sandboxes.
+pub trait Runtime: Send + Sync {
+    /// Name and features of the runtime.
+    fn capabilities(&self) -> Capabilities;
+    /// Prepares and starts a sandbox; returns once its agent is listening.
+    fn create(&self, spec: &SandboxSpec) -> Result<SandboxHandle, RuntimeError>;
+    /// Kills every process of the sandbox (its resources stay until `destroy`).
+    fn kill(&self, h: &SandboxHandle) -> Result<(), RuntimeError>;
+    /// Freezes every process of the sandbox.
+    fn freeze(&self, h: &SandboxHandle) -> Result<(), RuntimeError>;
+    /// Thaws a frozen sandbox.
+    fn thaw(&self, h: &SandboxHandle) -> Result<(), RuntimeError>;
+    /// Current resource usage.
+    fn stats(&self, h: &SandboxHandle) -> Result<Stats, RuntimeError>;
+    /// Whether the sandbox's agent is still the process we started.
+    fn is_alive(&self, h: &SandboxHandle) -> bool;
+    /// Kills and removes everything the sandbox had; idempotent.
+    fn destroy(&self, h: &SandboxHandle) -> Result<(), RuntimeError>;
+    /// Removes leftovers (cgroups, directories) of sandboxes whose ids are not in `keep`.
+    fn remove_orphans(&self, keep: &[String]) -> Result<Vec<String>, RuntimeError>;
+    /// Tells the runtime about a sandbox that survived a daemon restart.
+    fn adopt(&self, h: &SandboxHandle);
+}
+
+/// Start time of a process in clock ticks since boot, from /proc/PID/stat.
+pub fn pid_start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = stat.rsplit_once(')')?.1;
+    // Field 22 overall; after the command name the fields restart at 3.
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// True if `pid` is alive, not a zombie, and started at `start`.
+pub fn same_process(pid: i32, start: u64) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
+    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else { return false };
+    let mut fields = rest.split_whitespace();
+    let state = fields.next().unwrap_or("Z");
+    if state == "Z" || state == "X" {
+        return false;
+    }
+    pid_start_time(pid) == Some(start)
+}
+
+/// Validates a sandbox id before it is used in host paths and cgroup names.
+pub fn check_id(id: &str) -> Result<(), RuntimeError> {
+    let ok = !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if ok { Ok(()) } else { Err(RuntimeError::InvalidSpec(format!("bad sandbox id {id:?}"))) }
+}

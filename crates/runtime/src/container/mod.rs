@@ -1,0 +1,263 @@
+//! The `container` runtime: namespaces, an overlay root on a size-capped tmpfs, cgroup
+//! limits, a private uid range per sandbox, dropped capabilities, no_new_privs, Landlock
+//! and seccomp. The daemon side lives here; the setup inside the namespaces is `init`.
+
+pub mod security;
+
+use crate::cgroup::Cgroups;
+use crate::init::{ID_RANGE, InitConfig};
+use crate::{Capabilities, Runtime, RuntimeError, SandboxHandle, SandboxSpec, Stats, TemplateSource};
+use sandpit_agent::{AgentConfig, IsolationMode};
+use std::collections::BTreeSet;
+use std::ffi::CString;
+use std::io::{BufRead, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
+
+/// First host uid handed to sandboxes; far above ranges that distributions give users.
+const UID_FLOOR: u32 = 1_000_000_000;
+const MAX_SLOTS: u32 = 16_384;
+/// The fd number the agent finds its listening socket on.
+pub const LISTEN_FD: i32 = 3;
+
+/// Runs sandboxes in Linux namespaces.
+pub struct ContainerRuntime {
+    sandboxes_dir: PathBuf,
+    host_skeleton: PathBuf,
+    host_binds: Vec<PathBuf>,
+    self_exe: PathBuf,
+    cgroups: Cgroups,
+    slots: Mutex<BTreeSet<u32>>,
+}
+
+impl ContainerRuntime {
+    /// Prepares the runtime under `data_dir`; `self_exe` is the sandpit binary (it is both
+    /// the init helper and the agent).
+    pub fn new(data_dir: &Path, self_exe: PathBuf, cgroup_root: &Path) -> Result<Self, RuntimeError> {
+        let sandboxes_dir = data_dir.join("sandboxes");
+        std::fs::create_dir_all(&sandboxes_dir).map_err(|e| RuntimeError::io("create sandboxes dir", e))?;
+        let host_skeleton = data_dir.join("templates").join("host");
+        std::fs::create_dir_all(data_dir.join("templates")).map_err(|e| RuntimeError::io("create templates dir", e))?;
+        let host_binds = crate::template::build_host_skeleton(&host_skeleton)?;
+        let cgroups = Cgroups::detect(cgroup_root)?;
+        Ok(Self { sandboxes_dir, host_skeleton, host_binds, self_exe, cgroups, slots: Mutex::default() })
+    }
+
+    fn alloc_slot(&self) -> Result<u32, RuntimeError> {
+        let mut slots = self.slots.lock().map_err(|_| RuntimeError::Setup("slot table poisoned".into()))?;
+        let free = (0..MAX_SLOTS).find(|s| !slots.contains(s)).ok_or_else(|| RuntimeError::Setup("no free uid range".into()))?;
+        slots.insert(free);
+        Ok(free)
+    }
+
+    fn free_slot(&self, uid_base: Option<u32>) {
+        if let (Some(base), Ok(mut slots)) = (uid_base, self.slots.lock()) {
+            slots.remove(&((base - UID_FLOOR) / ID_RANGE));
+        }
+    }
+
+    fn dir_of(&self, id: &str) -> PathBuf {
+        self.sandboxes_dir.join(id)
+    }
+
+    fn start(&self, spec: &SandboxSpec, dir: &Path, uid_base: u32) -> Result<SandboxHandle, RuntimeError> {
+        for d in [dir.to_path_buf(), dir.join("rootfs"), dir.join("layer")] {
+            std::fs::create_dir(&d).map_err(|e| RuntimeError::io(format!("create {}", d.display()), e))?;
+        }
+        self.cgroups.create(&spec.id, &spec.limits)?;
+        let socket = dir.join("agent.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&socket).map_err(|e| RuntimeError::io("bind agent socket", e))?;
+        let (lower, host_template) = match &spec.template {
+            TemplateSource::Host => (self.host_skeleton.clone(), true),
+            TemplateSource::Rootfs { path } => (path.clone(), false),
+        };
+        let agent = AgentConfig {
+            mode: IsolationMode::Container,
+            root: PathBuf::from("/"),
+            workdir: spec.workdir.clone(),
+            env: spec.env.clone(),
+            listen_fd: Some(LISTEN_FD),
+            listen_path: None,
+        };
+        let init = InitConfig {
+            dir: dir.to_path_buf(),
+            lower,
+            host_binds: if host_template { self.host_binds.clone() } else { Vec::new() },
+            host_template,
+            disk_bytes: spec.limits.disk_bytes,
+            uid_base,
+            agent_exe: self.self_exe.clone(),
+            agent_config: serde_json::to_string(&agent).map_err(|e| RuntimeError::Setup(e.to_string()))?,
+        };
+        let procs: Vec<CString> = self
+            .cgroups
+            .procs_files(&spec.id)
+            .into_iter()
+            .map(|p| CString::new(p.into_os_string().into_encoded_bytes()))
+            .collect::<Result<_, _>>()
+            .map_err(|e| RuntimeError::Setup(e.to_string()))?;
+        let listen_raw = listener.as_raw_fd();
+        let mut cmd = Command::new(&self.self_exe);
+        cmd.arg("__sandbox-init").env_clear().stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::null());
+        // SAFETY: only raw syscalls on data prepared before the fork.
+        unsafe {
+            cmd.pre_exec(move || {
+                for p in &procs {
+                    // Join the cgroup first, so everything the sandbox ever runs is accounted.
+                    let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                    if fd < 0 || libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    libc::close(fd);
+                }
+                let flags = libc::CLONE_NEWNS | libc::CLONE_NEWUTS | libc::CLONE_NEWIPC | libc::CLONE_NEWNET | libc::CLONE_NEWPID;
+                if libc::unshare(flags) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if libc::dup2(listen_raw, LISTEN_FD) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                libc::setsid();
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().map_err(|e| RuntimeError::io("spawn sandbox init", e))?;
+        drop(listener);
+        let payload = serde_json::to_vec(&init).map_err(|e| RuntimeError::Setup(e.to_string()))?;
+        if let Some(mut stdin) = child.stdin.take() {
+            stdin.write_all(&payload).map_err(|e| RuntimeError::io("send init config", e))?;
+        }
+        let mut line = String::new();
+        if let Some(out) = child.stdout.take() {
+            let _ = std::io::BufReader::new(out).read_line(&mut line);
+        }
+        let _ = child.wait();
+        let line = line.trim();
+        let mut parts = line.split_whitespace();
+        match (parts.next(), parts.next(), parts.next()) {
+            (Some("OK"), Some(pid), Some(start)) => {
+                let pid = pid.parse().map_err(|_| RuntimeError::Setup(format!("bad init reply {line:?}")))?;
+                let pid_start = start.parse().map_err(|_| RuntimeError::Setup(format!("bad init reply {line:?}")))?;
+                Ok(SandboxHandle { id: spec.id.clone(), pid, pid_start, socket, dir: dir.to_path_buf(), uid_base: Some(uid_base) })
+            }
+            _ => Err(RuntimeError::Setup(line.strip_prefix("ERR ").unwrap_or(line).to_string())),
+        }
+    }
+
+    /// Removes what is left of a sandbox given only its id.
+    fn cleanup(&self, id: &str) -> Result<(), RuntimeError> {
+        self.cgroups.kill_all(id)?;
+        self.cgroups.remove(id)?;
+        let dir = self.dir_of(id);
+        // Mounts lived only in the sandbox's own mount namespace, so once its processes
+        // are gone the directory is plain files.
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(RuntimeError::io(format!("remove {}", dir.display()), e)),
+        }
+    }
+}
+
+/// Collects the exit status of a sandbox's PID 1 if this daemon is its (sub)reaper.
+fn reap(pid: i32) {
+    let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), Some(nix::sys::wait::WaitPidFlag::WNOHANG));
+}
+
+impl Runtime for ContainerRuntime {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            name: "container",
+            isolated: true,
+            freeze: true,
+            stats: true,
+            enforces_memory: true,
+            enforces_disk: true,
+            enforces_processes: true,
+        }
+    }
+
+    fn create(&self, spec: &SandboxSpec) -> Result<SandboxHandle, RuntimeError> {
+        crate::check_id(&spec.id)?;
+        if let TemplateSource::Rootfs { path } = &spec.template {
+            crate::template::check_rootfs(path)?;
+        }
+        let slot = self.alloc_slot()?;
+        let uid_base = UID_FLOOR + slot * ID_RANGE;
+        let dir = self.dir_of(&spec.id);
+        if dir.exists() {
+            self.free_slot(Some(uid_base));
+            return Err(RuntimeError::InvalidSpec(format!("sandbox {} already exists", spec.id)));
+        }
+        match self.start(spec, &dir, uid_base) {
+            Ok(h) => Ok(h),
+            Err(e) => {
+                if let Err(c) = self.cleanup(&spec.id) {
+                    tracing::error!(id = %spec.id, error = %c, "cleanup after failed create");
+                }
+                self.free_slot(Some(uid_base));
+                Err(e)
+            }
+        }
+    }
+
+    fn kill(&self, h: &SandboxHandle) -> Result<(), RuntimeError> {
+        self.cgroups.kill_all(&h.id)?;
+        reap(h.pid);
+        Ok(())
+    }
+
+    fn freeze(&self, h: &SandboxHandle) -> Result<(), RuntimeError> {
+        self.cgroups.set_frozen(&h.id, true)
+    }
+
+    fn thaw(&self, h: &SandboxHandle) -> Result<(), RuntimeError> {
+        self.cgroups.set_frozen(&h.id, false)
+    }
+
+    fn stats(&self, h: &SandboxHandle) -> Result<Stats, RuntimeError> {
+        Ok(self.cgroups.stats(&h.id))
+    }
+
+    fn is_alive(&self, h: &SandboxHandle) -> bool {
+        let alive = crate::same_process(h.pid, h.pid_start);
+        if !alive {
+            reap(h.pid);
+        }
+        alive
+    }
+
+    fn destroy(&self, h: &SandboxHandle) -> Result<(), RuntimeError> {
+        crate::check_id(&h.id)?;
+        self.cgroups.kill_all(&h.id)?;
+        reap(h.pid);
+        self.cleanup(&h.id)?;
+        self.free_slot(h.uid_base);
+        Ok(())
+    }
+
+    fn remove_orphans(&self, keep: &[String]) -> Result<Vec<String>, RuntimeError> {
+        let mut ids: BTreeSet<String> = self.cgroups.list().into_iter().collect();
+        if let Ok(rd) = std::fs::read_dir(&self.sandboxes_dir) {
+            ids.extend(rd.flatten().filter_map(|e| e.file_name().to_str().map(String::from)));
+        }
+        let mut removed = Vec::new();
+        for id in ids {
+            if keep.contains(&id) || crate::check_id(&id).is_err() {
+                continue;
+            }
+            self.cleanup(&id)?;
+            removed.push(id);
+        }
+        Ok(removed)
+    }
+
+    fn adopt(&self, h: &SandboxHandle) {
+        if let (Some(base), Ok(mut slots)) = (h.uid_base, self.slots.lock()) {
+            slots.insert((base - UID_FLOOR) / ID_RANGE);
+        }
+    }
+}

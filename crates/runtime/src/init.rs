@@ -1,0 +1,360 @@
+//! `sandpit __sandbox-init`: the short-lived process that builds a container sandbox.
+//!
+//! The daemon starts it already inside new mount, uts, ipc, net and pid namespaces and in
+//! the sandbox's cgroup. It forks PID 1 of the new pid namespace, which (still real root,
+//! in namespaces owned by the host's user namespace) mounts the root filesystem, pivots
+//! into it, then enters a fresh user namespace whose uid 0 is an unprivileged host uid.
+//! Because the mount and network namespaces stay owned by the host's user namespace,
+//! root inside the sandbox can never mount, unmount or reconfigure the network. Last
+//! come capabilities, no_new_privs, Landlock and seccomp, and the exec of the agent.
+
+use nix::mount::{MntFlags, MsFlags, mount, umount2};
+use nix::sched::{CloneFlags, unshare};
+use nix::sys::stat::{Mode, SFlag, makedev, mknod};
+use nix::unistd::{ForkResult, Gid, Pid, Uid, fork};
+use serde::{Deserialize, Serialize};
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::{PermissionsExt, chown};
+use std::path::{Path, PathBuf};
+
+/// Name under which the sandpit binary runs as the in-sandbox agent.
+pub const AGENT_ARGV0: &str = "sandpit-agent";
+/// Where the agent binary appears inside every container sandbox.
+pub const AGENT_PATH: &str = "/.sandpit/agent";
+/// Size of each sandbox's uid/gid range.
+pub const ID_RANGE: u32 = 65_536;
+
+/// What the daemon sends the init process on stdin.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct InitConfig {
+    pub dir: PathBuf,
+    pub lower: PathBuf,
+    pub host_binds: Vec<PathBuf>,
+    /// True for the `host` template: generate /etc/passwd and friends, apply Landlock.
+    pub host_template: bool,
+    pub disk_bytes: u64,
+    pub uid_base: u32,
+    pub agent_exe: PathBuf,
+    pub agent_config: String,
+}
+
+type R<T> = Result<T, String>;
+
+fn ctx<T, E: std::fmt::Display>(r: Result<T, E>, what: impl FnOnce() -> String) -> R<T> {
+    r.map_err(|e| format!("{}: {e}", what()))
+}
+
+/// Entry point of `sandpit __sandbox-init`; returns the process exit code.
+pub fn init_main() -> i32 {
+    let mut raw = String::new();
+    if let Err(e) = std::io::stdin().read_to_string(&mut raw) {
+        println!("ERR reading config: {e}");
+        return 1;
+    }
+    let cfg: InitConfig = match serde_json::from_str(&raw) {
+        Ok(c) => c,
+        Err(e) => {
+            println!("ERR bad config: {e}");
+            return 1;
+        }
+    };
+    match run(&cfg) {
+        Ok((pid, start)) => {
+            println!("OK {pid} {start}");
+            0
+        }
+        Err(e) => {
+            println!("ERR {}", e.replace('\n', " "));
+            1
+        }
+    }
+}
+
+fn pipe() -> R<(OwnedFd, OwnedFd)> {
+    ctx(nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC), || "pipe".into())
+}
+
+fn run(cfg: &InitConfig) -> R<(i32, u64)> {
+    let (to_parent_r, to_parent_w) = pipe()?;
+    let (to_child_r, to_child_w) = pipe()?;
+    // SAFETY: this process is single-threaded (a fresh exec that started no threads).
+    match ctx(unsafe { fork() }, || "fork".into())? {
+        ForkResult::Child => {
+            drop(to_parent_r);
+            drop(to_child_w);
+            let mut report = std::fs::File::from(to_parent_w);
+            let mut wait = std::fs::File::from(to_child_r);
+            let err = child(cfg, &mut report, &mut wait).err().unwrap_or_else(|| "exec returned".into());
+            let _ = report.write_all(format!("E{err}").as_bytes());
+            // SAFETY: leave without running the parent's atexit handlers twice.
+            unsafe { libc::_exit(1) }
+        }
+        ForkResult::Parent { child } => {
+            drop(to_parent_w);
+            drop(to_child_r);
+            let r = parent(cfg, child, std::fs::File::from(to_parent_r), std::fs::File::from(to_child_w));
+            if r.is_err() {
+                let _ = nix::sys::signal::kill(child, nix::sys::signal::Signal::SIGKILL);
+                let _ = nix::sys::wait::waitpid(child, None);
+            }
+            r
+        }
+    }
+}
+
+fn parent(cfg: &InitConfig, child: Pid, mut from_child: std::fs::File, mut to_child: std::fs::File) -> R<(i32, u64)> {
+    let mut buf = [0u8; 1];
+    ctx(from_child.read_exact(&mut buf), || "sandbox setup died".into()).map_err(|e| {
+        let mut rest = String::new();
+        let _ = from_child.read_to_string(&mut rest);
+        if rest.is_empty() { e } else { rest }
+    })?;
+    if buf[0] != b'U' {
+        let mut rest = String::new();
+        let _ = from_child.read_to_string(&mut rest);
+        return Err(rest);
+    }
+    let map = format!("0 {} {}\n", cfg.uid_base, ID_RANGE);
+    ctx(std::fs::write(format!("/proc/{child}/uid_map"), &map), || "write uid_map".into())?;
+    ctx(std::fs::write(format!("/proc/{child}/gid_map"), &map), || "write gid_map".into())?;
+    ctx(to_child.write_all(b"M"), || "signal child".into())?;
+    // The pipe closes without a message when the exec of the agent succeeded.
+    let mut rest = String::new();
+    let _ = from_child.read_to_string(&mut rest);
+    if let Some(msg) = rest.strip_prefix('E') {
+        return Err(msg.to_string());
+    }
+    let start = crate::pid_start_time(child.as_raw()).ok_or("agent exited during start")?;
+    Ok((child.as_raw(), start))
+}
+
+fn child(cfg: &InitConfig, report: &mut std::fs::File, wait: &mut std::fs::File) -> R<()> {
+    setup_root(cfg)?;
+    ctx(unshare(CloneFlags::CLONE_NEWUSER), || "unshare user namespace".into())?;
+    ctx(report.write_all(b"U"), || "report".into())?;
+    let mut b = [0u8; 1];
+    ctx(wait.read_exact(&mut b), || "wait for id map".into())?;
+    ctx(nix::unistd::setgroups(&[]), || "setgroups".into())?;
+    ctx(nix::unistd::setresgid(Gid::from_raw(0), Gid::from_raw(0), Gid::from_raw(0)), || "setresgid".into())?;
+    ctx(nix::unistd::setresuid(Uid::from_raw(0), Uid::from_raw(0), Uid::from_raw(0)), || "setresuid".into())?;
+    crate::container::security::drop_capabilities()?;
+    // SAFETY: prctl with integer arguments.
+    if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
+        return Err(format!("no_new_privs: {}", std::io::Error::last_os_error()));
+    }
+    if cfg.host_template {
+        crate::container::security::apply_landlock()?;
+    }
+    redirect_stdio()?;
+    crate::container::security::apply_seccomp()?;
+    exec_agent(cfg)
+}
+
+fn redirect_stdio() -> R<()> {
+    let null = ctx(nix::fcntl::open("/dev/null", nix::fcntl::OFlag::O_RDWR, Mode::empty()), || "open /dev/null".into())?;
+    for fd in 0..3 {
+        // SAFETY: dup2 onto the standard descriptors.
+        if unsafe { libc::dup2(null.as_raw_fd(), fd) } < 0 {
+            return Err(format!("dup2: {}", std::io::Error::last_os_error()));
+        }
+    }
+    Ok(())
+}
+
+fn exec_agent(cfg: &InitConfig) -> R<()> {
+    use std::ffi::CString;
+    let path = CString::new(AGENT_PATH).map_err(|e| e.to_string())?;
+    let argv = [CString::new(AGENT_ARGV0).map_err(|e| e.to_string())?];
+    let env = [
+        CString::new(format!("{}={}", sandpit_agent::config::CONFIG_ENV, cfg.agent_config)).map_err(|e| e.to_string())?,
+        CString::new("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin").map_err(|e| e.to_string())?,
+    ];
+    let e = nix::unistd::execve(&path, &argv, &env).err();
+    Err(format!("exec agent: {e:?}"))
+}
+
+fn mnt(src: Option<&str>, target: &Path, fstype: Option<&str>, flags: MsFlags, data: Option<&str>) -> R<()> {
+    ctx(mount(src, target, fstype, flags, data), || format!("mount {} on {}", fstype.or(src).unwrap_or("-"), target.display()))
+}
+
+fn bind_ro(src: &Path, target: &Path, extra: MsFlags) -> R<()> {
+    ctx(mount(Some(src), target, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>), || {
+        format!("bind {} on {}", src.display(), target.display())
+    })?;
+    let flags = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | extra;
+    ctx(mount(None::<&str>, target, None::<&str>, flags, None::<&str>), || format!("remount {} read-only", target.display()))
+}
+
+fn mkdir_owned(p: &Path, mode: u32, uid: u32) -> R<()> {
+    match std::fs::create_dir(p) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(format!("mkdir {}: {e}", p.display())),
+    }
+    ctx(chown(p, Some(uid), Some(uid)), || format!("chown {}", p.display()))?;
+    ctx(std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)), || format!("chmod {}", p.display()))
+}
+
+fn write_owned(p: &Path, content: &str, uid: u32) -> R<()> {
+    ctx(std::fs::write(p, content), || format!("write {}", p.display()))?;
+    ctx(chown(p, Some(uid), Some(uid)), || format!("chown {}", p.display()))
+}
+
+fn setup_root(cfg: &InitConfig) -> R<()> {
+    ctx(unshare(CloneFlags::CLONE_NEWCGROUP), || "unshare cgroup namespace".into())?;
+    mnt(None, Path::new("/"), None, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None)?;
+    let layer = cfg.dir.join("layer");
+    let root = cfg.dir.join("rootfs");
+    // The writable layer lives on a size-capped tmpfs: writing past it is ENOSPC and can
+    // never reach the host's disk. It is charged to the sandbox's memory cgroup.
+    let opts = format!("size={},mode=0755", cfg.disk_bytes);
+    mnt(Some("tmpfs"), &layer, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(&opts))?;
+    let upper = layer.join("upper");
+    let work = layer.join("work");
+    mkdir_owned(&upper, 0o755, cfg.uid_base)?;
+    mkdir_owned(&work, 0o700, 0)?;
+    let ovl = format!("lowerdir={},upperdir={},workdir={}", cfg.lower.display(), upper.display(), work.display());
+    mnt(Some("overlay"), &root, Some("overlay"), MsFlags::MS_NOSUID, Some(&ovl))?;
+    for b in &cfg.host_binds {
+        let target = root.join(b.strip_prefix("/").unwrap_or(b));
+        bind_ro(b, &target, MsFlags::MS_NOSUID | MsFlags::MS_NODEV)?;
+    }
+
+    let uroot = cfg.uid_base;
+    let uuser = cfg.uid_base + sandpit_agent::USER_UID;
+    mkdir_owned(&root.join("tmp"), 0o1777, uroot)?;
+    mkdir_owned(&root.join("root"), 0o700, uroot)?;
+    mkdir_owned(&root.join("home"), 0o755, uroot)?;
+    mkdir_owned(&root.join("home/user"), 0o755, uuser)?;
+    mkdir_owned(&root.join("workspace"), 0o755, uuser)?;
+    for d in ["proc", "sys", "dev", ".sandpit", "etc"] {
+        mkdir_owned(&root.join(d), 0o755, uroot)?;
+    }
+    if cfg.host_template {
+        write_owned(&root.join("etc/passwd"), crate::template::PASSWD, uroot)?;
+        write_owned(&root.join("etc/group"), crate::template::GROUP, uroot)?;
+    } else {
+        ensure_user_account(&root, uroot)?;
+    }
+    write_owned(&root.join("etc/hostname"), "sandpit\n", uroot)?;
+    write_owned(&root.join("etc/hosts"), crate::template::HOSTS, uroot)?;
+    write_owned(&root.join("etc/resolv.conf"), "", uroot)?;
+
+    let agent = root.join(AGENT_PATH.trim_start_matches('/'));
+    write_owned(&agent, "", uroot)?;
+    bind_ro(&cfg.agent_exe, &agent, MsFlags::MS_NOSUID | MsFlags::MS_NODEV)?;
+
+    mount_proc(&root)?;
+    mnt(Some("sysfs"), &root.join("sys"), Some("sysfs"), ro_flags(), None)?;
+    mask(&root, "sys/firmware")?;
+    mount_dev(&root)?;
+
+    ctx(nix::unistd::sethostname("sandpit"), || "sethostname".into())?;
+    loopback_up()?;
+    // SAFETY: writing our own oom_score_adj; the agent must outlive an OOM of its commands.
+    let _ = std::fs::write("/proc/self/oom_score_adj", "-1000");
+
+    ctx(nix::unistd::chdir(&root), || "chdir rootfs".into())?;
+    ctx(nix::unistd::pivot_root(".", "."), || "pivot_root".into())?;
+    ctx(umount2(".", MntFlags::MNT_DETACH), || "detach old root".into())?;
+    ctx(nix::unistd::chdir("/"), || "chdir /".into())?;
+    Ok(())
+}
+
+fn ro_flags() -> MsFlags {
+    MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC
+}
+
+/// Adds the `user` account to a custom root filesystem that lacks it.
+fn ensure_user_account(root: &Path, uroot: u32) -> R<()> {
+    let passwd = root.join("etc/passwd");
+    let cur = std::fs::read_to_string(&passwd).unwrap_or_default();
+    if !cur.lines().any(|l| l.starts_with("user:")) {
+        let base = if cur.is_empty() { "root:x:0:0:root:/root:/bin/sh\n".to_string() } else { cur };
+        write_owned(&passwd, &format!("{base}user:x:1000:1000:user:/home/user:/bin/sh\n"), uroot)?;
+    }
+    let group = root.join("etc/group");
+    let cur = std::fs::read_to_string(&group).unwrap_or_default();
+    if !cur.lines().any(|l| l.starts_with("user:")) {
+        let base = if cur.is_empty() { "root:x:0:\n".to_string() } else { cur };
+        write_owned(&group, &format!("{base}user:x:1000:\n"), uroot)?;
+    }
+    Ok(())
+}
+
+/// Paths the OCI default profile hides or makes read-only.
+const PROC_MASKED: &[&str] = &[
+    "proc/acpi", "proc/kcore", "proc/keys", "proc/latency_stats", "proc/timer_list", "proc/timer_stats",
+    "proc/sched_debug", "proc/scsi", "proc/asound",
+];
+const PROC_READONLY: &[&str] = &["proc/bus", "proc/fs", "proc/irq", "proc/sys", "proc/sysrq-trigger"];
+
+fn mount_proc(root: &Path) -> R<()> {
+    let p = root.join("proc");
+    mnt(Some("proc"), &p, Some("proc"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, None)?;
+    for m in PROC_MASKED {
+        mask(root, m)?;
+    }
+    for r in PROC_READONLY {
+        let t = root.join(r);
+        if t.exists() {
+            bind_ro(&t, &t, MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC)?;
+        }
+    }
+    Ok(())
+}
+
+fn mask(root: &Path, rel: &str) -> R<()> {
+    let t = root.join(rel);
+    match std::fs::symlink_metadata(&t) {
+        Ok(m) if m.is_dir() => mnt(Some("tmpfs"), &t, Some("tmpfs"), ro_flags(), Some("size=0")),
+        Ok(_) => {
+            ctx(mount(Some("/dev/null"), &t, None::<&str>, MsFlags::MS_BIND, None::<&str>), || format!("mask {rel}"))
+        }
+        Err(_) => Ok(()),
+    }
+}
+
+fn mount_dev(root: &Path) -> R<()> {
+    let dev = root.join("dev");
+    mnt(Some("tmpfs"), &dev, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("mode=0755,size=64k"))?;
+    for (name, major, minor) in [("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9), ("tty", 5, 0)] {
+        let p = dev.join(name);
+        ctx(mknod(&p, SFlag::S_IFCHR, Mode::from_bits_truncate(0o666), makedev(major, minor)), || format!("mknod {name}"))?;
+        ctx(std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o666)), || format!("chmod {name}"))?;
+    }
+    for (name, target) in [("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2"), ("ptmx", "pts/ptmx")] {
+        ctx(std::os::unix::fs::symlink(target, dev.join(name)), || format!("symlink /dev/{name}"))?;
+    }
+    for d in ["pts", "shm"] {
+        ctx(std::fs::create_dir(dev.join(d)), || format!("mkdir /dev/{d}"))?;
+    }
+    mnt(Some("devpts"), &dev.join("pts"), Some("devpts"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("newinstance,ptmxmode=0666,mode=0620"))?;
+    mnt(Some("shm"), &dev.join("shm"), Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=1777,size=64m"))
+}
+
+fn loopback_up() -> R<()> {
+    // SAFETY: an AF_INET socket only used for the two interface ioctls below.
+    unsafe {
+        let s = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if s < 0 {
+            return Err(format!("socket: {}", std::io::Error::last_os_error()));
+        }
+        let mut req: libc::ifreq = std::mem::zeroed();
+        for (i, b) in b"lo\0".iter().enumerate() {
+            req.ifr_name[i] = *b as libc::c_char;
+        }
+        let mut r = libc::ioctl(s, libc::SIOCGIFFLAGS, &mut req);
+        if r == 0 {
+            req.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short;
+            r = libc::ioctl(s, libc::SIOCSIFFLAGS, &req);
+        }
+        let err = std::io::Error::last_os_error();
+        libc::close(s);
+        if r != 0 {
+            return Err(format!("bring up lo: {err}"));
+        }
+    }
+    Ok(())
+}
