@@ -1,0 +1,130 @@
+//! The sandpit daemon: REST API, lifecycle manager and agent proxy.
+
+pub mod agent_client;
+pub mod api;
+pub mod error;
+pub mod manager;
+
+use manager::{Manager, ManagerConfig};
+use sandpit_runtime::Runtime;
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How `sandpit serve` was asked to run.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    pub listen: SocketAddr,
+    pub data_dir: PathBuf,
+    /// Accept requests without an API key; refused unless `listen` is loopback.
+    pub insecure_no_auth: bool,
+    pub max_timeout_secs: u64,
+    /// The sandpit binary, which is also the agent and the init helper.
+    pub self_exe: PathBuf,
+}
+
+/// Failures that keep the daemon from starting or serving.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("configuration: {0}")]
+    Config(String),
+    #[error("store: {0}")]
+    Store(#[from] sandpit_store::StoreError),
+    #[error("runtime: {0}")]
+    Runtime(#[from] sandpit_runtime::RuntimeError),
+    #[error("{0}: {1}")]
+    Io(String, std::io::Error),
+}
+
+/// Name of the file in the data dir holding the first admin key (mode 0600).
+pub const ADMIN_KEY_FILE: &str = "admin.key";
+
+async fn ensure_admin_key(store: &sandpit_store::Store, data_dir: &std::path::Path) -> Result<(), ServerError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = data_dir.join(ADMIN_KEY_FILE);
+    if !store.list_api_keys().await?.is_empty() && path.exists() {
+        return Ok(());
+    }
+    if !store.list_api_keys().await?.is_empty() {
+        return Ok(());
+    }
+    let (_, key) = store.create_api_key("admin", "first admin key").await?;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(|e| ServerError::Io(format!("write {}", path.display()), e))?;
+    f.write_all(key.as_bytes()).map_err(|e| ServerError::Io(format!("write {}", path.display()), e))?;
+    tracing::info!(path = %path.display(), "created the first admin API key");
+    Ok(())
+}
+
+/// Builds the daemon's state: store, runtimes, manager (after reconciling).
+pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState), ServerError> {
+    if cfg.insecure_no_auth && !cfg.listen.ip().is_loopback() {
+        return Err(ServerError::Config("--insecure-no-auth is only allowed on a loopback address".into()));
+    }
+    if cfg.max_timeout_secs == 0 {
+        return Err(ServerError::Config("--max-timeout must be at least 1 second".into()));
+    }
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&cfg.data_dir)
+            .map_err(|e| ServerError::Io(format!("create {}", cfg.data_dir.display()), e))?;
+    }
+    // Sandbox PID 1s outlive their init helper; as subreaper the daemon collects them.
+    // SAFETY: prctl with integer arguments.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    let store = sandpit_store::Store::open(&cfg.data_dir.join("sandpit.db")).await?;
+    ensure_admin_key(&store, &cfg.data_dir).await?;
+    let mut runtimes: BTreeMap<String, Arc<dyn Runtime>> = BTreeMap::new();
+    let container = sandpit_runtime::container::ContainerRuntime::new(&cfg.data_dir, cfg.self_exe.clone(), std::path::Path::new("/sys/fs/cgroup"))?;
+    runtimes.insert("container".into(), Arc::new(container));
+    let process = sandpit_runtime::process::ProcessRuntime::new(&cfg.data_dir, cfg.self_exe.clone())?;
+    runtimes.insert("process".into(), Arc::new(process));
+    let manager = Manager::new(
+        store,
+        runtimes,
+        ManagerConfig { max_timeout_secs: cfg.max_timeout_secs, default_runtime: "container".into() },
+    );
+    if let Err(e) = manager.reconcile().await {
+        tracing::warn!(error = %e.message, "reconcile failed");
+    }
+    let state = api::AppState { manager: manager.clone(), no_auth_owner: cfg.insecure_no_auth.then(|| "admin".to_string()) };
+    Ok((manager, state))
+}
+
+/// Runs the daemon until SIGTERM or SIGINT. Sandboxes keep running across a restart and
+/// are re-adopted by the next start.
+pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
+    let (manager, state) = prepare(&cfg).await?;
+    let ticker = manager.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            ticker.tick().await;
+        }
+    });
+    let listener = tokio::net::TcpListener::bind(cfg.listen).await.map_err(|e| ServerError::Io(format!("listen on {}", cfg.listen), e))?;
+    tracing::info!(listen = %cfg.listen, data_dir = %cfg.data_dir.display(), "sandpit serving");
+    axum::serve(listener, api::router(state))
+        .with_graceful_shutdown(async {
+            use tokio::signal::unix::{SignalKind, signal};
+            match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+                (Ok(mut t), Ok(mut i)) => {
+                    tokio::select! { _ = t.recv() => {}, _ = i.recv() => {} }
+                }
+                _ => std::future::pending::<()>().await,
+            }
+        })
+        .await
+        .map_err(|e| ServerError::Io("serve".into(), e))
+}

@@ -1,0 +1,166 @@
+//! The REST API under `/v1`: routing, authentication and request decoding.
+
+pub mod commands;
+pub mod files;
+pub mod passthrough;
+pub mod sandboxes;
+
+use crate::error::ApiError;
+use crate::manager::Manager;
+use axum::Router;
+use axum::extract::{FromRequest, FromRequestParts, Request, State};
+use axum::middleware::Next;
+use axum::response::Response;
+use axum::routing::{any, get, post};
+use std::sync::Arc;
+use utoipa::OpenApi;
+
+/// Shared state of every handler.
+#[derive(Clone)]
+pub struct AppState {
+    pub manager: Arc<Manager>,
+    /// When set, every request acts as this owner without a key (loopback only).
+    pub no_auth_owner: Option<String>,
+}
+
+/// The authenticated owner of a request.
+#[derive(Debug, Clone)]
+pub struct Owner(pub String);
+
+/// JSON bodies up to this size are accepted.
+pub const JSON_LIMIT: usize = 1 << 20;
+
+/// A JSON body whose rejections are answered in the API's error format.
+pub struct ApiJson<T>(pub T);
+
+impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequest<S> for ApiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        use axum::extract::rejection::JsonRejection;
+        match axum::Json::<T>::from_request(req, state).await {
+            Ok(axum::Json(v)) => Ok(ApiJson(v)),
+            Err(JsonRejection::BytesRejection(e)) if e.status() == http::StatusCode::PAYLOAD_TOO_LARGE => Err(ApiError::new(
+                http::StatusCode::PAYLOAD_TOO_LARGE,
+                "payload_too_large",
+                format!("request body exceeds {JSON_LIMIT} bytes"),
+            )),
+            Err(JsonRejection::MissingJsonContentType(_)) => Err(ApiError::new(
+                http::StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                "expected Content-Type: application/json",
+            )),
+            Err(e) => Err(ApiError::bad_request(format!("invalid JSON body: {}", e.body_text()))),
+        }
+    }
+}
+
+/// Query strings whose rejections are answered in the API's error format.
+pub struct ApiQuery<T>(pub T);
+
+impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut http::request::Parts, state: &S) -> Result<Self, Self::Rejection> {
+        axum::extract::Query::<T>::from_request_parts(parts, state)
+            .await
+            .map(|q| ApiQuery(q.0))
+            .map_err(|e| ApiError::bad_request(format!("invalid query: {}", e.body_text())))
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for Owner {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut http::request::Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        parts.extensions.get::<Owner>().cloned().ok_or_else(|| ApiError::unauthenticated("missing API key"))
+    }
+}
+
+/// Reads the API key from `Authorization: Bearer` or E2B's `X-API-Key`.
+fn presented_key(headers: &http::HeaderMap) -> Option<String> {
+    if let Some(v) = headers.get("x-api-key").and_then(|v| v.to_str().ok()) {
+        return Some(v.trim().to_string());
+    }
+    let auth = headers.get(http::header::AUTHORIZATION)?.to_str().ok()?;
+    auth.strip_prefix("Bearer ").map(|k| k.trim().to_string())
+}
+
+async fn authenticate(State(state): State<AppState>, mut req: Request, next: Next) -> Result<Response, ApiError> {
+    let owner = match &state.no_auth_owner {
+        Some(o) => o.clone(),
+        None => {
+            let key = presented_key(req.headers()).ok_or_else(|| ApiError::unauthenticated("missing API key (Authorization: Bearer <key>)"))?;
+            let found = state.manager.store.authenticate(&key).await?;
+            found.ok_or_else(|| ApiError::unauthenticated("invalid API key"))?.owner
+        }
+    };
+    req.extensions_mut().insert(Owner(owner));
+    Ok(next.run(req).await)
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "sandpit", description = "Self-hosted sandboxes for AI agents."),
+    paths(
+        sandboxes::create, sandboxes::list, sandboxes::get, sandboxes::delete, sandboxes::set_timeout,
+        sandboxes::keepalive, sandboxes::stats, sandboxes::info, sandboxes::templates,
+        commands::run, commands::list, commands::signal, commands::stdin, commands::stream, commands::attach,
+        files::download, files::upload, files::list, files::stat, files::mkdir, files::move_path, files::copy, files::remove,
+    ),
+    components(schemas(sandpit_api::ErrorBody, sandpit_api::CommandEvent, sandpit_api::ClientMessage)),
+    modifiers(&BearerAuth)
+)]
+struct ApiDoc;
+
+struct BearerAuth;
+
+impl utoipa::Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme("bearer", SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()));
+        openapi.security = Some(vec![utoipa::openapi::security::SecurityRequirement::new("bearer", Vec::<String>::new())]);
+    }
+}
+
+/// The OpenAPI document of the API.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    ApiDoc::openapi()
+}
+
+/// The whole HTTP application.
+pub fn router(state: AppState) -> Router {
+    let doc = openapi();
+    let authed = Router::new()
+        .route("/v1/info", get(sandboxes::info))
+        .route("/v1/templates", get(sandboxes::templates))
+        .route("/v1/sandboxes", post(sandboxes::create).get(sandboxes::list))
+        .route("/v1/sandboxes/{id}", get(sandboxes::get).delete(sandboxes::delete))
+        .route("/v1/sandboxes/{id}/timeout", post(sandboxes::set_timeout))
+        .route("/v1/sandboxes/{id}/keepalive", post(sandboxes::keepalive))
+        .route("/v1/sandboxes/{id}/stats", get(sandboxes::stats))
+        .route("/v1/sandboxes/{id}/commands", post(commands::run).get(commands::list))
+        .route("/v1/sandboxes/{id}/commands/stream", get(commands::stream))
+        .route("/v1/sandboxes/{id}/commands/{pid}/stream", get(commands::attach))
+        .route("/v1/sandboxes/{id}/commands/{pid}/signal", post(commands::signal))
+        .route("/v1/sandboxes/{id}/commands/{pid}/stdin", post(commands::stdin))
+        .route("/v1/sandboxes/{id}/files/list", get(files::list))
+        .route("/v1/sandboxes/{id}/files/stat", get(files::stat))
+        .route("/v1/sandboxes/{id}/files/mkdir", post(files::mkdir))
+        .route("/v1/sandboxes/{id}/files/move", post(files::move_path))
+        .route("/v1/sandboxes/{id}/files/copy", post(files::copy))
+        .layer(axum::extract::DefaultBodyLimit::max(JSON_LIMIT))
+        .route(
+            "/v1/sandboxes/{id}/files",
+            get(files::download).put(files::upload).post(files::upload).delete(files::remove).layer(axum::extract::DefaultBodyLimit::disable()),
+        )
+        .route("/v1/sandboxes/{id}/agent/{*rest}", any(passthrough::forward).layer(axum::extract::DefaultBodyLimit::disable()))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), authenticate));
+    Router::new()
+        .route("/v1/health", get(|| async { axum::Json(serde_json::json!({ "status": "ok" })) }))
+        .route("/v1/openapi.json", get(move || async move { axum::Json(doc.clone()) }))
+        .merge(authed)
+        .fallback(|| async { ApiError::not_found("no such route") })
+        .with_state(state)
+}

@@ -1,0 +1,199 @@
+//! Sandbox lifecycle routes.
+
+use super::{ApiJson, AppState, Owner};
+use crate::error::ApiError;
+use axum::Json;
+use axum::extract::{Path, State};
+use http::StatusCode;
+use sandpit_api::*;
+use sandpit_store::{SandboxFilter, SandboxRecord, SandboxState};
+use serde::Deserialize;
+
+/// The API view of a stored sandbox.
+pub fn to_api(rec: &SandboxRecord, isolated: bool) -> Sandbox {
+    Sandbox {
+        id: rec.id.clone(),
+        template: rec.template.clone(),
+        runtime: rec.runtime.clone(),
+        isolated,
+        state: rec.state.as_str().to_string(),
+        limits: Limits {
+            cpu_millis: rec.cpu_millis as u64,
+            memory_bytes: rec.memory_bytes as u64,
+            disk_bytes: rec.disk_bytes as u64,
+            max_processes: rec.max_processes as u64,
+        },
+        metadata: rec.metadata.clone(),
+        created_at_ms: rec.created_at_ms,
+        expires_at_ms: rec.expires_at_ms,
+        error: rec.error.clone(),
+    }
+}
+
+fn view(state: &AppState, rec: &SandboxRecord) -> Sandbox {
+    let isolated = state.manager.runtimes.get(&rec.runtime).is_some_and(|r| r.capabilities().isolated);
+    to_api(rec, isolated)
+}
+
+/// Create a sandbox and wait until it runs.
+#[utoipa::path(post, path = "/v1/sandboxes", request_body = CreateSandboxRequest,
+    responses((status = 201, body = Sandbox), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody)))]
+pub async fn create(State(state): State<AppState>, owner: Owner, ApiJson(req): ApiJson<CreateSandboxRequest>) -> Result<(StatusCode, Json<Sandbox>), ApiError> {
+    let rec = state.manager.create(&owner.0, req).await?;
+    Ok((StatusCode::CREATED, Json(view(&state, &rec))))
+}
+
+/// Query of the sandbox list.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+pub struct ListQuery {
+    /// Comma-separated states.
+    pub state: Option<String>,
+    /// `key=value`; repeat for several (all must match).
+    #[serde(default)]
+    pub metadata: Vec<String>,
+    pub limit: Option<u32>,
+    pub cursor: Option<String>,
+}
+
+/// List the caller's sandboxes, newest last, a page at a time.
+#[utoipa::path(get, path = "/v1/sandboxes", params(ListQuery), responses((status = 200, body = SandboxList), (status = 400, body = ErrorBody)))]
+pub async fn list(State(state): State<AppState>, owner: Owner, uri: http::Uri) -> Result<Json<SandboxList>, ApiError> {
+    // Repeated `metadata=` keys need a list-aware parser; serde_urlencoded takes only one.
+    let mut q = ListQuery { state: None, metadata: Vec::new(), limit: None, cursor: None };
+    for (k, v) in form_pairs(uri.query().unwrap_or("")) {
+        match k.as_str() {
+            "state" => q.state = Some(v),
+            "metadata" => q.metadata.push(v),
+            "limit" => q.limit = Some(v.parse().map_err(|_| ApiError::bad_request("limit must be a number"))?),
+            "cursor" => q.cursor = Some(v),
+            other => return Err(ApiError::bad_request(format!("unknown query parameter {other:?}"))),
+        }
+    }
+    let mut states = Vec::new();
+    for s in q.state.iter().flat_map(|s| s.split(',')).filter(|s| !s.is_empty()) {
+        states.push(s.parse::<SandboxState>().map_err(|_| ApiError::bad_request(format!("unknown state {s:?}")))?);
+    }
+    let mut metadata = Vec::new();
+    for m in &q.metadata {
+        let (k, v) = m.split_once('=').ok_or_else(|| ApiError::bad_request("metadata filters look like key=value"))?;
+        metadata.push((k.to_string(), v.to_string()));
+    }
+    let filter = SandboxFilter { owner: Some(owner.0), states, metadata, limit: q.limit.unwrap_or(0), cursor: q.cursor };
+    let page = state.manager.store.list_sandboxes(&filter).await?;
+    Ok(Json(SandboxList { items: page.items.iter().map(|r| view(&state, r)).collect(), next_cursor: page.next_cursor }))
+}
+
+fn form_pairs(query: &str) -> Vec<(String, String)> {
+    query
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (decode(k), decode(v))
+        })
+        .collect()
+}
+
+fn decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < bytes.len() => {
+                match u8::from_str_radix(std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("zz"), 16) {
+                    Ok(b) => {
+                        out.push(b);
+                        i += 2;
+                    }
+                    Err(_) => out.push(b'%'),
+                }
+            }
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Get one sandbox.
+#[utoipa::path(get, path = "/v1/sandboxes/{id}", responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody)))]
+pub async fn get(State(state): State<AppState>, owner: Owner, Path(id): Path<String>) -> Result<Json<Sandbox>, ApiError> {
+    let rec = state.manager.get(&owner.0, &id).await?;
+    Ok(Json(view(&state, &rec)))
+}
+
+/// Destroy a sandbox: every process, mount, cgroup and directory goes.
+#[utoipa::path(delete, path = "/v1/sandboxes/{id}", responses((status = 204), (status = 404, body = ErrorBody)))]
+pub async fn delete(State(state): State<AppState>, owner: Owner, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+    let rec = state.manager.get(&owner.0, &id).await?;
+    state.manager.destroy(&rec).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Expire the sandbox `timeout` seconds from now.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/timeout", request_body = SetTimeoutRequest, responses((status = 204), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
+pub async fn set_timeout(State(state): State<AppState>, owner: Owner, Path(id): Path<String>, ApiJson(req): ApiJson<SetTimeoutRequest>) -> Result<StatusCode, ApiError> {
+    let rec = state.manager.get(&owner.0, &id).await?;
+    state.manager.set_timeout(&rec, req.timeout).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Restart the sandbox's default lifetime from now.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/keepalive", responses((status = 204), (status = 404, body = ErrorBody)))]
+pub async fn keepalive(State(state): State<AppState>, owner: Owner, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+    let rec = state.manager.get(&owner.0, &id).await?;
+    state.manager.set_timeout(&rec, crate::manager::DEFAULT_TIMEOUT.min(state.manager.cfg.max_timeout_secs)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Resource usage.
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/stats", responses((status = 200, body = SandboxStats), (status = 404, body = ErrorBody), (status = 501, body = ErrorBody)))]
+pub async fn stats(State(state): State<AppState>, owner: Owner, Path(id): Path<String>) -> Result<Json<SandboxStats>, ApiError> {
+    let rec = state.manager.get(&owner.0, &id).await?;
+    let (rt, h) = state.manager.runtime_of(&rec)?;
+    let s = tokio::task::spawn_blocking(move || rt.stats(&h)).await.map_err(|e| ApiError::internal(e.to_string()))??;
+    Ok(Json(SandboxStats {
+        cpu_usage_ns: s.cpu_usage_ns,
+        memory_current_bytes: s.memory_current_bytes,
+        memory_peak_bytes: s.memory_peak_bytes,
+        pids_current: s.pids_current,
+    }))
+}
+
+/// Daemon version and runtimes.
+#[utoipa::path(get, path = "/v1/info", responses((status = 200, body = DaemonInfo)))]
+pub async fn info(State(state): State<AppState>, _owner: Owner) -> Json<DaemonInfo> {
+    let runtimes = state
+        .manager
+        .runtimes
+        .values()
+        .map(|r| {
+            let c = r.capabilities();
+            RuntimeInfo {
+                name: c.name.to_string(),
+                isolated: c.isolated,
+                freeze: c.freeze,
+                stats: c.stats,
+                enforces_memory: c.enforces_memory,
+                enforces_disk: c.enforces_disk,
+                enforces_processes: c.enforces_processes,
+            }
+        })
+        .collect();
+    Json(DaemonInfo {
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        runtimes,
+        default_runtime: state.manager.cfg.default_runtime.clone(),
+        max_timeout: state.manager.cfg.max_timeout_secs,
+    })
+}
+
+/// Templates sandboxes can start from.
+#[utoipa::path(get, path = "/v1/templates", responses((status = 200, body = Vec<Template>)))]
+pub async fn templates(State(state): State<AppState>, _owner: Owner) -> Result<Json<Vec<Template>>, ApiError> {
+    let mut out = vec![Template { name: "host".into(), rootfs: "host".into() }];
+    out.extend(state.manager.store.list_templates().await?.into_iter().map(|t| Template { name: t.name, rootfs: t.rootfs }));
+    Ok(Json(out))
+}

@@ -1,0 +1,89 @@
+//! API errors: a status and a JSON `{code, message}` body, never a bare 500 for bad input.
+
+use axum::Json;
+use axum::response::{IntoResponse, Response};
+use http::StatusCode;
+use sandpit_api::ErrorBody;
+
+/// An error answered to an API client.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self { status, code, message: message.into() }
+    }
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_argument", message)
+    }
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "not_found", message)
+    }
+    pub fn conflict(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::CONFLICT, "failed_precondition", message)
+    }
+    pub fn unauthenticated(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNAUTHORIZED, "unauthenticated", message)
+    }
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
+    }
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        if self.status.is_server_error() {
+            tracing::warn!(status = %self.status, message = %self.message, "request failed");
+        }
+        (self.status, Json(ErrorBody { code: self.code.to_string(), message: self.message })).into_response()
+    }
+}
+
+impl From<sandpit_store::StoreError> for ApiError {
+    fn from(e: sandpit_store::StoreError) -> Self {
+        match e {
+            sandpit_store::StoreError::InvalidCursor => ApiError::bad_request("invalid cursor"),
+            sandpit_store::StoreError::NotFound(m) => ApiError::not_found(m),
+            sandpit_store::StoreError::Conflict(m) => ApiError::conflict(m),
+            other => ApiError::internal(format!("store: {other}")),
+        }
+    }
+}
+
+impl From<sandpit_runtime::RuntimeError> for ApiError {
+    fn from(e: sandpit_runtime::RuntimeError) -> Self {
+        use sandpit_runtime::RuntimeError as E;
+        match e {
+            E::InvalidSpec(m) => ApiError::bad_request(m),
+            E::Unsupported(m) => ApiError::new(StatusCode::NOT_IMPLEMENTED, "unimplemented", m),
+            other => ApiError::internal(other.to_string()),
+        }
+    }
+}
+
+impl From<connectrpc::ConnectError> for ApiError {
+    fn from(e: connectrpc::ConnectError) -> Self {
+        use connectrpc::ErrorCode as C;
+        let msg = e.message.clone().unwrap_or_else(|| e.code.as_str().to_string());
+        let (status, code) = match e.code {
+            C::InvalidArgument | C::OutOfRange => (StatusCode::BAD_REQUEST, "invalid_argument"),
+            C::NotFound => (StatusCode::NOT_FOUND, "not_found"),
+            C::AlreadyExists => (StatusCode::CONFLICT, "already_exists"),
+            C::PermissionDenied => (StatusCode::FORBIDDEN, "permission_denied"),
+            C::FailedPrecondition | C::Aborted => (StatusCode::CONFLICT, "failed_precondition"),
+            C::ResourceExhausted => (StatusCode::INSUFFICIENT_STORAGE, "resource_exhausted"),
+            C::Unimplemented => (StatusCode::NOT_IMPLEMENTED, "unimplemented"),
+            C::DeadlineExceeded => (StatusCode::GATEWAY_TIMEOUT, "deadline_exceeded"),
+            C::Unavailable => (StatusCode::BAD_GATEWAY, "unavailable"),
+            _ => (StatusCode::BAD_GATEWAY, "agent_error"),
+        };
+        ApiError::new(status, code, msg)
+    }
+}
