@@ -125,12 +125,14 @@ impl CommandStream {
     }
 
     /// Reads the stream to its end and returns decoded stdout (pty output included), stderr
-    /// and the exit code. An `Error` event becomes [`ClientError::Command`]; a stream that
-    /// closes before `End` is a [`ClientError::Protocol`] error. Stdin is left as it is:
-    /// call [`CommandStream::close_stdin`] first for a command that reads it.
+    /// and the exit code. A stream that closes before `End` fails with the last `Error`
+    /// event's message as [`ClientError::Command`] (e.g. the program could not be started),
+    /// or with [`ClientError::Protocol`] if there was none. Stdin is left as it is: call
+    /// [`CommandStream::close_stdin`] first for a command that reads it.
     pub async fn collect(mut self) -> Result<(Vec<u8>, Vec<u8>, i32), ClientError> {
         let mut stdout = Vec::new();
         let mut stderr = Vec::new();
+        let mut last_error = None;
         while let Some(event) = self.next_event().await? {
             match event {
                 CommandEvent::Start { .. } => {}
@@ -139,12 +141,13 @@ impl CommandStream {
                 }
                 CommandEvent::Stderr { data } => stderr.extend(decode_data(&data)?),
                 CommandEvent::End { exit_code, .. } => return Ok((stdout, stderr, exit_code)),
-                CommandEvent::Error { message } => return Err(ClientError::Command(message)),
+                CommandEvent::Error { message } => last_error = Some(message),
             }
         }
-        Err(ClientError::Protocol(
-            "the stream closed before the command ended".into(),
-        ))
+        Err(match last_error {
+            Some(message) => ClientError::Command(message),
+            None => ClientError::Protocol("the stream closed before the command ended".into()),
+        })
     }
 }
 

@@ -1,7 +1,8 @@
 //! `sandpit __sandbox-init`: the short-lived process that builds a container sandbox.
 //!
-//! The daemon starts it already inside new mount, uts, ipc, net and pid namespaces and in
+//! The daemon starts it already inside new uts, ipc, net and pid namespaces and in
 //! the sandbox's cgroup. It forks PID 1 of the new pid namespace, which (still real root,
+//! in a mount namespace of its own,
 //! in namespaces owned by the host's user namespace) mounts the root filesystem, pivots
 //! into it, then enters a fresh user namespace whose uid 0 is an unprivileged host uid.
 //! Because the mount and network namespaces stay owned by the host's user namespace,
@@ -202,7 +203,9 @@ fn write_owned(p: &Path, content: &str, uid: u32) -> R<()> {
 }
 
 fn setup_root(cfg: &InitConfig) -> R<()> {
-    ctx(unshare(CloneFlags::CLONE_NEWCGROUP), || "unshare cgroup namespace".into())?;
+    // A mount namespace of PID 1's own: pivot_root must not move the init helper, which
+    // still needs the host's /proc to write the id maps.
+    ctx(unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWCGROUP), || "unshare mount and cgroup namespaces".into())?;
     mnt(None, Path::new("/"), None, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None)?;
     let layer = cfg.dir.join("layer");
     let root = cfg.dir.join("rootfs");

@@ -113,7 +113,7 @@ impl ContainerRuntime {
                     }
                     libc::close(fd);
                 }
-                let flags = libc::CLONE_NEWNS | libc::CLONE_NEWUTS | libc::CLONE_NEWIPC | libc::CLONE_NEWNET | libc::CLONE_NEWPID;
+                let flags = libc::CLONE_NEWUTS | libc::CLONE_NEWIPC | libc::CLONE_NEWNET | libc::CLONE_NEWPID;
                 if libc::unshare(flags) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
