@@ -256,19 +256,22 @@ impl ProcessTable {
         let home = users::host_path(cfg, spec.user.home);
         let cwd_inside = c.cwd.clone().filter(|s| !s.is_empty()).unwrap_or_else(|| cfg.workdir.clone());
         let cwd = users::host_path(cfg, &cwd_inside);
-        let mut env: Vec<(String, String)> = vec![
-            ("PATH".into(), "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into()),
-            ("HOME".into(), home.to_string_lossy().into_owned()),
-            ("USER".into(), spec.user.name.into()),
-            ("LOGNAME".into(), spec.user.name.into()),
-            ("SHELL".into(), "/bin/bash".into()),
-            ("LANG".into(), "C.UTF-8".into()),
-            ("PWD".into(), cwd.to_string_lossy().into_owned()),
-        ];
-        if spec.pty.is_some() {
-            env.push(("TERM".into(), "xterm-256color".into()));
+        // The sandbox's env first; identity and location always describe this command.
+        let mut env: std::collections::BTreeMap<String, String> = cfg.env.clone().into_iter().collect();
+        for (k, v) in [
+            ("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"),
+            ("SHELL", "/bin/bash"),
+            ("LANG", "C.UTF-8"),
+        ] {
+            env.entry(k.into()).or_insert_with(|| v.into());
         }
-        env.extend(cfg.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+        env.insert("HOME".into(), home.to_string_lossy().into_owned());
+        env.insert("USER".into(), spec.user.name.into());
+        env.insert("LOGNAME".into(), spec.user.name.into());
+        env.insert("PWD".into(), cwd.to_string_lossy().into_owned());
+        if spec.pty.is_some() {
+            env.entry("TERM".into()).or_insert_with(|| "xterm-256color".into());
+        }
         env.extend(c.envs.iter().map(|(k, v)| (k.clone(), v.clone())));
         for (k, v) in &env {
             if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
@@ -483,6 +486,10 @@ fn descendants(root: u32) -> Vec<u32> {
     out
 }
 
+/// Request header (sandpit's own) asking Start to return after the start event and keep
+/// all output for a later Connect.
+pub const DETACH_HEADER: &str = "sandpit-detach";
+
 /// The interval for keepalive events, from E2B's `Keepalive-Ping-Interval` header (seconds).
 pub fn keepalive_interval(ctx: &RequestContext) -> Duration {
     let secs = ctx
@@ -590,6 +597,12 @@ impl Process for ProcessService {
         };
         let (proc, missed, rx) = self.table.spawn(spec)?;
         let wrap = |ev: ProcessEvent| StartResponse { event: ev.into(), ..Default::default() };
+        if ctx.header(DETACH_HEADER).is_some() {
+            // Detached start: nothing is handed to this stream after the start event, so all
+            // output waits in the backlog for a later Connect instead of dying in transit.
+            drop(rx);
+            return Ok(Response::new(event_stream(proc.pid, missed, None, keepalive_interval(&ctx), wrap)));
+        }
         Ok(Response::new(event_stream(proc.pid, missed, Some(rx), keepalive_interval(&ctx), wrap)))
     }
 

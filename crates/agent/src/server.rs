@@ -58,6 +58,12 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         // SAFETY: prctl with integer arguments only.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     }
+    if cfg.mode == crate::config::IsolationMode::Container {
+        // Non-dumpable: root in the sandbox (which lacks CAP_SYS_PTRACE) cannot ptrace the
+        // agent or read its memory. Commands become dumpable again when they exec.
+        // SAFETY: prctl with integer arguments.
+        unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
+    }
     let table = ProcessTable::new(cfg.clone());
     tokio::spawn(crate::process::reap(table.clone(), sigchld));
 

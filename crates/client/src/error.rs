@@ -17,14 +17,14 @@ pub enum ClientError {
         message: String,
     },
     /// The HTTP request could not be sent or its response not received.
-    #[error("http: {0}")]
+    #[error(transparent)]
     Http(#[from] reqwest::Error),
     /// A response or stream message was not what the API promises.
     #[error("unexpected response: {0}")]
     Decode(String),
     /// The WebSocket connection failed.
     #[error("websocket: {0}")]
-    WebSocket(#[source] Box<tungstenite::Error>),
+    WebSocket(Box<tungstenite::Error>),
     /// The command stream ended or misbehaved in a way the protocol does not allow.
     #[error("command stream: {0}")]
     Protocol(String),
@@ -35,7 +35,7 @@ pub enum ClientError {
     #[error("invalid client configuration: {0}")]
     Config(String),
     /// A local file could not be read or written.
-    #[error("i/o: {0}")]
+    #[error(transparent)]
     Io(#[from] std::io::Error),
 }
 
@@ -53,6 +53,15 @@ impl ClientError {
         match self {
             ClientError::Api { code, .. } => Some(code),
             _ => None,
+        }
+    }
+
+    /// True if the daemon could not be reached at all (connection refused, no route, ...).
+    pub fn is_connect(&self) -> bool {
+        match self {
+            ClientError::Http(e) => e.is_connect(),
+            ClientError::WebSocket(e) => matches!(**e, tungstenite::Error::Io(_)),
+            _ => false,
         }
     }
 

@@ -36,6 +36,8 @@ use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
 pub use error::ClientError;
+/// Request bodies for [`Client::write_file`] (e.g. `Body::wrap_stream` of any byte stream).
+pub use reqwest::Body;
 pub use stream::{CommandStream, decode_data};
 
 /// How long establishing a TCP connection to the daemon may take.
@@ -291,6 +293,21 @@ impl Client {
         Ok(self.send(rb).await?.bytes().await?)
     }
 
+    /// `GET /v1/sandboxes/{id}/files?path=` as a stream of chunks (the status is checked
+    /// before the first one).
+    pub async fn download_stream(
+        &self,
+        id: &str,
+        path: &str,
+    ) -> Result<impl futures::Stream<Item = Result<Bytes, ClientError>> + Send + 'static, ClientError>
+    {
+        let rb = self
+            .req(Method::GET, &["sandboxes", id, "files"])?
+            .query(&[("path", path)]);
+        let body = self.send(rb).await?.bytes_stream();
+        Ok(body.map(|chunk| chunk.map_err(ClientError::from)))
+    }
+
     /// `GET /v1/sandboxes/{id}/files?path=`, streamed into `out` (flushed at the end);
     /// returns the number of bytes written.
     pub async fn download_to<W>(
@@ -302,10 +319,7 @@ impl Client {
     where
         W: AsyncWrite + Unpin + ?Sized,
     {
-        let rb = self
-            .req(Method::GET, &["sandboxes", id, "files"])?
-            .query(&[("path", path)]);
-        let mut body = self.send(rb).await?.bytes_stream();
+        let mut body = std::pin::pin!(self.download_stream(id, path).await?);
         let mut written = 0u64;
         while let Some(chunk) = body.next().await {
             let chunk = chunk?;

@@ -5,7 +5,6 @@ use crate::{Limits, RuntimeError, Stats};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-const PARENT: &str = "sandpit";
 const CPU_PERIOD_US: u64 = 100_000;
 const V1_CONTROLLERS: [&str; 5] = ["memory", "pids", "cpu", "cpuacct", "freezer"];
 
@@ -22,6 +21,9 @@ pub enum Layout {
 #[derive(Debug, Clone)]
 pub struct Cgroups {
     layout: Layout,
+    /// Parent cgroup name; one per daemon data directory, so that daemons side by side
+    /// (tests, several users) never sweep each other's sandboxes.
+    parent: String,
 }
 
 fn write(path: &Path, value: &str) -> Result<(), RuntimeError> {
@@ -34,9 +36,11 @@ fn read_u64(path: &Path) -> Option<u64> {
 
 impl Cgroups {
     /// Finds the host's layout under `root` (normally /sys/fs/cgroup).
-    pub fn detect(root: &Path) -> Result<Self, RuntimeError> {
+    pub fn detect(root: &Path, parent: &str) -> Result<Self, RuntimeError> {
+        crate::check_id(parent)?;
+        let parent = parent.to_string();
         if root.join("cgroup.controllers").exists() {
-            return Ok(Self { layout: Layout::V2 { root: root.to_path_buf() } });
+            return Ok(Self { layout: Layout::V2 { root: root.to_path_buf() }, parent });
         }
         let mut controllers = Vec::new();
         for name in V1_CONTROLLERS {
@@ -53,7 +57,7 @@ impl Cgroups {
                 )));
             }
         }
-        Ok(Self { layout: Layout::V1 { controllers } })
+        Ok(Self { layout: Layout::V1 { controllers }, parent })
     }
 
     /// The layout in use.
@@ -64,9 +68,9 @@ impl Cgroups {
     /// Directories making up one sandbox's cgroup (one per v1 controller, or one on v2).
     pub fn dirs(&self, id: &str) -> Vec<PathBuf> {
         match &self.layout {
-            Layout::V2 { root } => vec![root.join(PARENT).join(id)],
+            Layout::V2 { root } => vec![root.join(&self.parent).join(id)],
             Layout::V1 { controllers } => {
-                let mut v: Vec<PathBuf> = controllers.iter().map(|(_, p)| p.join(PARENT).join(id)).collect();
+                let mut v: Vec<PathBuf> = controllers.iter().map(|(_, p)| p.join(&self.parent).join(id)).collect();
                 v.dedup();
                 v
             }
@@ -75,9 +79,9 @@ impl Cgroups {
 
     fn dir_of(&self, controller: &str, id: &str) -> Option<PathBuf> {
         match &self.layout {
-            Layout::V2 { root } => Some(root.join(PARENT).join(id)),
+            Layout::V2 { root } => Some(root.join(&self.parent).join(id)),
             Layout::V1 { controllers } => {
-                controllers.iter().find(|(n, _)| *n == controller).map(|(_, p)| p.join(PARENT).join(id))
+                controllers.iter().find(|(n, _)| *n == controller).map(|(_, p)| p.join(&self.parent).join(id))
             }
         }
     }
@@ -91,7 +95,7 @@ impl Cgroups {
     pub fn create(&self, id: &str, limits: &Limits) -> Result<(), RuntimeError> {
         crate::check_id(id)?;
         if let Layout::V2 { root } = &self.layout {
-            let parent = root.join(PARENT);
+            let parent = root.join(&self.parent);
             mkdir(&parent)?;
             // Controllers must be delegated level by level before a child can use them.
             write(&root.join("cgroup.subtree_control"), "+memory +pids +cpu")?;
@@ -106,7 +110,7 @@ impl Cgroups {
         let quota = (limits.cpu_millis * CPU_PERIOD_US / 1000).max(1000);
         match &self.layout {
             Layout::V2 { root } => {
-                let d = root.join(PARENT).join(id);
+                let d = root.join(&self.parent).join(id);
                 write(&d.join("memory.max"), &limits.memory_bytes.to_string())?;
                 if d.join("memory.swap.max").exists() {
                     write(&d.join("memory.swap.max"), "0")?;
@@ -139,7 +143,7 @@ impl Cgroups {
         let deadline = Instant::now() + Duration::from_secs(5);
         match &self.layout {
             Layout::V2 { root } => {
-                let d = root.join(PARENT).join(id);
+                let d = root.join(&self.parent).join(id);
                 write(&d.join("cgroup.freeze"), if frozen { "1" } else { "0" })?;
                 let want = if frozen { "frozen 1" } else { "frozen 0" };
                 while Instant::now() < deadline {
@@ -182,7 +186,7 @@ impl Cgroups {
     pub fn kill_all(&self, id: &str) -> Result<(), RuntimeError> {
         let deadline = Instant::now() + Duration::from_secs(10);
         if let Layout::V2 { root } = &self.layout {
-            let kill = root.join(PARENT).join(id).join("cgroup.kill");
+            let kill = root.join(&self.parent).join(id).join("cgroup.kill");
             if kill.exists() {
                 let _ = write(&kill, "1");
             }
@@ -206,7 +210,7 @@ impl Cgroups {
 
     fn thaw_quick(&self, id: &str) -> Result<(), RuntimeError> {
         match &self.layout {
-            Layout::V2 { root } => write(&root.join(PARENT).join(id).join("cgroup.freeze"), "0"),
+            Layout::V2 { root } => write(&root.join(&self.parent).join(id).join("cgroup.freeze"), "0"),
             Layout::V1 { .. } => match self.dir_of("freezer", id) {
                 Some(d) => write(&d.join("freezer.state"), "THAWED"),
                 None => Ok(()),
@@ -233,12 +237,24 @@ impl Cgroups {
         Ok(())
     }
 
+    /// Removes the parent cgroup if no sandbox cgroup is left below it.
+    pub fn remove_parent_if_empty(&self) {
+        let parents: Vec<PathBuf> = match &self.layout {
+            Layout::V2 { root } => vec![root.join(&self.parent)],
+            Layout::V1 { controllers } => controllers.iter().map(|(_, p)| p.join(&self.parent)).collect(),
+        };
+        for p in parents {
+            // rmdir refuses a cgroup with children, which is exactly the guard wanted here.
+            let _ = std::fs::remove_dir(p);
+        }
+    }
+
     /// Ids of every sandbox cgroup that exists.
     pub fn list(&self) -> Vec<String> {
         let mut ids = Vec::new();
         let parents: Vec<PathBuf> = match &self.layout {
-            Layout::V2 { root } => vec![root.join(PARENT)],
-            Layout::V1 { controllers } => controllers.iter().map(|(_, p)| p.join(PARENT)).collect(),
+            Layout::V2 { root } => vec![root.join(&self.parent)],
+            Layout::V1 { controllers } => controllers.iter().map(|(_, p)| p.join(&self.parent)).collect(),
         };
         for p in parents {
             if let Ok(rd) = std::fs::read_dir(&p) {
@@ -260,7 +276,7 @@ impl Cgroups {
     pub fn stats(&self, id: &str) -> Stats {
         match &self.layout {
             Layout::V2 { root } => {
-                let d = root.join(PARENT).join(id);
+                let d = root.join(&self.parent).join(id);
                 let usage_usec = std::fs::read_to_string(d.join("cpu.stat"))
                     .ok()
                     .and_then(|s| {
@@ -303,7 +319,7 @@ mod tests {
     fn detects_v2_by_its_controllers_file() {
         let t = tempfile::tempdir().unwrap();
         std::fs::write(t.path().join("cgroup.controllers"), "memory pids cpu").unwrap();
-        let cg = Cgroups::detect(t.path()).unwrap();
+        let cg = Cgroups::detect(t.path(), "sandpit").unwrap();
         assert!(matches!(cg.layout(), Layout::V2 { .. }));
         assert_eq!(cg.dirs("abc"), vec![t.path().join("sandpit/abc")]);
     }
@@ -312,7 +328,7 @@ mod tests {
     fn v2_limits_are_written_in_v2_syntax() {
         let t = tempfile::tempdir().unwrap();
         std::fs::write(t.path().join("cgroup.controllers"), "memory pids cpu").unwrap();
-        let cg = Cgroups::detect(t.path()).unwrap();
+        let cg = Cgroups::detect(t.path(), "sandpit").unwrap();
         let limits = Limits { cpu_millis: 500, memory_bytes: 1 << 20, disk_bytes: 0, max_processes: 7 };
         cg.create("s1", &limits).unwrap();
         let d = t.path().join("sandpit/s1");
@@ -326,12 +342,12 @@ mod tests {
     #[test]
     fn v1_requires_its_controllers() {
         let t = tempfile::tempdir().unwrap();
-        assert!(Cgroups::detect(t.path()).is_err());
+        assert!(Cgroups::detect(t.path(), "sandpit").is_err());
         for c in ["memory", "pids", "cpu", "cpuacct", "freezer"] {
             std::fs::create_dir_all(t.path().join(c)).unwrap();
             std::fs::write(t.path().join(c).join("cgroup.procs"), "").unwrap();
         }
-        let cg = Cgroups::detect(t.path()).unwrap();
+        let cg = Cgroups::detect(t.path(), "sandpit").unwrap();
         assert!(matches!(cg.layout(), Layout::V1 { .. }));
         assert_eq!(cg.dirs("x").len(), 5);
         assert!(cg.create("../escape", &Limits { cpu_millis: 1, memory_bytes: 1, disk_bytes: 1, max_processes: 1 }).is_err());

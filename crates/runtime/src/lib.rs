@@ -128,6 +128,9 @@ pub trait Runtime: Send + Sync {
     fn remove_orphans(&self, keep: &[String]) -> Result<Vec<String>, RuntimeError>;
     /// Tells the runtime about a sandbox that survived a daemon restart.
     fn adopt(&self, h: &SandboxHandle);
+    /// On a clean shutdown: removes shared resources (such as the parent cgroup) that no
+    /// sandbox uses any more. Sandboxes still running are left alone.
+    fn release(&self) {}
 }
 
 /// Start time of a process in clock ticks since boot, from /proc/PID/stat.

@@ -126,5 +126,9 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
             }
         })
         .await
-        .map_err(|e| ServerError::Io("serve".into(), e))
+        .map_err(|e| ServerError::Io("serve".into(), e))?;
+    for rt in manager.runtimes.values() {
+        rt.release();
+    }
+    Ok(())
 }

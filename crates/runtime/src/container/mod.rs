@@ -42,7 +42,7 @@ impl ContainerRuntime {
         let host_skeleton = data_dir.join("templates").join("host");
         std::fs::create_dir_all(data_dir.join("templates")).map_err(|e| RuntimeError::io("create templates dir", e))?;
         let host_binds = crate::template::build_host_skeleton(&host_skeleton)?;
-        let cgroups = Cgroups::detect(cgroup_root)?;
+        let cgroups = Cgroups::detect(cgroup_root, &cgroup_parent(data_dir))?;
         Ok(Self { sandboxes_dir, host_skeleton, host_binds, self_exe, cgroups, slots: Mutex::default() })
     }
 
@@ -162,6 +162,16 @@ impl ContainerRuntime {
     }
 }
 
+/// Names the parent cgroup after the data directory (FNV-1a of its path).
+fn cgroup_parent(data_dir: &Path) -> String {
+    let canon = data_dir.canonicalize().unwrap_or_else(|_| data_dir.to_path_buf());
+    let mut h: u32 = 0x811c_9dc5;
+    for b in canon.as_os_str().as_encoded_bytes() {
+        h = (h ^ *b as u32).wrapping_mul(0x0100_0193);
+    }
+    format!("sandpit-{h:08x}")
+}
+
 /// Collects the exit status of a sandbox's PID 1 if this daemon is its (sub)reaper.
 fn reap(pid: i32) {
     let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), Some(nix::sys::wait::WaitPidFlag::WNOHANG));
@@ -259,5 +269,9 @@ impl Runtime for ContainerRuntime {
         if let (Some(base), Ok(mut slots)) = (h.uid_base, self.slots.lock()) {
             slots.insert((base - UID_FLOOR) / ID_RANGE);
         }
+    }
+
+    fn release(&self) {
+        self.cgroups.remove_parent_if_empty();
     }
 }

@@ -38,7 +38,8 @@ fn selector(pid: u32) -> ProcessSelector {
     ProcessSelector { selector: Some(Selector::Pid(pid)), ..Default::default() }
 }
 
-fn start_request(req: &RunCommandRequest) -> Result<StartRequest, ApiError> {
+/// `keep_stdin`: leave a stdin pipe open for later input (WebSocket and background runs).
+fn start_request(req: &RunCommandRequest, keep_stdin: bool) -> Result<StartRequest, ApiError> {
     let (cmd, args) = req.argv.split_first().ok_or_else(|| ApiError::bad_request("argv must not be empty"))?;
     crate::manager::check_env(&req.env)?;
     let config = ProcessConfig {
@@ -56,7 +57,7 @@ fn start_request(req: &RunCommandRequest) -> Result<StartRequest, ApiError> {
         process: config.into(),
         pty: pty.map(Into::into).unwrap_or_default(),
         tag: req.tag.clone(),
-        stdin: Some(req.stdin.is_some() || req.pty.is_some()),
+        stdin: Some(keep_stdin || req.stdin.is_some() || req.pty.is_some()),
         ..Default::default()
     })
 }
@@ -89,7 +90,7 @@ pub async fn run(State(state): State<AppState>, owner: Owner, Path(id): Path<Str
         return Err(ApiError::bad_request("a pty needs the WebSocket route /commands/stream"));
     }
     if req.background {
-        let (pid, stream) = start(&conn, &req).await?;
+        let (pid, stream) = start(&conn, &req, true).await?;
         // Dropping the stream detaches: the agent keeps the output until someone reattaches.
         drop(stream);
         return Ok((StatusCode::ACCEPTED, Json(BackgroundCommand { pid })).into_response());
@@ -100,8 +101,12 @@ pub async fn run(State(state): State<AppState>, owner: Owner, Path(id): Path<Str
 type StartStream = connectrpc::client::ServerStream<hyper::body::Incoming, __buffa::view::StartResponseView<'static>>;
 
 /// Starts a command, feeds its stdin text, and returns its pid with the event stream.
-async fn start(conn: &AgentConn, req: &RunCommandRequest) -> Result<(u32, StartStream), ApiError> {
-    let mut stream = conn.process.start_with_options(start_request(req)?, as_user(req.user.as_deref())?).await?;
+async fn start(conn: &AgentConn, req: &RunCommandRequest, keep_stdin: bool) -> Result<(u32, StartStream), ApiError> {
+    let mut opts = as_user(req.user.as_deref())?;
+    if req.background {
+        opts = opts.try_with_header("sandpit-detach", "1").map_err(|e| ApiError::internal(e.to_string()))?;
+    }
+    let mut stream = conn.process.start_with_options(start_request(req, keep_stdin)?, opts).await?;
     let pid = match stream.message::<StartResponse>().await? {
         Some(m) => match (*m.to_owned_message().event).clone().event {
             Some(Event::Start(s)) => s.pid,
@@ -110,7 +115,7 @@ async fn start(conn: &AgentConn, req: &RunCommandRequest) -> Result<(u32, StartS
         None => return Err(ApiError::internal("agent closed the stream before the start")),
     };
     if let Some(input) = &req.stdin {
-        write_stdin(conn, pid, input.as_bytes().to_vec(), true).await?;
+        write_stdin(conn, pid, input.as_bytes().to_vec(), !keep_stdin).await?;
     }
     Ok((pid, stream))
 }
@@ -119,7 +124,7 @@ async fn start(conn: &AgentConn, req: &RunCommandRequest) -> Result<(u32, StartS
 pub async fn run_to_end(conn: &AgentConn, req: &RunCommandRequest) -> Result<RunCommandResponse, ApiError> {
     let cap = req.max_output_bytes.unwrap_or(DEFAULT_OUTPUT_CAP).min(MAX_OUTPUT_CAP) as usize;
     let started = Instant::now();
-    let (pid, mut stream) = start(conn, req).await?;
+    let (pid, mut stream) = start(conn, req, false).await?;
     let deadline = req.timeout_ms.map(|ms| tokio::time::Instant::now() + Duration::from_millis(ms));
     let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
     let mut truncated = false;
@@ -229,7 +234,7 @@ pub async fn attach(State(state): State<AppState>, owner: Owner, Path((id, pid))
     let stream = conn.process.connect(ConnectRequest { process: selector(pid).into(), ..Default::default() }).await?;
     Ok(ws.on_upgrade(move |socket| async move {
         let (tx, rx) = split(socket);
-        let _ = pump(connect_events(stream), tx, rx, conn, None).await;
+        let _ = pump(connect_events(stream), tx, rx, conn, None, None).await;
     }))
 }
 
@@ -266,11 +271,12 @@ async fn stream_new(socket: WebSocket, conn: Arc<AgentConn>) -> Result<(), ApiEr
     };
     let started = async {
         let opts = as_user(req.user.as_deref())?;
-        Ok::<_, ApiError>(conn.process.start_with_options(start_request(&req)?, opts).await?)
+        let stream = conn.process.start_with_options(start_request(&req, true)?, opts).await?;
+        Ok::<_, ApiError>(stream)
     }
     .await;
     match started {
-        Ok(stream) => pump(start_events(stream), tx, rx, conn, req.timeout_ms.map(Duration::from_millis)).await,
+        Ok(stream) => pump(start_events(stream), tx, rx, conn, req.timeout_ms.map(Duration::from_millis), req.stdin.clone()).await,
         Err(e) => send_event(&mut tx, &CommandEvent::Error { message: e.message }).await,
     }
 }
@@ -282,6 +288,7 @@ async fn pump(
     mut rx: WsRx,
     conn: Arc<AgentConn>,
     timeout: Option<Duration>,
+    mut initial_stdin: Option<String>,
 ) -> Result<(), ApiError>
 {
     use futures::StreamExt;
@@ -297,8 +304,20 @@ async fn pump(
         };
         tokio::select! {
             ev = stream.next() => {
-                let Some(ev) = ev.transpose()? else { return Ok(()) };
-                if let CommandEvent::Start { pid: p } = ev { pid = Some(p); }
+                let ev = match ev.transpose() {
+                    Ok(Some(ev)) => ev,
+                    Ok(None) => return Ok(()),
+                    Err(e) => {
+                        send_event(&mut tx, &CommandEvent::Error { message: e.message.clone() }).await?;
+                        return Err(e);
+                    }
+                };
+                if let CommandEvent::Start { pid: p } = ev {
+                    pid = Some(p);
+                    if let Some(text) = initial_stdin.take() {
+                        write_stdin(&conn, p, text.into_bytes(), false).await?;
+                    }
+                }
                 let end = matches!(ev, CommandEvent::End { .. });
                 send_event(&mut tx, &ev).await?;
                 if end {

@@ -1,0 +1,410 @@
+//! `sandpit`: the daemon (`serve`), its command-line client, local administration (`keys`,
+//! `template add`), and — under other names — the in-sandbox agent and init helper.
+
+mod admin;
+mod bench;
+mod cp;
+mod exec;
+mod sandboxes;
+mod util;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use sandpit_client::{Client, ClientError};
+
+use crate::util::{parse_duration, parse_key_value, parse_size};
+
+fn main() -> std::process::ExitCode {
+    // The same binary is the in-sandbox agent and the sandbox init helper.
+    let argv0 = std::env::args_os().next().unwrap_or_default();
+    if std::path::Path::new(&argv0)
+        .file_name()
+        .is_some_and(|n| n == "sandpit-agent")
+    {
+        return match sandpit_agent::run_from_env() {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("sandpit-agent: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|a| a == "__sandbox-init")
+    {
+        return ExitCode::from(sandpit_runtime::init_main() as u8);
+    }
+
+    let cli = Cli::parse();
+    init_tracing(matches!(cli.command, Command::Serve(_)));
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let url = cli.url.clone();
+    let result = runtime.block_on(dispatch(cli));
+    // Nothing left to wait for: a straggling blocking write must not hold the exit up.
+    runtime.shutdown_timeout(std::time::Duration::from_millis(500));
+    match result {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            let unreachable = e.chain().any(|c| {
+                c.downcast_ref::<ClientError>()
+                    .is_some_and(ClientError::is_connect)
+            });
+            if unreachable {
+                eprintln!(
+                    "error: cannot reach the daemon at {url} (is `sandpit serve` running?): {}",
+                    e.root_cause()
+                );
+            } else {
+                eprintln!("error: {e:#}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Logs go to stderr; `RUST_LOG` overrides the default level (info for the daemon, warnings
+/// otherwise, so client output stays clean).
+fn init_tracing(daemon: bool) {
+    use tracing_subscriber::EnvFilter;
+    let default = if daemon { "info" } else { "warn" };
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Self-hosted sandboxes for AI agents.
+#[derive(Debug, Parser)]
+#[command(name = "sandpit", version, propagate_version = true)]
+struct Cli {
+    /// URL of the daemon.
+    #[arg(long, global = true, help_heading = "Global options", env = "SANDPIT_URL", default_value = sandpit_api::DEFAULT_URL)]
+    url: String,
+    /// API key (default: the local daemon's <data-dir>/admin.key, when readable).
+    #[arg(
+        long,
+        global = true,
+        help_heading = "Global options",
+        env = "SANDPIT_API_KEY",
+        hide_env_values = true
+    )]
+    api_key: Option<String>,
+    /// Print machine-readable JSON instead of tables.
+    #[arg(long, global = true, help_heading = "Global options")]
+    json: bool,
+    /// The daemon's state directory [default: /var/lib/sandpit as root, else ~/.local/share/sandpit].
+    #[arg(
+        long,
+        global = true,
+        help_heading = "Global options",
+        env = "SANDPIT_DATA_DIR"
+    )]
+    data_dir: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the daemon.
+    Serve(ServeArgs),
+    /// Create a sandbox and print its id.
+    Create(CreateArgs),
+    /// List sandboxes.
+    Ls(LsArgs),
+    /// Show a sandbox (or, without an id, the daemon).
+    Info {
+        /// Sandbox id.
+        id: Option<String>,
+    },
+    /// Delete sandboxes.
+    Rm {
+        /// Sandbox ids.
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
+    /// Make a sandbox expire SECS seconds from now.
+    Timeout {
+        /// Sandbox id.
+        id: String,
+        /// Seconds from now.
+        secs: u64,
+    },
+    /// Run a command in a sandbox, streaming its output; exits with its exit code.
+    Exec(ExecArgs),
+    /// Create a sandbox, run one command in it, delete it; exits with the command's exit code.
+    Run(RunArgs),
+    /// Copy a file between a sandbox and here: `cp ID:/path LOCAL` or `cp LOCAL ID:/path` (`-` is stdin/stdout).
+    Cp {
+        /// Source: ID:/path, a local path, or - for stdin.
+        src: String,
+        /// Destination: ID:/path, a local path (or directory), or - for stdout.
+        dst: String,
+    },
+    /// Manage API keys (local administration: works on the daemon's database directly).
+    #[command(subcommand)]
+    Keys(KeysCommand),
+    /// List or register templates.
+    #[command(subcommand)]
+    Template(TemplateCommand),
+    /// Measure sandbox start latency and density.
+    Bench(bench::BenchArgs),
+}
+
+#[derive(Debug, Args)]
+struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:7423")]
+    listen: SocketAddr,
+    /// Accept requests without an API key (loopback addresses only).
+    #[arg(long)]
+    insecure_no_auth: bool,
+    /// Longest timeout a sandbox may be given, in seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 86_400)]
+    max_timeout: u64,
+}
+
+/// Options a sandbox is created with (shared by `create` and `run`).
+#[derive(Debug, Clone, Args)]
+struct SandboxOpts {
+    /// Template to start from [default: host].
+    #[arg(long)]
+    template: Option<String>,
+    /// `container` (isolated, the default) or `process` (unisolated, development only).
+    #[arg(long)]
+    runtime: Option<String>,
+    /// CPU limit in thousandths of a core (1000 = one core).
+    #[arg(long, value_name = "MILLIS")]
+    cpu: Option<u64>,
+    /// Memory limit, in bytes or with a unit (512M, 1G).
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    memory: Option<u64>,
+    /// Size of the writable disk (512M, 10G).
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    disk: Option<u64>,
+    /// Most processes the sandbox may have at once.
+    #[arg(long, value_name = "N")]
+    max_processes: Option<u64>,
+    /// Metadata label (repeatable).
+    #[arg(long = "meta", value_name = "K=V", value_parser = parse_key_value)]
+    meta: Vec<(String, String)>,
+    /// Default working directory of commands [default: /home/user].
+    #[arg(long, value_name = "DIR")]
+    workdir: Option<String>,
+}
+
+#[derive(Debug, Args)]
+struct CreateArgs {
+    #[command(flatten)]
+    sandbox: SandboxOpts,
+    /// Seconds until the sandbox expires [default: 300].
+    #[arg(long, value_name = "SECS")]
+    timeout: Option<u64>,
+    /// Environment variable of every command (repeatable).
+    #[arg(long, value_name = "K=V", value_parser = parse_key_value)]
+    env: Vec<(String, String)>,
+}
+
+#[derive(Debug, Args)]
+struct LsArgs {
+    /// Only sandboxes in this state (creating, running, paused, stopping, stopped, error; comma-separated).
+    #[arg(long)]
+    state: Option<String>,
+    /// Only sandboxes with this metadata label (repeatable; all must match).
+    #[arg(long = "meta", value_name = "K=V", value_parser = parse_key_value)]
+    meta: Vec<(String, String)>,
+    /// Page size.
+    #[arg(long, value_name = "N")]
+    limit: Option<u32>,
+    /// Continue from this cursor (printed by a previous page).
+    #[arg(long)]
+    cursor: Option<String>,
+    /// Follow cursors to list every page.
+    #[arg(long)]
+    all: bool,
+}
+
+/// How a command runs (shared by `exec` and `run`).
+#[derive(Debug, Clone, Args)]
+struct ExecOpts {
+    /// Forward stdin even when it is a terminal.
+    #[arg(short, long)]
+    interactive: bool,
+    /// Run on a pseudo-terminal of this terminal's size (raw mode; with -i, keystrokes go through).
+    #[arg(short, long)]
+    tty: bool,
+    /// `user` (default) or `root`.
+    #[arg(short, long)]
+    user: Option<String>,
+    /// Working directory.
+    #[arg(short = 'w', long, value_name = "DIR")]
+    cwd: Option<String>,
+    /// Environment variable (repeatable).
+    #[arg(short, long, value_name = "K=V", value_parser = parse_key_value)]
+    env: Vec<(String, String)>,
+    /// Kill the command after this long (e.g. 30s, 5m, 1h, 500ms; plain numbers are seconds).
+    #[arg(long, value_name = "DUR", value_parser = parse_duration)]
+    timeout: Option<std::time::Duration>,
+}
+
+#[derive(Debug, Args)]
+struct ExecArgs {
+    /// Sandbox id.
+    id: String,
+    #[command(flatten)]
+    opts: ExecOpts,
+    /// The program and its arguments.
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "CMD"
+    )]
+    argv: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
+    #[command(flatten)]
+    sandbox: SandboxOpts,
+    /// Seconds the sandbox lives without the CLI's keepalives [default: 300].
+    #[arg(long, value_name = "SECS")]
+    sandbox_timeout: Option<u64>,
+    #[command(flatten)]
+    opts: ExecOpts,
+    /// The program and its arguments.
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "CMD"
+    )]
+    argv: Vec<String>,
+}
+
+#[derive(Debug, Subcommand)]
+enum KeysCommand {
+    /// Issue a key and print it (it cannot be shown again).
+    Create {
+        /// Who the key acts as; sandboxes belong to owners.
+        #[arg(long)]
+        owner: String,
+        /// A label for people.
+        #[arg(long, default_value = "")]
+        name: String,
+    },
+    /// List keys (never their secrets).
+    Ls,
+    /// Revoke a key so it no longer authenticates.
+    Revoke {
+        /// Key id (from `keys ls`).
+        id: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum TemplateCommand {
+    /// List templates (through the daemon).
+    Ls,
+    /// Register a root filesystem directory as a template (local administration).
+    Add {
+        /// Template name.
+        name: String,
+        /// Root filesystem directory (e.g. made by debootstrap).
+        #[arg(long, value_name = "DIR")]
+        rootfs: PathBuf,
+    },
+}
+
+/// What every subcommand can use.
+pub(crate) struct Ctx {
+    url: String,
+    api_key: Option<String>,
+    pub(crate) json: bool,
+    pub(crate) data_dir: PathBuf,
+}
+
+impl Ctx {
+    /// A client of the daemon, authenticating with the chosen or the local admin key.
+    pub(crate) fn client(&self) -> anyhow::Result<Client> {
+        let key = match self.api_key.as_deref().map(str::trim) {
+            Some(k) if !k.is_empty() => Some(k.to_string()),
+            _ => self.local_admin_key(),
+        };
+        Client::new(&self.url, key).with_context(|| format!("cannot use daemon URL {}", self.url))
+    }
+
+    /// The first admin key the local daemon left in its data dir, if this user can read it.
+    fn local_admin_key(&self) -> Option<String> {
+        let raw = std::fs::read_to_string(self.data_dir.join("admin.key")).ok()?;
+        let key = raw.trim();
+        (!key.is_empty()).then(|| key.to_string())
+    }
+}
+
+/// `/var/lib/sandpit` for root, else `$HOME/.local/share/sandpit` (or `./.sandpit` without a home).
+fn default_data_dir() -> PathBuf {
+    if nix::unistd::geteuid().is_root() {
+        return PathBuf::from("/var/lib/sandpit");
+    }
+    match std::env::var_os("HOME").filter(|h| !h.is_empty()) {
+        Some(home) => PathBuf::from(home).join(".local/share/sandpit"),
+        None => PathBuf::from(".sandpit"),
+    }
+}
+
+/// Runs one subcommand; the result is the process's exit code.
+async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
+    let ctx = Ctx {
+        url: cli.url,
+        api_key: cli.api_key,
+        json: cli.json,
+        data_dir: cli.data_dir.unwrap_or_else(default_data_dir),
+    };
+    match cli.command {
+        Command::Serve(args) => serve(&ctx, args).await.map(|()| 0),
+        Command::Create(args) => sandboxes::create(&ctx, args).await.map(|()| 0),
+        Command::Ls(args) => sandboxes::list(&ctx, args).await.map(|()| 0),
+        Command::Info { id } => sandboxes::info(&ctx, id.as_deref()).await.map(|()| 0),
+        Command::Rm { ids } => sandboxes::remove(&ctx, &ids).await,
+        Command::Timeout { id, secs } => sandboxes::set_timeout(&ctx, &id, secs).await.map(|()| 0),
+        Command::Exec(args) => exec::exec(&ctx, args).await,
+        Command::Run(args) => exec::run(&ctx, args).await,
+        Command::Cp { src, dst } => cp::copy(&ctx, &src, &dst).await.map(|()| 0),
+        Command::Keys(cmd) => admin::keys(&ctx, cmd).await.map(|()| 0),
+        Command::Template(TemplateCommand::Ls) => sandboxes::templates(&ctx).await.map(|()| 0),
+        Command::Template(TemplateCommand::Add { name, rootfs }) => {
+            admin::template_add(&ctx, &name, &rootfs).await.map(|()| 0)
+        }
+        Command::Bench(args) => bench::run(args).await.map(|()| 0),
+    }
+}
+
+/// `sandpit serve`.
+async fn serve(ctx: &Ctx, args: ServeArgs) -> anyhow::Result<()> {
+    let self_exe = std::env::current_exe().context("cannot locate the sandpit binary")?;
+    sandpit_server::serve(sandpit_server::ServeConfig {
+        listen: args.listen,
+        data_dir: ctx.data_dir.clone(),
+        insecure_no_auth: args.insecure_no_auth,
+        max_timeout_secs: args.max_timeout,
+        self_exe,
+    })
+    .await?;
+    Ok(())
+}

@@ -1,0 +1,138 @@
+//! Harness for end-to-end tests: starts `sandpit serve` on a free loopback port with its
+//! own data directory, and tears everything down again.
+
+use sandpit_api::{CreateSandboxRequest, LimitsSpec};
+use sandpit_client::Client;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// The `sandpit` binary built beside the test executable.
+pub fn sandpit_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<triple>/debug/deps/<test> -> target/<triple>/debug/sandpit
+    let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
+    let bin = dir.join("sandpit");
+    assert!(bin.exists(), "{} missing: build with `cargo build --workspace` first", bin.display());
+    bin
+}
+
+/// A daemon under test.
+pub struct Daemon {
+    pub child: Option<Child>,
+    pub url: String,
+    pub data: tempfile::TempDir,
+    pub key: String,
+    pub port: u16,
+}
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("addr").port()
+}
+
+impl Daemon {
+    /// Starts a daemon with a fresh data directory.
+    pub async fn start() -> Daemon {
+        let data = tempfile::Builder::new().prefix("sandpit-test-").tempdir_in("/var/tmp").expect("tempdir");
+        Self::start_in(data, free_port()).await
+    }
+
+    /// Starts a daemon on an existing data directory (for restart tests).
+    pub async fn start_in(data: tempfile::TempDir, port: u16) -> Daemon {
+        let child = Command::new(sandpit_bin())
+            .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--data-dir"])
+            .arg(data.path())
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn sandpit serve");
+        let url = format!("http://127.0.0.1:{port}");
+        let probe = Client::new(&url, None).expect("client");
+        for _ in 0..500 {
+            if probe.health().await.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let key = std::fs::read_to_string(data.path().join("admin.key")).expect("admin key written");
+        Daemon { child: Some(child), url, data, key, port }
+    }
+
+    /// A client with the admin key.
+    pub fn client(&self) -> Client {
+        Client::new(&self.url, Some(self.key.clone())).expect("client")
+    }
+
+    /// Creates a sandbox with small limits.
+    pub async fn sandbox(&self, limits: LimitsSpec) -> String {
+        let req = CreateSandboxRequest { limits, timeout: Some(600), ..Default::default() };
+        self.client().create_sandbox(&req).await.expect("create sandbox").id
+    }
+
+    /// Deletes every sandbox, then stops the daemon.
+    pub async fn shutdown(mut self) {
+        let c = self.client();
+        if let Ok(list) = c.list_sandboxes(None, &[], Some(1000), None).await {
+            for s in list.items {
+                let _ = c.delete_sandbox(&s.id).await;
+            }
+        }
+        self.stop();
+    }
+
+    /// Stops the daemon with SIGTERM (sandboxes keep running).
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM);
+            let _ = child.wait();
+        }
+    }
+
+    /// Kills the daemon with SIGKILL.
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // A failed test never reaches `shutdown`: delete its sandboxes from a thread with a
+        // runtime of its own (Drop cannot await), so no test leaves sandboxes running.
+        if self.child.is_some() {
+            let c = self.client();
+            let cleanup = std::thread::spawn(move || {
+                let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+                rt.block_on(async {
+                    if let Ok(list) = c.list_sandboxes(None, &[], Some(1000), None).await {
+                        for s in list.items {
+                            let _ = c.delete_sandbox(&s.id).await;
+                        }
+                    }
+                });
+            });
+            let _ = cleanup.join();
+        }
+        self.stop();
+    }
+}
+
+/// Runs `bash -c script` and returns the response.
+pub async fn sh(c: &Client, id: &str, script: &str) -> sandpit_api::RunCommandResponse {
+    let req = sandpit_api::RunCommandRequest { argv: vec!["bash".into(), "-c".into(), script.into()], ..Default::default() };
+    c.run(id, &req).await.expect("run command")
+}
+
+/// Same as [`sh`] as root.
+pub async fn sh_root(c: &Client, id: &str, script: &str) -> sandpit_api::RunCommandResponse {
+    let req = sandpit_api::RunCommandRequest {
+        argv: vec!["bash".into(), "-c".into(), script.into()],
+        user: Some("root".into()),
+        ..Default::default()
+    };
+    c.run(id, &req).await.expect("run command")
+}

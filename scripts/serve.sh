@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Builds sandpit and starts the daemon on its embedded defaults (SQLite, local disk, the
+# host template, 127.0.0.1:7423). The first start writes an admin key the CLI finds itself.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+cargo build --release -p sandpit
+exec ./target/x86_64-unknown-linux-gnu/release/sandpit serve "$@"

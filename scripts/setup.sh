@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs what sandpit needs on Debian/Ubuntu; safe to run again.
+#   protobuf-compiler: builds the agent protocol
+#   crun, bubblewrap:  baselines of `sandpit bench`
+set -euo pipefail
+need=()
+for pkg in protobuf-compiler crun bubblewrap; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need+=("$pkg")
+done
+if [ ${#need[@]} -gt 0 ]; then
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}"
+fi
+command -v cargo >/dev/null || { echo "setup: cargo (Rust) is required: https://rustup.rs" >&2; exit 1; }

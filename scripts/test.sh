@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Builds once and runs every test: unit tests and the integration tests that create real
+# sandboxes (they need root, cgroups and user namespaces).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+cargo build --workspace --all-targets
+cargo test --workspace -- --test-threads=4
