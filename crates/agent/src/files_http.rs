@@ -40,22 +40,37 @@ impl IntoResponse for FsError {
 
 fn user_for(root: &FsRoot, q: &FilesQuery, headers: &HeaderMap) -> Result<users::User, FsError> {
     let name = q.username.clone().or_else(|| users::from_headers(headers));
-    users::resolve(root.config(), name.as_deref()).ok_or_else(|| FsError::UnknownUser(name.unwrap_or_default()))
+    users::resolve(root.config(), name.as_deref())
+        .ok_or_else(|| FsError::UnknownUser(name.unwrap_or_default()))
 }
 
 /// `GET /files?path=...`: streams the file's bytes.
-pub async fn download(State(root): State<Arc<FsRoot>>, Query(q): Query<FilesQuery>, headers: HeaderMap) -> Result<Response, FsError> {
+pub async fn download(
+    State(root): State<Arc<FsRoot>>,
+    Query(q): Query<FilesQuery>,
+    headers: HeaderMap,
+) -> Result<Response, FsError> {
     let user = user_for(&root, &q, &headers)?;
-    let path = q.path.as_deref().ok_or_else(|| FsError::InvalidPath("missing path".into()))?;
+    let path = q
+        .path
+        .as_deref()
+        .ok_or_else(|| FsError::InvalidPath("missing path".into()))?;
     let p = root.check(path, &user)?;
     let r2 = root.clone();
     let p2 = p.clone();
     let (file, size) = tokio::task::spawn_blocking(move || r2.open_read(&p2))
         .await
         .map_err(|e| FsError::Io(p.abs.clone(), std::io::Error::other(e)))??;
-    let stream = tokio_util::io::ReaderStream::with_capacity(tokio::fs::File::from_std(file), 256 * 1024);
-    let name = std::path::Path::new(&p.abs).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let disposition = format!("attachment; filename=\"{}\"", name.replace(['"', '\\', '\r', '\n'], "_"));
+    let stream =
+        tokio_util::io::ReaderStream::with_capacity(tokio::fs::File::from_std(file), 256 * 1024);
+    let name = std::path::Path::new(&p.abs)
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let disposition = format!(
+        "attachment; filename=\"{}\"",
+        name.replace(['"', '\\', '\r', '\n'], "_")
+    );
     Ok(Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "application/octet-stream")
@@ -65,7 +80,12 @@ pub async fn download(State(root): State<Arc<FsRoot>>, Query(q): Query<FilesQuer
         .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "response build failed")))
 }
 
-async fn write_stream<S, E>(root: &Arc<FsRoot>, path: &str, user: &users::User, mut body: S) -> Result<WrittenEntry, FsError>
+async fn write_stream<S, E>(
+    root: &Arc<FsRoot>,
+    path: &str,
+    user: &users::User,
+    mut body: S,
+) -> Result<WrittenEntry, FsError>
 where
     S: futures::Stream<Item = Result<bytes::Bytes, E>> + Unpin,
     E: std::fmt::Display,
@@ -78,15 +98,30 @@ where
     let mut file = tokio::fs::File::from_std(file);
     while let Some(chunk) = body.next().await {
         let chunk = chunk.map_err(|e| FsError::InvalidPath(format!("upload interrupted: {e}")))?;
-        file.write_all(&chunk).await.map_err(|e| FsError::from_io(&p.abs, e))?;
+        file.write_all(&chunk)
+            .await
+            .map_err(|e| FsError::from_io(&p.abs, e))?;
     }
-    file.flush().await.map_err(|e| FsError::from_io(&p.abs, e))?;
-    let name = std::path::Path::new(&p.abs).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    Ok(WrittenEntry { name, r#type: "file", path: p.abs })
+    file.flush()
+        .await
+        .map_err(|e| FsError::from_io(&p.abs, e))?;
+    let name = std::path::Path::new(&p.abs)
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    Ok(WrittenEntry {
+        name,
+        r#type: "file",
+        path: p.abs,
+    })
 }
 
 /// `POST /files?path=...`: multipart (field `file`, several allowed) or a raw body.
-pub async fn upload(State(root): State<Arc<FsRoot>>, Query(q): Query<FilesQuery>, request: Request) -> Result<Response, FsError> {
+pub async fn upload(
+    State(root): State<Arc<FsRoot>>,
+    Query(q): Query<FilesQuery>,
+    request: Request,
+) -> Result<Response, FsError> {
     let user = user_for(&root, &q, request.headers())?;
     let is_multipart = request
         .headers()
@@ -113,7 +148,10 @@ pub async fn upload(State(root): State<Arc<FsRoot>>, Query(q): Query<FilesQuery>
             written.push(write_stream(&root, &dest, &user, field).await?);
         }
     } else {
-        let path = q.path.clone().ok_or_else(|| FsError::InvalidPath("missing path".into()))?;
+        let path = q
+            .path
+            .clone()
+            .ok_or_else(|| FsError::InvalidPath("missing path".into()))?;
         let body = request.into_body().into_data_stream();
         written.push(write_stream(&root, &path, &user, body).await?);
     }

@@ -88,9 +88,10 @@ impl From<FsError> for ConnectError {
     fn from(e: FsError) -> Self {
         let msg = e.to_string();
         match e {
-            FsError::InvalidPath(_) | FsError::UnknownUser(_) | FsError::NotDir(_) | FsError::IsDir(_) => {
-                ConnectError::invalid_argument(msg)
-            }
+            FsError::InvalidPath(_)
+            | FsError::UnknownUser(_)
+            | FsError::NotDir(_)
+            | FsError::IsDir(_) => ConnectError::invalid_argument(msg),
             FsError::Escape(_) | FsError::Permission(_) => ConnectError::permission_denied(msg),
             FsError::NotFound(_) => ConnectError::not_found(msg),
             FsError::Exists(_) => ConnectError::already_exists(msg),
@@ -125,7 +126,10 @@ impl SandboxPath {
     fn split(&self) -> Option<(SandboxPath, OsString)> {
         let p = Path::new(&self.abs);
         let name = p.file_name()?.to_os_string();
-        let parent = p.parent().map(|x| x.to_string_lossy().into_owned()).unwrap_or_else(|| "/".into());
+        let parent = p
+            .parent()
+            .map(|x| x.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "/".into());
         Some((SandboxPath { abs: parent }, name))
     }
 }
@@ -134,11 +138,19 @@ impl FsRoot {
     /// Opens the configured root directory.
     pub fn open(cfg: Arc<AgentConfig>) -> Result<Self, FsError> {
         let root = cfg.root.to_string_lossy().into_owned();
-        let dir = nix::fcntl::open(&cfg.root, OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC, Mode::empty())
-            .map_err(|e| FsError::from_errno(&root, e))?;
+        let dir = nix::fcntl::open(
+            &cfg.root,
+            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| FsError::from_errno(&root, e))?;
         let resolve = match cfg.mode {
-            IsolationMode::Container => ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS,
-            IsolationMode::Process => ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_MAGICLINKS,
+            IsolationMode::Container => {
+                ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS
+            }
+            IsolationMode::Process => {
+                ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_MAGICLINKS
+            }
         };
         Ok(Self { dir, resolve, cfg })
     }
@@ -161,7 +173,11 @@ impl FsRoot {
         if path.len() > 4096 {
             return Err(FsError::InvalidPath("path longer than 4096 bytes".into()));
         }
-        let joined = if path.starts_with('/') { PathBuf::from(path) } else { Path::new(user.home).join(path) };
+        let joined = if path.starts_with('/') {
+            PathBuf::from(path)
+        } else {
+            Path::new(user.home).join(path)
+        };
         let mut parts: Vec<&std::ffi::OsStr> = Vec::new();
         for c in joined.components() {
             match c {
@@ -176,19 +192,30 @@ impl FsRoot {
             }
         }
         let mut abs = String::from("/");
-        abs.push_str(&parts.iter().map(|p| p.to_string_lossy()).collect::<Vec<_>>().join("/"));
+        abs.push_str(
+            &parts
+                .iter()
+                .map(|p| p.to_string_lossy())
+                .collect::<Vec<_>>()
+                .join("/"),
+        );
         Ok(SandboxPath { abs })
     }
 
     /// Opens a path with the root's confinement.
     pub fn open_at(&self, p: &SandboxPath, flags: OFlag, mode: Mode) -> Result<OwnedFd, FsError> {
-        let how = OpenHow::new().flags(flags | OFlag::O_CLOEXEC).mode(mode).resolve(self.resolve);
+        let how = OpenHow::new()
+            .flags(flags | OFlag::O_CLOEXEC)
+            .mode(mode)
+            .resolve(self.resolve);
         openat2(self.dir.as_fd(), p.rel(), how).map_err(|e| FsError::from_errno(&p.abs, e))
     }
 
     /// Opens the parent directory of `p` and returns it with the final component.
     pub fn open_parent(&self, p: &SandboxPath) -> Result<(OwnedFd, OsString), FsError> {
-        let (parent, name) = p.split().ok_or_else(|| FsError::InvalidPath("the root itself".into()))?;
+        let (parent, name) = p
+            .split()
+            .ok_or_else(|| FsError::InvalidPath("the root itself".into()))?;
         let fd = self.open_at(&parent, OFlag::O_PATH | OFlag::O_DIRECTORY, Mode::empty())?;
         Ok((fd, name))
     }
@@ -202,14 +229,22 @@ impl FsRoot {
             cur.push_str(comp);
             let sp = SandboxPath { abs: cur.clone() };
             let (parent, name) = self.open_parent(&sp)?;
-            match nix::sys::stat::mkdirat(parent.as_fd(), name.as_os_str(), Mode::from_bits_truncate(0o755)) {
+            match nix::sys::stat::mkdirat(
+                parent.as_fd(),
+                name.as_os_str(),
+                Mode::from_bits_truncate(0o755),
+            ) {
                 Ok(()) => {
                     created = true;
                     self.chown_at(&parent, &name, user);
                 }
                 Err(Errno::EEXIST) => {
-                    let st = fstatat(parent.as_fd(), name.as_os_str(), nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW)
-                        .map_err(|e| FsError::from_errno(&sp.abs, e))?;
+                    let st = fstatat(
+                        parent.as_fd(),
+                        name.as_os_str(),
+                        nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+                    )
+                    .map_err(|e| FsError::from_errno(&sp.abs, e))?;
                     if !is_dir(&st) && !is_symlink(&st) {
                         return Err(FsError::NotDir(sp.abs));
                     }
@@ -250,39 +285,45 @@ impl FsRoot {
     /// Describes one entry in E2B's `EntryInfo` shape.
     pub fn entry_info(&self, p: &SandboxPath) -> Result<EntryInfo, FsError> {
         let (parent, name) = match p.split() {
-            Some(x) => {
-                let (fd, n) = self.open_parent(p).map(|(fd, n)| (fd, n))?;
-                let _ = x;
+            Some(_) => {
+                let (fd, n) = self.open_parent(p)?;
                 (Some(fd), n)
             }
             None => (None, OsString::from("/")),
         };
         let lst = match &parent {
-            Some(fd) => fstatat(fd.as_fd(), name.as_os_str(), nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW),
+            Some(fd) => fstatat(
+                fd.as_fd(),
+                name.as_os_str(),
+                nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+            ),
             None => nix::sys::stat::fstat(self.dir.as_fd()),
         }
         .map_err(|e| FsError::from_errno(&p.abs, e))?;
         let mut info = self.info_from_stat(&p.abs, &lst);
         if is_symlink(&lst) {
-            if let Some(fd) = &parent {
-                if let Ok(target) = nix::fcntl::readlinkat(fd.as_fd(), name.as_os_str()) {
-                    info.symlink_target = Some(target.to_string_lossy().into_owned());
-                }
+            if let Some(Ok(target)) = parent
+                .as_ref()
+                .map(|fd| nix::fcntl::readlinkat(fd.as_fd(), name.as_os_str()))
+            {
+                info.symlink_target = Some(target.to_string_lossy().into_owned());
             }
             info.is_symlink = true;
             // E2B reports what the link points at; a dangling link stays a file.
-            if let Ok(fd) = self.open_at(p, OFlag::O_PATH, Mode::empty()) {
-                if let Ok(st) = nix::sys::stat::fstat(fd.as_fd()) {
-                    info.r#type = file_type(&st).into();
-                    info.size = st.st_size;
-                }
+            let target = self.open_at(p, OFlag::O_PATH, Mode::empty()).ok();
+            if let Some(Ok(st)) = target.map(|fd| nix::sys::stat::fstat(fd.as_fd())) {
+                info.r#type = file_type(&st).into();
+                info.size = st.st_size;
             }
         }
         Ok(info)
     }
 
     fn info_from_stat(&self, abs: &str, st: &FileStat) -> EntryInfo {
-        let name = Path::new(abs).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "/".into());
+        let name = Path::new(abs)
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "/".into());
         EntryInfo {
             name,
             r#type: file_type(st).into(),
@@ -310,8 +351,15 @@ impl FsRoot {
         Ok(out)
     }
 
-    fn list_into(&self, dir: &OwnedFd, abs: &str, depth: u32, out: &mut Vec<EntryInfo>) -> Result<(), FsError> {
-        let rd = std::fs::read_dir(Self::fd_path(dir, None)).map_err(|e| FsError::from_io(abs, e))?;
+    fn list_into(
+        &self,
+        dir: &OwnedFd,
+        abs: &str,
+        depth: u32,
+        out: &mut Vec<EntryInfo>,
+    ) -> Result<(), FsError> {
+        let rd =
+            std::fs::read_dir(Self::fd_path(dir, None)).map_err(|e| FsError::from_io(abs, e))?;
         let mut names: Vec<OsString> = rd.filter_map(|e| e.ok().map(|e| e.file_name())).collect();
         names.sort();
         for name in names {
@@ -320,17 +368,23 @@ impl FsRoot {
             } else {
                 format!("{abs}/{}", name.to_string_lossy())
             };
-            let sp = SandboxPath { abs: child_abs.clone() };
+            let sp = SandboxPath {
+                abs: child_abs.clone(),
+            };
             let info = match self.entry_info(&sp) {
                 Ok(i) => i,
                 Err(FsError::NotFound(_)) => continue, // removed while listing
                 Err(e) => return Err(e),
             };
-            let descend = depth > 1 && !info.is_symlink && info.r#type.as_known() == Some(FileType::FILE_TYPE_DIRECTORY);
+            let descend = depth > 1
+                && !info.is_symlink
+                && info.r#type.as_known() == Some(FileType::FILE_TYPE_DIRECTORY);
             out.push(info);
             if descend {
                 let how = OpenHow::new()
-                    .flags(OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
+                    .flags(
+                        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+                    )
                     .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS);
                 if let Ok(sub) = openat2(dir.as_fd(), name.as_os_str(), how) {
                     self.list_into(&sub, &child_abs, depth - 1, out)?;
@@ -343,14 +397,23 @@ impl FsRoot {
     /// Removes a file, a symlink (not its target) or a whole directory tree.
     pub fn remove(&self, p: &SandboxPath) -> Result<(), FsError> {
         let (parent, name) = self.open_parent(p)?;
-        let st = fstatat(parent.as_fd(), name.as_os_str(), nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW)
-            .map_err(|e| FsError::from_errno(&p.abs, e))?;
+        let st = fstatat(
+            parent.as_fd(),
+            name.as_os_str(),
+            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+        )
+        .map_err(|e| FsError::from_errno(&p.abs, e))?;
         if is_dir(&st) {
             // std's remove_dir_all never follows symlinks inside the tree.
-            std::fs::remove_dir_all(Self::fd_path(&parent, Some(&name))).map_err(|e| FsError::from_io(&p.abs, e))
+            std::fs::remove_dir_all(Self::fd_path(&parent, Some(&name)))
+                .map_err(|e| FsError::from_io(&p.abs, e))
         } else {
-            nix::unistd::unlinkat(parent.as_fd(), name.as_os_str(), nix::unistd::UnlinkatFlags::NoRemoveDir)
-                .map_err(|e| FsError::from_errno(&p.abs, e))
+            nix::unistd::unlinkat(
+                parent.as_fd(),
+                name.as_os_str(),
+                nix::unistd::UnlinkatFlags::NoRemoveDir,
+            )
+            .map_err(|e| FsError::from_errno(&p.abs, e))
         }
     }
 
@@ -361,8 +424,13 @@ impl FsRoot {
             self.mkdir_all(&dst_parent, user)?;
         }
         let (dst_dir, dst_name) = self.open_parent(to)?;
-        nix::fcntl::renameat(src_dir.as_fd(), src_name.as_os_str(), dst_dir.as_fd(), dst_name.as_os_str())
-            .map_err(|e| FsError::from_errno(&from.abs, e))
+        nix::fcntl::renameat(
+            src_dir.as_fd(),
+            src_name.as_os_str(),
+            dst_dir.as_fd(),
+            dst_name.as_os_str(),
+        )
+        .map_err(|e| FsError::from_errno(&from.abs, e))
     }
 
     /// Opens (creating or truncating) a file for writing, creating its parents.
@@ -371,7 +439,11 @@ impl FsRoot {
             self.mkdir_all(&parent, user)?;
         }
         let existed = self.open_at(p, OFlag::O_PATH, Mode::empty()).is_ok();
-        let fd = self.open_at(p, OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_TRUNC, Mode::from_bits_truncate(0o644))?;
+        let fd = self.open_at(
+            p,
+            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_TRUNC,
+            Mode::from_bits_truncate(0o644),
+        )?;
         if !existed && user.switch {
             let _ = nix::unistd::fchown(
                 fd.as_fd(),
@@ -438,18 +510,24 @@ pub struct FilesystemService {
 impl FilesystemService {
     /// Serves the given root.
     pub fn new(root: Arc<FsRoot>) -> Self {
-        Self { watchers: crate::watch::Watchers::new(root.clone()), root }
+        Self {
+            watchers: crate::watch::Watchers::new(root.clone()),
+            root,
+        }
     }
 
     fn user(&self, ctx: &RequestContext) -> Result<User, ConnectError> {
         let name = users::from_headers(ctx.headers());
-        users::resolve(self.root.config(), name.as_deref())
-            .ok_or_else(|| ConnectError::invalid_argument(format!("unknown user {:?}", name.unwrap_or_default())))
+        users::resolve(self.root.config(), name.as_deref()).ok_or_else(|| {
+            ConnectError::invalid_argument(format!("unknown user {:?}", name.unwrap_or_default()))
+        })
     }
 }
 
 /// Runs blocking filesystem work off the async thread.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, FsError> + Send + 'static) -> Result<T, ConnectError> {
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, FsError> + Send + 'static,
+) -> Result<T, ConnectError> {
     match tokio::task::spawn_blocking(f).await {
         Ok(r) => r.map_err(ConnectError::from),
         Err(e) => Err(ConnectError::internal(format!("worker failed: {e}"))),
@@ -457,15 +535,26 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, FsError> + Se
 }
 
 impl Filesystem for FilesystemService {
-    async fn stat(&self, ctx: RequestContext, request: ServiceRequest<'_, StatRequest>) -> ServiceResult<StatResponse> {
+    async fn stat(
+        &self,
+        ctx: RequestContext,
+        request: ServiceRequest<'_, StatRequest>,
+    ) -> ServiceResult<StatResponse> {
         let user = self.user(&ctx)?;
         let p = self.root.check(request.path, &user)?;
         let root = self.root.clone();
         let entry = blocking(move || root.entry_info(&p)).await?;
-        Response::ok(StatResponse { entry: entry.into(), ..Default::default() })
+        Response::ok(StatResponse {
+            entry: entry.into(),
+            ..Default::default()
+        })
     }
 
-    async fn make_dir(&self, ctx: RequestContext, request: ServiceRequest<'_, MakeDirRequest>) -> ServiceResult<MakeDirResponse> {
+    async fn make_dir(
+        &self,
+        ctx: RequestContext,
+        request: ServiceRequest<'_, MakeDirRequest>,
+    ) -> ServiceResult<MakeDirResponse> {
         let user = self.user(&ctx)?;
         let p = self.root.check(request.path, &user)?;
         let root = self.root.clone();
@@ -476,10 +565,17 @@ impl Filesystem for FilesystemService {
             root.entry_info(&p)
         })
         .await?;
-        Response::ok(MakeDirResponse { entry: entry.into(), ..Default::default() })
+        Response::ok(MakeDirResponse {
+            entry: entry.into(),
+            ..Default::default()
+        })
     }
 
-    async fn r#move(&self, ctx: RequestContext, request: ServiceRequest<'_, MoveRequest>) -> ServiceResult<MoveResponse> {
+    async fn r#move(
+        &self,
+        ctx: RequestContext,
+        request: ServiceRequest<'_, MoveRequest>,
+    ) -> ServiceResult<MoveResponse> {
         let user = self.user(&ctx)?;
         let from = self.root.check(request.source, &user)?;
         let to = self.root.check(request.destination, &user)?;
@@ -489,19 +585,33 @@ impl Filesystem for FilesystemService {
             root.entry_info(&to)
         })
         .await?;
-        Response::ok(MoveResponse { entry: entry.into(), ..Default::default() })
+        Response::ok(MoveResponse {
+            entry: entry.into(),
+            ..Default::default()
+        })
     }
 
-    async fn list_dir(&self, ctx: RequestContext, request: ServiceRequest<'_, ListDirRequest>) -> ServiceResult<ListDirResponse> {
+    async fn list_dir(
+        &self,
+        ctx: RequestContext,
+        request: ServiceRequest<'_, ListDirRequest>,
+    ) -> ServiceResult<ListDirResponse> {
         let user = self.user(&ctx)?;
         let p = self.root.check(request.path, &user)?;
         let depth = request.depth;
         let root = self.root.clone();
         let entries = blocking(move || root.list_dir(&p, depth)).await?;
-        Response::ok(ListDirResponse { entries, ..Default::default() })
+        Response::ok(ListDirResponse {
+            entries,
+            ..Default::default()
+        })
     }
 
-    async fn remove(&self, ctx: RequestContext, request: ServiceRequest<'_, RemoveRequest>) -> ServiceResult<RemoveResponse> {
+    async fn remove(
+        &self,
+        ctx: RequestContext,
+        request: ServiceRequest<'_, RemoveRequest>,
+    ) -> ServiceResult<RemoveResponse> {
         let user = self.user(&ctx)?;
         let p = self.root.check(request.path, &user)?;
         let root = self.root.clone();
@@ -517,7 +627,9 @@ impl Filesystem for FilesystemService {
         let user = self.user(&ctx)?;
         let p = self.root.check(request.path, &user)?;
         let keepalive = crate::process::keepalive_interval(&ctx);
-        let stream = self.watchers.stream(p, request.recursive, request.include_entry, keepalive)?;
+        let stream =
+            self.watchers
+                .stream(p, request.recursive, request.include_entry, keepalive)?;
         Ok(Response::new(stream))
     }
 
@@ -528,8 +640,13 @@ impl Filesystem for FilesystemService {
     ) -> ServiceResult<CreateWatcherResponse> {
         let user = self.user(&ctx)?;
         let p = self.root.check(request.path, &user)?;
-        let id = self.watchers.create(p, request.recursive, request.include_entry)?;
-        Response::ok(CreateWatcherResponse { watcher_id: id, ..Default::default() })
+        let id = self
+            .watchers
+            .create(p, request.recursive, request.include_entry)?;
+        Response::ok(CreateWatcherResponse {
+            watcher_id: id,
+            ..Default::default()
+        })
     }
 
     async fn get_watcher_events(
@@ -538,7 +655,10 @@ impl Filesystem for FilesystemService {
         request: ServiceRequest<'_, GetWatcherEventsRequest>,
     ) -> ServiceResult<GetWatcherEventsResponse> {
         let events = self.watchers.drain(request.watcher_id)?;
-        Response::ok(GetWatcherEventsResponse { events, ..Default::default() })
+        Response::ok(GetWatcherEventsResponse {
+            events,
+            ..Default::default()
+        })
     }
 
     async fn remove_watcher(

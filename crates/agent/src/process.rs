@@ -7,7 +7,9 @@
 
 use crate::config::{AgentConfig, IsolationMode};
 use crate::users::{self, User};
-use connectrpc::{ConnectError, RequestContext, Response, ServiceRequest, ServiceResult, ServiceStream};
+use connectrpc::{
+    ConnectError, RequestContext, Response, ServiceRequest, ServiceResult, ServiceStream,
+};
 use nix::errno::Errno;
 use nix::sys::signal::{Signal as NixSignal, kill, killpg};
 use nix::unistd::Pid;
@@ -51,7 +53,9 @@ impl FdIo {
     async fn read(&self, buf: &mut [u8]) -> std::io::Result<usize> {
         loop {
             let mut guard = self.0.readable().await?;
-            match guard.try_io(|inner| nix::unistd::read(inner.get_ref(), buf).map_err(std::io::Error::from)) {
+            match guard.try_io(|inner| {
+                nix::unistd::read(inner.get_ref(), buf).map_err(std::io::Error::from)
+            }) {
                 Ok(Ok(n)) => return Ok(n),
                 Ok(Err(e)) if e.raw_os_error() == Some(libc::EIO) => return Ok(0),
                 Ok(Err(e)) => return Err(e),
@@ -63,7 +67,9 @@ impl FdIo {
     async fn write_all(&self, mut data: &[u8]) -> std::io::Result<()> {
         while !data.is_empty() {
             let mut guard = self.0.writable().await?;
-            match guard.try_io(|inner| nix::unistd::write(inner.get_ref(), data).map_err(std::io::Error::from)) {
+            match guard.try_io(|inner| {
+                nix::unistd::write(inner.get_ref(), data).map_err(std::io::Error::from)
+            }) {
                 Ok(Ok(n)) => data = &data[n..],
                 Ok(Err(e)) => return Err(e),
                 Err(_would_block) => continue,
@@ -128,10 +134,8 @@ impl Proc {
             // Awaiting a full channel is the back-pressure: a slow reader slows the process.
             delivered |= s.send(ev.clone()).await.is_ok();
         }
-        if !delivered {
-            if let Ok(mut out) = self.out.lock() {
-                Self::keep(&mut out, ev);
-            }
+        if let (false, Ok(mut out)) = (delivered, self.out.lock()) {
+            Self::keep(&mut out, ev);
         }
     }
 
@@ -151,7 +155,9 @@ impl Proc {
 
     /// Attaches a stream: returns what was missed and a channel for what follows.
     fn subscribe(&self) -> (Vec<ProcessEvent>, Option<mpsc::Receiver<ProcessEvent>>) {
-        let Ok(mut out) = self.out.lock() else { return (Vec::new(), None) };
+        let Ok(mut out) = self.out.lock() else {
+            return (Vec::new(), None);
+        };
         let mut missed: Vec<ProcessEvent> = out.backlog.drain(..).collect();
         out.backlog_bytes = 0;
         if let Some(end) = &out.end {
@@ -168,7 +174,12 @@ impl Proc {
     }
 
     fn info(&self) -> ProcessInfo {
-        ProcessInfo { config: self.config.clone().into(), pid: self.pid, tag: self.tag.clone(), ..Default::default() }
+        ProcessInfo {
+            config: self.config.clone().into(),
+            pid: self.pid,
+            tag: self.tag.clone(),
+            ..Default::default()
+        }
     }
 }
 
@@ -179,6 +190,9 @@ pub struct ProcessTable {
     /// Exits the reaper saw before the spawner registered the pid.
     unclaimed: Mutex<HashMap<u32, (i32, Option<i32>)>>,
 }
+
+/// A started process, the events it already produced, and the channel of the rest.
+pub type Spawned = (Arc<Proc>, Vec<ProcessEvent>, mpsc::Receiver<ProcessEvent>);
 
 /// What a caller asks to run.
 pub struct SpawnSpec {
@@ -192,14 +206,24 @@ pub struct SpawnSpec {
 impl ProcessTable {
     /// An empty table for the given agent.
     pub fn new(cfg: Arc<AgentConfig>) -> Arc<Self> {
-        Arc::new(Self { cfg, procs: Mutex::default(), unclaimed: Mutex::default() })
+        Arc::new(Self {
+            cfg,
+            procs: Mutex::default(),
+            unclaimed: Mutex::default(),
+        })
     }
 
     fn get(&self, sel: &ProcessSelector) -> Result<Arc<Proc>, ConnectError> {
-        let procs = self.procs.lock().map_err(|_| ConnectError::internal("process table poisoned"))?;
+        let procs = self
+            .procs
+            .lock()
+            .map_err(|_| ConnectError::internal("process table poisoned"))?;
         let found = match &sel.selector {
             Some(Selector::Pid(pid)) => procs.get(pid).cloned(),
-            Some(Selector::Tag(tag)) => procs.values().find(|p| p.tag.as_deref() == Some(tag.as_str())).cloned(),
+            Some(Selector::Tag(tag)) => procs
+                .values()
+                .find(|p| p.tag.as_deref() == Some(tag.as_str()))
+                .cloned(),
             None => return Err(ConnectError::invalid_argument("process selector is empty")),
         };
         found.ok_or_else(|| ConnectError::not_found("process not found"))
@@ -226,7 +250,9 @@ impl ProcessTable {
 
     /// Drops ended processes whose output was collected or that are too old.
     fn gc(&self) {
-        let Ok(mut procs) = self.procs.lock() else { return };
+        let Ok(mut procs) = self.procs.lock() else {
+            return;
+        };
         procs.retain(|_, p| {
             let Ok(out) = p.out.lock() else { return true };
             match out.ended_at {
@@ -240,7 +266,7 @@ impl ProcessTable {
     }
 
     /// Starts a process and returns it; its output flows into the table entry.
-    pub fn spawn(self: &Arc<Self>, spec: SpawnSpec) -> Result<(Arc<Proc>, Vec<ProcessEvent>, mpsc::Receiver<ProcessEvent>), ConnectError> {
+    pub fn spawn(self: &Arc<Self>, spec: SpawnSpec) -> Result<Spawned, ConnectError> {
         self.gc();
         let cfg = &self.cfg;
         let c = &spec.config;
@@ -248,18 +274,28 @@ impl ProcessTable {
             return Err(ConnectError::invalid_argument("cmd is empty"));
         }
         if c.cmd.contains('\0') || c.args.iter().any(|a| a.contains('\0')) {
-            return Err(ConnectError::invalid_argument("cmd and args must not contain NUL bytes"));
+            return Err(ConnectError::invalid_argument(
+                "cmd and args must not contain NUL bytes",
+            ));
         }
         let mut cmd = std::process::Command::new(&c.cmd);
         cmd.args(&c.args);
         cmd.env_clear();
         let home = users::host_path(cfg, spec.user.home);
-        let cwd_inside = c.cwd.clone().filter(|s| !s.is_empty()).unwrap_or_else(|| cfg.workdir.clone());
+        let cwd_inside = c
+            .cwd
+            .clone()
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| cfg.workdir.clone());
         let cwd = users::host_path(cfg, &cwd_inside);
         // The sandbox's env first; identity and location always describe this command.
-        let mut env: std::collections::BTreeMap<String, String> = cfg.env.clone().into_iter().collect();
+        let mut env: std::collections::BTreeMap<String, String> =
+            cfg.env.clone().into_iter().collect();
         for (k, v) in [
-            ("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"),
+            (
+                "PATH",
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            ),
             ("SHELL", "/bin/bash"),
             ("LANG", "C.UTF-8"),
         ] {
@@ -270,12 +306,15 @@ impl ProcessTable {
         env.insert("LOGNAME".into(), spec.user.name.into());
         env.insert("PWD".into(), cwd.to_string_lossy().into_owned());
         if spec.pty.is_some() {
-            env.entry("TERM".into()).or_insert_with(|| "xterm-256color".into());
+            env.entry("TERM".into())
+                .or_insert_with(|| "xterm-256color".into());
         }
         env.extend(c.envs.iter().map(|(k, v)| (k.clone(), v.clone())));
         for (k, v) in &env {
             if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
-                return Err(ConnectError::invalid_argument(format!("invalid environment variable {k:?}")));
+                return Err(ConnectError::invalid_argument(format!(
+                    "invalid environment variable {k:?}"
+                )));
             }
         }
         cmd.envs(env);
@@ -287,8 +326,14 @@ impl ProcessTable {
 
         let mut pty_master = None;
         if let Some((cols, rows)) = spec.pty {
-            let ws = nix::pty::Winsize { ws_row: rows, ws_col: cols, ws_xpixel: 0, ws_ypixel: 0 };
-            let pty = nix::pty::openpty(Some(&ws), None).map_err(|e| ConnectError::internal(format!("openpty: {e}")))?;
+            let ws = nix::pty::Winsize {
+                ws_row: rows,
+                ws_col: cols,
+                ws_xpixel: 0,
+                ws_ypixel: 0,
+            };
+            let pty = nix::pty::openpty(Some(&ws), None)
+                .map_err(|e| ConnectError::internal(format!("openpty: {e}")))?;
             let slave = pty.slave;
             let dup = |fd: &OwnedFd| fd.try_clone().map(Stdio::from);
             let (i, o, e) = (dup(&slave), dup(&slave), dup(&slave));
@@ -313,7 +358,11 @@ impl ProcessTable {
                 });
             }
         } else {
-            cmd.stdin(if spec.stdin { Stdio::piped() } else { Stdio::null() });
+            cmd.stdin(if spec.stdin {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            });
             cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
             // SAFETY: only async-signal-safe calls between fork and exec.
             unsafe {
@@ -328,8 +377,13 @@ impl ProcessTable {
         }
 
         let mut child = cmd.spawn().map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => ConnectError::not_found(format!("{}: command or working directory not found", c.cmd)),
-            std::io::ErrorKind::PermissionDenied => ConnectError::permission_denied(format!("{}: permission denied", c.cmd)),
+            std::io::ErrorKind::NotFound => ConnectError::not_found(format!(
+                "{}: command or working directory not found",
+                c.cmd
+            )),
+            std::io::ErrorKind::PermissionDenied => {
+                ConnectError::permission_denied(format!("{}: permission denied", c.cmd))
+            }
             _ => ConnectError::internal(format!("spawn {}: {e}", c.cmd)),
         })?;
         let pid = child.id();
@@ -410,7 +464,10 @@ async fn pump(proc: Arc<Proc>, io: Arc<FdIo>, kind: fn(Vec<u8>) -> Output) {
             Ok(0) | Err(_) => break,
             Ok(n) => {
                 let ev = ProcessEvent {
-                    event: Some(Event::Data(Box::new(DataEvent { output: Some(kind(buf[..n].to_vec())), ..Default::default() }))),
+                    event: Some(Event::Data(Box::new(DataEvent {
+                        output: Some(kind(buf[..n].to_vec())),
+                        ..Default::default()
+                    }))),
                     ..Default::default()
                 };
                 proc.publish(ev).await;
@@ -432,18 +489,32 @@ async fn finish(proc: Arc<Proc>, readers: Vec<tokio::task::JoinHandle<()>>) {
     };
     let drain = futures::future::join_all(readers);
     if tokio::time::timeout(DRAIN_GRACE, drain).await.is_err() {
-        tracing::debug!(pid = proc.pid, "descendants still hold the output pipes; ending anyway");
+        tracing::debug!(
+            pid = proc.pid,
+            "descendants still hold the output pipes; ending anyway"
+        );
     }
     *proc.stdin.lock().await = None;
     let status = match signal {
         Some(s) => format!(
             "signal: {}",
-            NixSignal::try_from(s).map(|s| s.as_str().trim_start_matches("SIG").to_lowercase()).unwrap_or_else(|_| s.to_string())
+            NixSignal::try_from(s)
+                .map(|s| s.as_str().trim_start_matches("SIG").to_lowercase())
+                .unwrap_or_else(|_| s.to_string())
         ),
         None => format!("exit status {code}"),
     };
-    let end = EndEvent { exit_code: code, exited: signal.is_none(), status, error: None, ..Default::default() };
-    let ev = ProcessEvent { event: Some(Event::End(Box::new(end))), ..Default::default() };
+    let end = EndEvent {
+        exit_code: code,
+        exited: signal.is_none(),
+        status,
+        error: None,
+        ..Default::default()
+    };
+    let ev = ProcessEvent {
+        event: Some(Event::End(Box::new(end))),
+        ..Default::default()
+    };
     proc.publish(ev).await;
 }
 
@@ -465,11 +536,21 @@ fn descendants(root: u32) -> Vec<u32> {
     let mut parent_of: Vec<(u32, u32)> = Vec::new();
     if let Ok(rd) = std::fs::read_dir("/proc") {
         for e in rd.flatten() {
-            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
             // The command name may contain spaces and parens; fields resume after the last ')'.
-            let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else { continue };
-            let ppid = rest.split_whitespace().nth(1).and_then(|s| s.parse::<u32>().ok()).unwrap_or(0);
+            let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+                continue;
+            };
+            let ppid = rest
+                .split_whitespace()
+                .nth(1)
+                .and_then(|s| s.parse::<u32>().ok())
+                .unwrap_or(0);
             parent_of.push((pid, ppid));
         }
     }
@@ -510,7 +591,13 @@ fn event_stream<T: Send + 'static>(
     keepalive: Duration,
     wrap: fn(ProcessEvent) -> T,
 ) -> ServiceStream<T> {
-    let start = ProcessEvent { event: Some(Event::Start(Box::new(StartEvent { pid, ..Default::default() }))), ..Default::default() };
+    let start = ProcessEvent {
+        event: Some(Event::Start(Box::new(StartEvent {
+            pid,
+            ..Default::default()
+        }))),
+        ..Default::default()
+    };
     let mut queue: VecDeque<ProcessEvent> = VecDeque::from(missed);
     queue.push_front(start);
     let state = (queue, rx, false);
@@ -544,11 +631,16 @@ pub struct ProcessService {
 impl ProcessService {
     fn user(&self, ctx: &RequestContext) -> Result<User, ConnectError> {
         let name = users::from_headers(ctx.headers());
-        users::resolve(&self.table.cfg, name.as_deref())
-            .ok_or_else(|| ConnectError::invalid_argument(format!("unknown user {:?}", name.unwrap_or_default())))
+        users::resolve(&self.table.cfg, name.as_deref()).ok_or_else(|| {
+            ConnectError::invalid_argument(format!("unknown user {:?}", name.unwrap_or_default()))
+        })
     }
 
-    async fn write_input(&self, sel: &ProcessSelector, input: &ProcessInput) -> Result<(), ConnectError> {
+    async fn write_input(
+        &self,
+        sel: &ProcessSelector,
+        input: &ProcessInput,
+    ) -> Result<(), ConnectError> {
         let proc = self.table.get(sel)?;
         let (data, to_pty) = match &input.input {
             Some(Input::Stdin(d)) => (d, false),
@@ -556,31 +648,71 @@ impl ProcessService {
             None => return Ok(()),
         };
         let sink = if to_pty {
-            proc.pty.clone().ok_or_else(|| ConnectError::failed_precondition("process has no pty"))?
+            proc.pty
+                .clone()
+                .ok_or_else(|| ConnectError::failed_precondition("process has no pty"))?
         } else {
-            proc.stdin.lock().await.clone().ok_or_else(|| ConnectError::failed_precondition("stdin is closed"))?
+            proc.stdin
+                .lock()
+                .await
+                .clone()
+                .ok_or_else(|| ConnectError::failed_precondition("stdin is closed"))?
         };
-        sink.write_all(data).await.map_err(|e| ConnectError::failed_precondition(format!("write to process: {e}")))
+        sink.write_all(data)
+            .await
+            .map_err(|e| ConnectError::failed_precondition(format!("write to process: {e}")))
     }
 }
 
 impl Process for ProcessService {
-    async fn list(&self, _ctx: RequestContext, _request: ServiceRequest<'_, ListRequest>) -> ServiceResult<ListResponse> {
-        let procs = self.table.procs.lock().map_err(|_| ConnectError::internal("process table poisoned"))?;
-        let mut processes: Vec<ProcessInfo> = procs.values().filter(|p| p.is_running()).map(|p| p.info()).collect();
+    async fn list(
+        &self,
+        _ctx: RequestContext,
+        _request: ServiceRequest<'_, ListRequest>,
+    ) -> ServiceResult<ListResponse> {
+        let procs = self
+            .table
+            .procs
+            .lock()
+            .map_err(|_| ConnectError::internal("process table poisoned"))?;
+        let mut processes: Vec<ProcessInfo> = procs
+            .values()
+            .filter(|p| p.is_running())
+            .map(|p| p.info())
+            .collect();
         processes.sort_by_key(|p| p.pid);
-        Response::ok(ListResponse { processes, ..Default::default() })
+        Response::ok(ListResponse {
+            processes,
+            ..Default::default()
+        })
     }
 
-    async fn connect(&self, ctx: RequestContext, request: ServiceRequest<'_, ConnectRequest>) -> ServiceResult<ServiceStream<ConnectResponse>> {
+    async fn connect(
+        &self,
+        ctx: RequestContext,
+        request: ServiceRequest<'_, ConnectRequest>,
+    ) -> ServiceResult<ServiceStream<ConnectResponse>> {
         let req = request.to_owned_message();
         let proc = self.table.get(&req.process)?;
         let (missed, rx) = proc.subscribe();
-        let wrap = |ev: ProcessEvent| ConnectResponse { event: ev.into(), ..Default::default() };
-        Ok(Response::new(event_stream(proc.pid, missed, rx, keepalive_interval(&ctx), wrap)))
+        let wrap = |ev: ProcessEvent| ConnectResponse {
+            event: ev.into(),
+            ..Default::default()
+        };
+        Ok(Response::new(event_stream(
+            proc.pid,
+            missed,
+            rx,
+            keepalive_interval(&ctx),
+            wrap,
+        )))
     }
 
-    async fn start(&self, ctx: RequestContext, request: ServiceRequest<'_, StartRequest>) -> ServiceResult<ServiceStream<StartResponse>> {
+    async fn start(
+        &self,
+        ctx: RequestContext,
+        request: ServiceRequest<'_, StartRequest>,
+    ) -> ServiceResult<ServiceStream<StartResponse>> {
         let req = request.to_owned_message();
         let user = self.user(&ctx)?;
         let pty = req.pty.as_option().map(|p| {
@@ -596,21 +728,43 @@ impl Process for ProcessService {
             stdin: req.stdin.unwrap_or(true),
         };
         let (proc, missed, rx) = self.table.spawn(spec)?;
-        let wrap = |ev: ProcessEvent| StartResponse { event: ev.into(), ..Default::default() };
+        let wrap = |ev: ProcessEvent| StartResponse {
+            event: ev.into(),
+            ..Default::default()
+        };
         if ctx.header(DETACH_HEADER).is_some() {
             // Detached start: nothing is handed to this stream after the start event, so all
             // output waits in the backlog for a later Connect instead of dying in transit.
             drop(rx);
-            return Ok(Response::new(event_stream(proc.pid, missed, None, keepalive_interval(&ctx), wrap)));
+            return Ok(Response::new(event_stream(
+                proc.pid,
+                missed,
+                None,
+                keepalive_interval(&ctx),
+                wrap,
+            )));
         }
-        Ok(Response::new(event_stream(proc.pid, missed, Some(rx), keepalive_interval(&ctx), wrap)))
+        Ok(Response::new(event_stream(
+            proc.pid,
+            missed,
+            Some(rx),
+            keepalive_interval(&ctx),
+            wrap,
+        )))
     }
 
-    async fn update(&self, _ctx: RequestContext, request: ServiceRequest<'_, UpdateRequest>) -> ServiceResult<UpdateResponse> {
+    async fn update(
+        &self,
+        _ctx: RequestContext,
+        request: ServiceRequest<'_, UpdateRequest>,
+    ) -> ServiceResult<UpdateResponse> {
         let req = request.to_owned_message();
         let proc = self.table.get(&req.process)?;
         if let Some(p) = req.pty.as_option() {
-            let fd = proc.pty.as_ref().ok_or_else(|| ConnectError::failed_precondition("process has no pty"))?;
+            let fd = proc
+                .pty
+                .as_ref()
+                .ok_or_else(|| ConnectError::failed_precondition("process has no pty"))?;
             let ws = libc::winsize {
                 ws_row: p.size.rows.clamp(1, u16::MAX as u32) as u16,
                 ws_col: p.size.cols.clamp(1, u16::MAX as u32) as u16,
@@ -619,13 +773,20 @@ impl Process for ProcessService {
             };
             // SAFETY: TIOCSWINSZ reads a winsize struct that lives for the call.
             if unsafe { libc::ioctl(fd.raw(), libc::TIOCSWINSZ, &ws) } < 0 {
-                return Err(ConnectError::internal(format!("resize: {}", std::io::Error::last_os_error())));
+                return Err(ConnectError::internal(format!(
+                    "resize: {}",
+                    std::io::Error::last_os_error()
+                )));
             }
         }
         Response::ok(UpdateResponse::default())
     }
 
-    async fn stream_input(&self, _ctx: RequestContext, mut requests: connectrpc::InboundStream<StreamInputRequest>) -> ServiceResult<StreamInputResponse> {
+    async fn stream_input(
+        &self,
+        _ctx: RequestContext,
+        mut requests: connectrpc::InboundStream<StreamInputRequest>,
+    ) -> ServiceResult<StreamInputResponse> {
         use futures::StreamExt;
         let mut selector: Option<ProcessSelector> = None;
         while let Some(item) = requests.next().await {
@@ -633,7 +794,9 @@ impl Process for ProcessService {
             match msg.event {
                 Some(InputEvent::Start(s)) => selector = Some((*s.process).clone()),
                 Some(InputEvent::Data(d)) => {
-                    let sel = selector.as_ref().ok_or_else(|| ConnectError::invalid_argument("data before start"))?;
+                    let sel = selector
+                        .as_ref()
+                        .ok_or_else(|| ConnectError::invalid_argument("data before start"))?;
                     self.write_input(sel, &d.input).await?;
                 }
                 Some(InputEvent::Keepalive(_)) | None => {}
@@ -642,17 +805,27 @@ impl Process for ProcessService {
         Response::ok(StreamInputResponse::default())
     }
 
-    async fn send_input(&self, _ctx: RequestContext, request: ServiceRequest<'_, SendInputRequest>) -> ServiceResult<SendInputResponse> {
+    async fn send_input(
+        &self,
+        _ctx: RequestContext,
+        request: ServiceRequest<'_, SendInputRequest>,
+    ) -> ServiceResult<SendInputResponse> {
         let req = request.to_owned_message();
         self.write_input(&req.process, &req.input).await?;
         Response::ok(SendInputResponse::default())
     }
 
-    async fn send_signal(&self, _ctx: RequestContext, request: ServiceRequest<'_, SendSignalRequest>) -> ServiceResult<SendSignalResponse> {
+    async fn send_signal(
+        &self,
+        _ctx: RequestContext,
+        request: ServiceRequest<'_, SendSignalRequest>,
+    ) -> ServiceResult<SendSignalResponse> {
         let req = request.to_owned_message();
         let proc = self.table.get(&req.process)?;
         if !proc.is_running() {
-            return Err(ConnectError::failed_precondition("process has already ended"));
+            return Err(ConnectError::failed_precondition(
+                "process has already ended",
+            ));
         }
         match req.signal.as_known() {
             Some(Signal::SIGNAL_SIGKILL) => kill_tree(proc.pid, NixSignal::SIGKILL),
@@ -665,7 +838,11 @@ impl Process for ProcessService {
         Response::ok(SendSignalResponse::default())
     }
 
-    async fn close_stdin(&self, _ctx: RequestContext, request: ServiceRequest<'_, CloseStdinRequest>) -> ServiceResult<CloseStdinResponse> {
+    async fn close_stdin(
+        &self,
+        _ctx: RequestContext,
+        request: ServiceRequest<'_, CloseStdinRequest>,
+    ) -> ServiceResult<CloseStdinResponse> {
         let req = request.to_owned_message();
         let proc = self.table.get(&req.process)?;
         if proc.pty.is_some() {
@@ -687,7 +864,9 @@ pub async fn reap(table: Arc<ProcessTable>, mut sigchld: tokio::signal::unix::Si
         loop {
             match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
                 Ok(WaitStatus::Exited(pid, code)) => table.on_exit(pid.as_raw() as u32, code, None),
-                Ok(WaitStatus::Signaled(pid, sig, _)) => table.on_exit(pid.as_raw() as u32, 128 + sig as i32, Some(sig as i32)),
+                Ok(WaitStatus::Signaled(pid, sig, _)) => {
+                    table.on_exit(pid.as_raw() as u32, 128 + sig as i32, Some(sig as i32))
+                }
                 Ok(WaitStatus::StillAlive) | Err(Errno::ECHILD) => break,
                 Ok(_) => continue,
                 Err(Errno::EINTR) => continue,

@@ -23,12 +23,16 @@ pub enum AgentError {
 
 /// Reads the configuration from the environment and runs the agent until it is told to stop.
 pub fn run_from_env() -> Result<(), AgentError> {
-    let raw = std::env::var(CONFIG_ENV).map_err(|_| AgentError::Config(format!("{CONFIG_ENV} is not set")))?;
+    let raw = std::env::var(CONFIG_ENV)
+        .map_err(|_| AgentError::Config(format!("{CONFIG_ENV} is not set")))?;
     // SAFETY: still single-threaded; no other thread can read the environment concurrently.
     unsafe { std::env::remove_var(CONFIG_ENV) };
-    let cfg: AgentConfig = serde_json::from_str(&raw).map_err(|e| AgentError::Config(e.to_string()))?;
+    let cfg: AgentConfig =
+        serde_json::from_str(&raw).map_err(|e| AgentError::Config(e.to_string()))?;
     // One thread keeps an idle sandbox small; file work goes to spawn_blocking threads.
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(run(cfg))
 }
 
@@ -39,8 +43,14 @@ pub fn router(cfg: Arc<AgentConfig>, table: Arc<ProcessTable>) -> Result<Router,
         .add_service(Arc::new(ProcessService { table }))
         .add_service(Arc::new(FilesystemService::new(root.clone())));
     Ok(Router::new()
-        .route("/health", get(|| async { axum::http::StatusCode::NO_CONTENT }))
-        .route("/files", get(crate::files_http::download).post(crate::files_http::upload))
+        .route(
+            "/health",
+            get(|| async { axum::http::StatusCode::NO_CONTENT }),
+        )
+        .route(
+            "/files",
+            get(crate::files_http::download).post(crate::files_http::upload),
+        )
         .with_state(root)
         .layer(axum::extract::DefaultBodyLimit::disable())
         .fallback_service(connect.into_axum_service()))

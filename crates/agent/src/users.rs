@@ -32,11 +32,23 @@ pub fn resolve(cfg: &AgentConfig, name: Option<&str>) -> Option<User> {
         _ => return None,
     };
     Some(match cfg.mode {
-        IsolationMode::Container => User { name, uid, gid: uid, home, switch: true },
+        IsolationMode::Container => User {
+            name,
+            uid,
+            gid: uid,
+            home,
+            switch: true,
+        },
         IsolationMode::Process => {
             let me = nix::unistd::getuid().as_raw();
             let gid = nix::unistd::getgid().as_raw();
-            User { name, uid: me, gid, home, switch: false }
+            User {
+                name,
+                uid: me,
+                gid,
+                home,
+                switch: false,
+            }
         }
     })
 }
@@ -45,7 +57,9 @@ pub fn resolve(cfg: &AgentConfig, name: Option<&str>) -> Option<User> {
 pub fn from_headers(headers: &http::HeaderMap) -> Option<String> {
     let value = headers.get(http::header::AUTHORIZATION)?.to_str().ok()?;
     let encoded = value.strip_prefix("Basic ")?;
-    let decoded = base64::engine::general_purpose::STANDARD.decode(encoded.trim()).ok()?;
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(encoded.trim())
+        .ok()?;
     let text = String::from_utf8(decoded).ok()?;
     Some(text.split(':').next().unwrap_or_default().to_string())
 }
@@ -59,7 +73,11 @@ pub fn name_of(cfg: &AgentConfig, uid: u32) -> String {
             other => other.to_string(),
         },
         IsolationMode::Process => {
-            if uid == nix::unistd::getuid().as_raw() { "user".into() } else { uid.to_string() }
+            if uid == nix::unistd::getuid().as_raw() {
+                "user".into()
+            } else {
+                uid.to_string()
+            }
         }
     }
 }

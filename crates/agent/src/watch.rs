@@ -48,7 +48,10 @@ fn map_kind(kind: &EventKind) -> Option<EventType> {
 impl Watchers {
     /// Watchers confined to `root`.
     pub fn new(root: Arc<FsRoot>) -> Self {
-        Self { root, polling: Mutex::new(HashMap::new()) }
+        Self {
+            root,
+            polling: Mutex::new(HashMap::new()),
+        }
     }
 
     /// Starts watching; every event is handed to `sink` already converted.
@@ -65,13 +68,25 @@ impl Watchers {
         let abs = p.abs.clone();
         let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
             let Ok(ev) = res else { return };
-            let Some(kind) = map_kind(&ev.kind) else { return };
+            let Some(kind) = map_kind(&ev.kind) else {
+                return;
+            };
             for path in ev.paths {
-                let Ok(rel) = path.strip_prefix(&base) else { continue };
+                let Ok(rel) = path.strip_prefix(&base) else {
+                    continue;
+                };
                 let name = rel.to_string_lossy().into_owned();
-                let mut fe = FilesystemEvent { name: name.clone(), r#type: kind.into(), ..Default::default() };
+                let mut fe = FilesystemEvent {
+                    name: name.clone(),
+                    r#type: kind.into(),
+                    ..Default::default()
+                };
                 if include_entry {
-                    let full = if abs == "/" { format!("/{name}") } else { format!("{abs}/{name}") };
+                    let full = if abs == "/" {
+                        format!("/{name}")
+                    } else {
+                        format!("{abs}/{name}")
+                    };
                     if let Ok(info) = root.entry_info(&SandboxPath { abs: full }) {
                         fe.entry = info.into();
                     }
@@ -80,11 +95,21 @@ impl Watchers {
             }
         })
         .map_err(|e| ConnectError::internal(format!("watch: {e}")))?;
-        let mode = if recursive { RecursiveMode::Recursive } else { RecursiveMode::NonRecursive };
-        watcher
-            .watch(&watch_path, mode)
-            .map_err(|e| ConnectError::from(FsError::Io(p.abs.clone(), std::io::Error::other(e.to_string()))))?;
-        Ok(Live { _watcher: watcher, _dir: dir })
+        let mode = if recursive {
+            RecursiveMode::Recursive
+        } else {
+            RecursiveMode::NonRecursive
+        };
+        watcher.watch(&watch_path, mode).map_err(|e| {
+            ConnectError::from(FsError::Io(
+                p.abs.clone(),
+                std::io::Error::other(e.to_string()),
+            ))
+        })?;
+        Ok(Live {
+            _watcher: watcher,
+            _dir: dir,
+        })
     }
 
     /// A `WatchDir` stream: a start event, then filesystem events and keepalives.
@@ -104,26 +129,35 @@ impl Watchers {
             ..Default::default()
         };
         let state = (Some(first), rx, live);
-        let s = futures::stream::unfold(state, move |(first, mut rx, live)| {
-            async move {
-                if let Some(f) = first {
-                    return Some((Ok(f), (None, rx, live)));
-                }
-                let ev = tokio::select! {
-                    ev = rx.recv() => match ev {
-                        Some(fe) => WatchEvent::Filesystem(Box::new(fe)),
-                        None => return None,
-                    },
-                    _ = tokio::time::sleep(keepalive) => WatchEvent::Keepalive(Box::default()),
-                };
-                Some((Ok(WatchDirResponse { event: Some(ev), ..Default::default() }), (None, rx, live)))
+        let s = futures::stream::unfold(state, move |(first, mut rx, live)| async move {
+            if let Some(f) = first {
+                return Some((Ok(f), (None, rx, live)));
             }
+            let ev = tokio::select! {
+                ev = rx.recv() => match ev {
+                    Some(fe) => WatchEvent::Filesystem(Box::new(fe)),
+                    None => return None,
+                },
+                _ = tokio::time::sleep(keepalive) => WatchEvent::Keepalive(Box::default()),
+            };
+            Some((
+                Ok(WatchDirResponse {
+                    event: Some(ev),
+                    ..Default::default()
+                }),
+                (None, rx, live),
+            ))
         });
         Ok(Box::pin(s))
     }
 
     /// Creates a polling watcher and returns its id.
-    pub fn create(&self, p: SandboxPath, recursive: bool, include_entry: bool) -> Result<String, ConnectError> {
+    pub fn create(
+        &self,
+        p: SandboxPath,
+        recursive: bool,
+        include_entry: bool,
+    ) -> Result<String, ConnectError> {
         let events: Arc<Mutex<Vec<FilesystemEvent>>> = Arc::default();
         let sink_events = events.clone();
         let live = self.start(&p, recursive, include_entry, move |fe| {
@@ -135,15 +169,26 @@ impl Watchers {
             }
         })?;
         let id = uuid::Uuid::new_v4().to_string();
-        self.lock()?.insert(id.clone(), Polling { _live: live, events });
+        self.lock()?.insert(
+            id.clone(),
+            Polling {
+                _live: live,
+                events,
+            },
+        );
         Ok(id)
     }
 
     /// Returns and clears the events a polling watcher has gathered.
     pub fn drain(&self, id: &str) -> Result<Vec<FilesystemEvent>, ConnectError> {
         let map = self.lock()?;
-        let w = map.get(id).ok_or_else(|| ConnectError::not_found(format!("watcher {id} not found")))?;
-        let mut ev = w.events.lock().map_err(|_| ConnectError::internal("watcher state poisoned"))?;
+        let w = map
+            .get(id)
+            .ok_or_else(|| ConnectError::not_found(format!("watcher {id} not found")))?;
+        let mut ev = w
+            .events
+            .lock()
+            .map_err(|_| ConnectError::internal("watcher state poisoned"))?;
         Ok(std::mem::take(&mut *ev))
     }
 
@@ -156,6 +201,8 @@ impl Watchers {
     }
 
     fn lock(&self) -> Result<std::sync::MutexGuard<'_, HashMap<String, Polling>>, ConnectError> {
-        self.polling.lock().map_err(|_| ConnectError::internal("watcher table poisoned"))
+        self.polling
+            .lock()
+            .map_err(|_| ConnectError::internal("watcher table poisoned"))
     }
 }

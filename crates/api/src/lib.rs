@@ -182,10 +182,17 @@ pub struct StdinRequest {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ClientMessage {
     /// Base64 bytes for stdin (or the pty).
-    Stdin { data: String },
+    Stdin {
+        data: String,
+    },
     CloseStdin,
-    Signal { signal: String },
-    Resize { cols: u16, rows: u16 },
+    Signal {
+        signal: String,
+    },
+    Resize {
+        cols: u16,
+        rows: u16,
+    },
 }
 
 /// Events a command WebSocket delivers; output is base64.

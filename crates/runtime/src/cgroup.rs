@@ -14,7 +14,9 @@ pub enum Layout {
     /// One unified tree.
     V2 { root: PathBuf },
     /// One tree per controller (also the "hybrid" layout, where only v1 controllers matter).
-    V1 { controllers: Vec<(&'static str, PathBuf)> },
+    V1 {
+        controllers: Vec<(&'static str, PathBuf)>,
+    },
 }
 
 /// Manages the `sandpit/<id>` cgroups.
@@ -27,7 +29,10 @@ pub struct Cgroups {
 }
 
 fn write(path: &Path, value: &str) -> Result<(), RuntimeError> {
-    std::fs::write(path, value).map_err(|source| RuntimeError::Cgroup { path: path.display().to_string(), source })
+    std::fs::write(path, value).map_err(|source| RuntimeError::Cgroup {
+        path: path.display().to_string(),
+        source,
+    })
 }
 
 fn read_u64(path: &Path) -> Option<u64> {
@@ -40,7 +45,12 @@ impl Cgroups {
         crate::check_id(parent)?;
         let parent = parent.to_string();
         if root.join("cgroup.controllers").exists() {
-            return Ok(Self { layout: Layout::V2 { root: root.to_path_buf() }, parent });
+            return Ok(Self {
+                layout: Layout::V2 {
+                    root: root.to_path_buf(),
+                },
+                parent,
+            });
         }
         let mut controllers = Vec::new();
         for name in V1_CONTROLLERS {
@@ -57,7 +67,10 @@ impl Cgroups {
                 )));
             }
         }
-        Ok(Self { layout: Layout::V1 { controllers }, parent })
+        Ok(Self {
+            layout: Layout::V1 { controllers },
+            parent,
+        })
     }
 
     /// The layout in use.
@@ -70,7 +83,10 @@ impl Cgroups {
         match &self.layout {
             Layout::V2 { root } => vec![root.join(&self.parent).join(id)],
             Layout::V1 { controllers } => {
-                let mut v: Vec<PathBuf> = controllers.iter().map(|(_, p)| p.join(&self.parent).join(id)).collect();
+                let mut v: Vec<PathBuf> = controllers
+                    .iter()
+                    .map(|(_, p)| p.join(&self.parent).join(id))
+                    .collect();
                 v.dedup();
                 v
             }
@@ -80,15 +96,19 @@ impl Cgroups {
     fn dir_of(&self, controller: &str, id: &str) -> Option<PathBuf> {
         match &self.layout {
             Layout::V2 { root } => Some(root.join(&self.parent).join(id)),
-            Layout::V1 { controllers } => {
-                controllers.iter().find(|(n, _)| *n == controller).map(|(_, p)| p.join(&self.parent).join(id))
-            }
+            Layout::V1 { controllers } => controllers
+                .iter()
+                .find(|(n, _)| *n == controller)
+                .map(|(_, p)| p.join(&self.parent).join(id)),
         }
     }
 
     /// The `cgroup.procs` files a process writes itself into to join the sandbox.
     pub fn procs_files(&self, id: &str) -> Vec<PathBuf> {
-        self.dirs(id).into_iter().map(|d| d.join("cgroup.procs")).collect()
+        self.dirs(id)
+            .into_iter()
+            .map(|d| d.join("cgroup.procs"))
+            .collect()
     }
 
     /// Creates the sandbox's cgroup with its limits.
@@ -120,7 +140,10 @@ impl Cgroups {
             }
             Layout::V1 { .. } => {
                 if let Some(m) = self.dir_of("memory", id) {
-                    write(&m.join("memory.limit_in_bytes"), &limits.memory_bytes.to_string())?;
+                    write(
+                        &m.join("memory.limit_in_bytes"),
+                        &limits.memory_bytes.to_string(),
+                    )?;
                     let memsw = m.join("memory.memsw.limit_in_bytes");
                     if memsw.exists() {
                         write(&memsw, &limits.memory_bytes.to_string())?;
@@ -155,18 +178,27 @@ impl Cgroups {
                 }
             }
             Layout::V1 { .. } => {
-                let d = self.dir_of("freezer", id).ok_or_else(|| RuntimeError::Unsupported("no freezer".into()))?;
+                let d = self
+                    .dir_of("freezer", id)
+                    .ok_or_else(|| RuntimeError::Unsupported("no freezer".into()))?;
                 let want = if frozen { "FROZEN" } else { "THAWED" };
                 write(&d.join("freezer.state"), want)?;
                 while Instant::now() < deadline {
-                    if std::fs::read_to_string(d.join("freezer.state")).unwrap_or_default().trim() == want {
+                    if std::fs::read_to_string(d.join("freezer.state"))
+                        .unwrap_or_default()
+                        .trim()
+                        == want
+                    {
                         return Ok(());
                     }
                     std::thread::sleep(Duration::from_millis(1));
                 }
             }
         }
-        Err(RuntimeError::Setup(format!("sandbox {id} did not reach the {} state", if frozen { "frozen" } else { "thawed" })))
+        Err(RuntimeError::Setup(format!(
+            "sandbox {id} did not reach the {} state",
+            if frozen { "frozen" } else { "thawed" }
+        )))
     }
 
     /// Pids currently in the sandbox's cgroup.
@@ -197,12 +229,17 @@ impl Cgroups {
                 return Ok(());
             }
             for pid in &pids {
-                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(*pid), nix::sys::signal::Signal::SIGKILL);
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(*pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
             }
             // A frozen task cannot die; thaw so the pending SIGKILL is delivered.
             let _ = self.thaw_quick(id);
             if Instant::now() > deadline {
-                return Err(RuntimeError::Setup(format!("processes of sandbox {id} did not die: {pids:?}")));
+                return Err(RuntimeError::Setup(format!(
+                    "processes of sandbox {id} did not die: {pids:?}"
+                )));
             }
             std::thread::sleep(Duration::from_millis(2));
         }
@@ -210,7 +247,9 @@ impl Cgroups {
 
     fn thaw_quick(&self, id: &str) -> Result<(), RuntimeError> {
         match &self.layout {
-            Layout::V2 { root } => write(&root.join(&self.parent).join(id).join("cgroup.freeze"), "0"),
+            Layout::V2 { root } => {
+                write(&root.join(&self.parent).join(id).join("cgroup.freeze"), "0")
+            }
             Layout::V1 { .. } => match self.dir_of("freezer", id) {
                 Some(d) => write(&d.join("freezer.state"), "THAWED"),
                 None => Ok(()),
@@ -227,10 +266,17 @@ impl Cgroups {
                     Ok(()) => break,
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
                     // Busy while the last tasks finish exiting.
-                    Err(e) if Instant::now() < deadline && e.raw_os_error() == Some(libc::EBUSY) => {
+                    Err(e)
+                        if Instant::now() < deadline && e.raw_os_error() == Some(libc::EBUSY) =>
+                    {
                         std::thread::sleep(Duration::from_millis(2))
                     }
-                    Err(source) => return Err(RuntimeError::Cgroup { path: d.display().to_string(), source }),
+                    Err(source) => {
+                        return Err(RuntimeError::Cgroup {
+                            path: d.display().to_string(),
+                            source,
+                        });
+                    }
                 }
             }
         }
@@ -241,7 +287,10 @@ impl Cgroups {
     pub fn remove_parent_if_empty(&self) {
         let parents: Vec<PathBuf> = match &self.layout {
             Layout::V2 { root } => vec![root.join(&self.parent)],
-            Layout::V1 { controllers } => controllers.iter().map(|(_, p)| p.join(&self.parent)).collect(),
+            Layout::V1 { controllers } => controllers
+                .iter()
+                .map(|(_, p)| p.join(&self.parent))
+                .collect(),
         };
         for p in parents {
             // rmdir refuses a cgroup with children, which is exactly the guard wanted here.
@@ -254,15 +303,16 @@ impl Cgroups {
         let mut ids = Vec::new();
         let parents: Vec<PathBuf> = match &self.layout {
             Layout::V2 { root } => vec![root.join(&self.parent)],
-            Layout::V1 { controllers } => controllers.iter().map(|(_, p)| p.join(&self.parent)).collect(),
+            Layout::V1 { controllers } => controllers
+                .iter()
+                .map(|(_, p)| p.join(&self.parent))
+                .collect(),
         };
         for p in parents {
             if let Ok(rd) = std::fs::read_dir(&p) {
                 for e in rd.flatten() {
-                    if e.path().is_dir() {
-                        if let Some(n) = e.file_name().to_str() {
-                            ids.push(n.to_string());
-                        }
+                    if let (true, Some(n)) = (e.path().is_dir(), e.file_name().to_str()) {
+                        ids.push(n.to_string());
                     }
                 }
             }
@@ -280,7 +330,10 @@ impl Cgroups {
                 let usage_usec = std::fs::read_to_string(d.join("cpu.stat"))
                     .ok()
                     .and_then(|s| {
-                        s.lines().find_map(|l| l.strip_prefix("usage_usec ").and_then(|v| v.trim().parse::<u64>().ok()))
+                        s.lines().find_map(|l| {
+                            l.strip_prefix("usage_usec ")
+                                .and_then(|v| v.trim().parse::<u64>().ok())
+                        })
                     })
                     .unwrap_or(0);
                 Stats {
@@ -291,7 +344,11 @@ impl Cgroups {
                 }
             }
             Layout::V1 { .. } => {
-                let get = |ctl: &str, file: &str| self.dir_of(ctl, id).and_then(|d| read_u64(&d.join(file))).unwrap_or(0);
+                let get = |ctl: &str, file: &str| {
+                    self.dir_of(ctl, id)
+                        .and_then(|d| read_u64(&d.join(file)))
+                        .unwrap_or(0)
+                };
                 Stats {
                     cpu_usage_ns: get("cpuacct", "cpuacct.usage"),
                     memory_current_bytes: get("memory", "memory.usage_in_bytes"),
@@ -307,7 +364,10 @@ fn mkdir(p: &Path) -> Result<(), RuntimeError> {
     match std::fs::create_dir(p) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
-        Err(source) => Err(RuntimeError::Cgroup { path: p.display().to_string(), source }),
+        Err(source) => Err(RuntimeError::Cgroup {
+            path: p.display().to_string(),
+            source,
+        }),
     }
 }
 
@@ -329,13 +389,27 @@ mod tests {
         let t = tempfile::tempdir().unwrap();
         std::fs::write(t.path().join("cgroup.controllers"), "memory pids cpu").unwrap();
         let cg = Cgroups::detect(t.path(), "sandpit").unwrap();
-        let limits = Limits { cpu_millis: 500, memory_bytes: 1 << 20, disk_bytes: 0, max_processes: 7 };
+        let limits = Limits {
+            cpu_millis: 500,
+            memory_bytes: 1 << 20,
+            disk_bytes: 0,
+            max_processes: 7,
+        };
         cg.create("s1", &limits).unwrap();
         let d = t.path().join("sandpit/s1");
-        assert_eq!(std::fs::read_to_string(d.join("cpu.max")).unwrap(), "50000 100000");
-        assert_eq!(std::fs::read_to_string(d.join("memory.max")).unwrap(), "1048576");
+        assert_eq!(
+            std::fs::read_to_string(d.join("cpu.max")).unwrap(),
+            "50000 100000"
+        );
+        assert_eq!(
+            std::fs::read_to_string(d.join("memory.max")).unwrap(),
+            "1048576"
+        );
         assert_eq!(std::fs::read_to_string(d.join("pids.max")).unwrap(), "7");
-        assert_eq!(std::fs::read_to_string(t.path().join("cgroup.subtree_control")).unwrap(), "+memory +pids +cpu");
+        assert_eq!(
+            std::fs::read_to_string(t.path().join("cgroup.subtree_control")).unwrap(),
+            "+memory +pids +cpu"
+        );
         assert_eq!(cg.list(), vec!["s1".to_string()]);
     }
 
@@ -350,6 +424,17 @@ mod tests {
         let cg = Cgroups::detect(t.path(), "sandpit").unwrap();
         assert!(matches!(cg.layout(), Layout::V1 { .. }));
         assert_eq!(cg.dirs("x").len(), 5);
-        assert!(cg.create("../escape", &Limits { cpu_millis: 1, memory_bytes: 1, disk_bytes: 1, max_processes: 1 }).is_err());
+        assert!(
+            cg.create(
+                "../escape",
+                &Limits {
+                    cpu_millis: 1,
+                    memory_bytes: 1,
+                    disk_bytes: 1,
+                    max_processes: 1
+                }
+            )
+            .is_err()
+        );
     }
 }

@@ -73,7 +73,9 @@ pub fn init_main() -> i32 {
 }
 
 fn pipe() -> R<(OwnedFd, OwnedFd)> {
-    ctx(nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC), || "pipe".into())
+    ctx(nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC), || {
+        "pipe".into()
+    })
 }
 
 fn run(cfg: &InitConfig) -> R<(i32, u64)> {
@@ -86,7 +88,9 @@ fn run(cfg: &InitConfig) -> R<(i32, u64)> {
             drop(to_child_w);
             let mut report = std::fs::File::from(to_parent_w);
             let mut wait = std::fs::File::from(to_child_r);
-            let err = child(cfg, &mut report, &mut wait).err().unwrap_or_else(|| "exec returned".into());
+            let err = child(cfg, &mut report, &mut wait)
+                .err()
+                .unwrap_or_else(|| "exec returned".into());
             let _ = report.write_all(format!("E{err}").as_bytes());
             // SAFETY: leave without running the parent's atexit handlers twice.
             unsafe { libc::_exit(1) }
@@ -94,7 +98,12 @@ fn run(cfg: &InitConfig) -> R<(i32, u64)> {
         ForkResult::Parent { child } => {
             drop(to_parent_w);
             drop(to_child_r);
-            let r = parent(cfg, child, std::fs::File::from(to_parent_r), std::fs::File::from(to_child_w));
+            let r = parent(
+                cfg,
+                child,
+                std::fs::File::from(to_parent_r),
+                std::fs::File::from(to_child_w),
+            );
             if r.is_err() {
                 let _ = nix::sys::signal::kill(child, nix::sys::signal::Signal::SIGKILL);
                 let _ = nix::sys::wait::waitpid(child, None);
@@ -104,9 +113,17 @@ fn run(cfg: &InitConfig) -> R<(i32, u64)> {
     }
 }
 
-fn parent(cfg: &InitConfig, child: Pid, mut from_child: std::fs::File, mut to_child: std::fs::File) -> R<(i32, u64)> {
+fn parent(
+    cfg: &InitConfig,
+    child: Pid,
+    mut from_child: std::fs::File,
+    mut to_child: std::fs::File,
+) -> R<(i32, u64)> {
     let mut buf = [0u8; 1];
-    ctx(from_child.read_exact(&mut buf), || "sandbox setup died".into()).map_err(|e| {
+    ctx(from_child.read_exact(&mut buf), || {
+        "sandbox setup died".into()
+    })
+    .map_err(|e| {
         let mut rest = String::new();
         let _ = from_child.read_to_string(&mut rest);
         if rest.is_empty() { e } else { rest }
@@ -117,8 +134,14 @@ fn parent(cfg: &InitConfig, child: Pid, mut from_child: std::fs::File, mut to_ch
         return Err(rest);
     }
     let map = format!("0 {} {}\n", cfg.uid_base, ID_RANGE);
-    ctx(std::fs::write(format!("/proc/{child}/uid_map"), &map), || "write uid_map".into())?;
-    ctx(std::fs::write(format!("/proc/{child}/gid_map"), &map), || "write gid_map".into())?;
+    ctx(
+        std::fs::write(format!("/proc/{child}/uid_map"), &map),
+        || "write uid_map".into(),
+    )?;
+    ctx(
+        std::fs::write(format!("/proc/{child}/gid_map"), &map),
+        || "write gid_map".into(),
+    )?;
     ctx(to_child.write_all(b"M"), || "signal child".into())?;
     // The pipe closes without a message when the exec of the agent succeeded.
     let mut rest = String::new();
@@ -132,13 +155,21 @@ fn parent(cfg: &InitConfig, child: Pid, mut from_child: std::fs::File, mut to_ch
 
 fn child(cfg: &InitConfig, report: &mut std::fs::File, wait: &mut std::fs::File) -> R<()> {
     setup_root(cfg)?;
-    ctx(unshare(CloneFlags::CLONE_NEWUSER), || "unshare user namespace".into())?;
+    ctx(unshare(CloneFlags::CLONE_NEWUSER), || {
+        "unshare user namespace".into()
+    })?;
     ctx(report.write_all(b"U"), || "report".into())?;
     let mut b = [0u8; 1];
     ctx(wait.read_exact(&mut b), || "wait for id map".into())?;
     ctx(nix::unistd::setgroups(&[]), || "setgroups".into())?;
-    ctx(nix::unistd::setresgid(Gid::from_raw(0), Gid::from_raw(0), Gid::from_raw(0)), || "setresgid".into())?;
-    ctx(nix::unistd::setresuid(Uid::from_raw(0), Uid::from_raw(0), Uid::from_raw(0)), || "setresuid".into())?;
+    ctx(
+        nix::unistd::setresgid(Gid::from_raw(0), Gid::from_raw(0), Gid::from_raw(0)),
+        || "setresgid".into(),
+    )?;
+    ctx(
+        nix::unistd::setresuid(Uid::from_raw(0), Uid::from_raw(0), Uid::from_raw(0)),
+        || "setresuid".into(),
+    )?;
     crate::container::security::drop_capabilities()?;
     // SAFETY: prctl with integer arguments.
     if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
@@ -153,7 +184,10 @@ fn child(cfg: &InitConfig, report: &mut std::fs::File, wait: &mut std::fs::File)
 }
 
 fn redirect_stdio() -> R<()> {
-    let null = ctx(nix::fcntl::open("/dev/null", nix::fcntl::OFlag::O_RDWR, Mode::empty()), || "open /dev/null".into())?;
+    let null = ctx(
+        nix::fcntl::open("/dev/null", nix::fcntl::OFlag::O_RDWR, Mode::empty()),
+        || "open /dev/null".into(),
+    )?;
     for fd in 0..3 {
         // SAFETY: dup2 onto the standard descriptors.
         if unsafe { libc::dup2(null.as_raw_fd(), fd) } < 0 {
@@ -168,23 +202,51 @@ fn exec_agent(cfg: &InitConfig) -> R<()> {
     let path = CString::new(AGENT_PATH).map_err(|e| e.to_string())?;
     let argv = [CString::new(AGENT_ARGV0).map_err(|e| e.to_string())?];
     let env = [
-        CString::new(format!("{}={}", sandpit_agent::config::CONFIG_ENV, cfg.agent_config)).map_err(|e| e.to_string())?,
-        CString::new("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin").map_err(|e| e.to_string())?,
+        CString::new(format!(
+            "{}={}",
+            sandpit_agent::config::CONFIG_ENV,
+            cfg.agent_config
+        ))
+        .map_err(|e| e.to_string())?,
+        CString::new("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+            .map_err(|e| e.to_string())?,
     ];
     let e = nix::unistd::execve(&path, &argv, &env).err();
     Err(format!("exec agent: {e:?}"))
 }
 
-fn mnt(src: Option<&str>, target: &Path, fstype: Option<&str>, flags: MsFlags, data: Option<&str>) -> R<()> {
-    ctx(mount(src, target, fstype, flags, data), || format!("mount {} on {}", fstype.or(src).unwrap_or("-"), target.display()))
+fn mnt(
+    src: Option<&str>,
+    target: &Path,
+    fstype: Option<&str>,
+    flags: MsFlags,
+    data: Option<&str>,
+) -> R<()> {
+    ctx(mount(src, target, fstype, flags, data), || {
+        format!(
+            "mount {} on {}",
+            fstype.or(src).unwrap_or("-"),
+            target.display()
+        )
+    })
 }
 
 fn bind_ro(src: &Path, target: &Path, extra: MsFlags) -> R<()> {
-    ctx(mount(Some(src), target, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>), || {
-        format!("bind {} on {}", src.display(), target.display())
-    })?;
+    ctx(
+        mount(
+            Some(src),
+            target,
+            None::<&str>,
+            MsFlags::MS_BIND | MsFlags::MS_REC,
+            None::<&str>,
+        ),
+        || format!("bind {} on {}", src.display(), target.display()),
+    )?;
     let flags = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | extra;
-    ctx(mount(None::<&str>, target, None::<&str>, flags, None::<&str>), || format!("remount {} read-only", target.display()))
+    ctx(
+        mount(None::<&str>, target, None::<&str>, flags, None::<&str>),
+        || format!("remount {} read-only", target.display()),
+    )
 }
 
 fn mkdir_owned(p: &Path, mode: u32, uid: u32) -> R<()> {
@@ -193,32 +255,67 @@ fn mkdir_owned(p: &Path, mode: u32, uid: u32) -> R<()> {
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
         Err(e) => return Err(format!("mkdir {}: {e}", p.display())),
     }
-    ctx(chown(p, Some(uid), Some(uid)), || format!("chown {}", p.display()))?;
-    ctx(std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)), || format!("chmod {}", p.display()))
+    ctx(chown(p, Some(uid), Some(uid)), || {
+        format!("chown {}", p.display())
+    })?;
+    ctx(
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)),
+        || format!("chmod {}", p.display()),
+    )
 }
 
 fn write_owned(p: &Path, content: &str, uid: u32) -> R<()> {
-    ctx(std::fs::write(p, content), || format!("write {}", p.display()))?;
-    ctx(chown(p, Some(uid), Some(uid)), || format!("chown {}", p.display()))
+    ctx(std::fs::write(p, content), || {
+        format!("write {}", p.display())
+    })?;
+    ctx(chown(p, Some(uid), Some(uid)), || {
+        format!("chown {}", p.display())
+    })
 }
 
 fn setup_root(cfg: &InitConfig) -> R<()> {
     // A mount namespace of PID 1's own: pivot_root must not move the init helper, which
     // still needs the host's /proc to write the id maps.
-    ctx(unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWCGROUP), || "unshare mount and cgroup namespaces".into())?;
-    mnt(None, Path::new("/"), None, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None)?;
+    ctx(
+        unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWCGROUP),
+        || "unshare mount and cgroup namespaces".into(),
+    )?;
+    mnt(
+        None,
+        Path::new("/"),
+        None,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None,
+    )?;
     let layer = cfg.dir.join("layer");
     let root = cfg.dir.join("rootfs");
     // The writable layer lives on a size-capped tmpfs: writing past it is ENOSPC and can
     // never reach the host's disk. It is charged to the sandbox's memory cgroup.
     let opts = format!("size={},mode=0755", cfg.disk_bytes);
-    mnt(Some("tmpfs"), &layer, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some(&opts))?;
+    mnt(
+        Some("tmpfs"),
+        &layer,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some(&opts),
+    )?;
     let upper = layer.join("upper");
     let work = layer.join("work");
     mkdir_owned(&upper, 0o755, cfg.uid_base)?;
     mkdir_owned(&work, 0o700, 0)?;
-    let ovl = format!("lowerdir={},upperdir={},workdir={}", cfg.lower.display(), upper.display(), work.display());
-    mnt(Some("overlay"), &root, Some("overlay"), MsFlags::MS_NOSUID, Some(&ovl))?;
+    let ovl = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        cfg.lower.display(),
+        upper.display(),
+        work.display()
+    );
+    mnt(
+        Some("overlay"),
+        &root,
+        Some("overlay"),
+        MsFlags::MS_NOSUID,
+        Some(&ovl),
+    )?;
     for b in &cfg.host_binds {
         let target = root.join(b.strip_prefix("/").unwrap_or(b));
         bind_ro(b, &target, MsFlags::MS_NOSUID | MsFlags::MS_NODEV)?;
@@ -246,10 +343,20 @@ fn setup_root(cfg: &InitConfig) -> R<()> {
 
     let agent = root.join(AGENT_PATH.trim_start_matches('/'));
     write_owned(&agent, "", uroot)?;
-    bind_ro(&cfg.agent_exe, &agent, MsFlags::MS_NOSUID | MsFlags::MS_NODEV)?;
+    bind_ro(
+        &cfg.agent_exe,
+        &agent,
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+    )?;
 
     mount_proc(&root)?;
-    mnt(Some("sysfs"), &root.join("sys"), Some("sysfs"), ro_flags(), None)?;
+    mnt(
+        Some("sysfs"),
+        &root.join("sys"),
+        Some("sysfs"),
+        ro_flags(),
+        None,
+    )?;
     mask(&root, "sys/firmware")?;
     mount_dev(&root)?;
 
@@ -260,7 +367,9 @@ fn setup_root(cfg: &InitConfig) -> R<()> {
 
     ctx(nix::unistd::chdir(&root), || "chdir rootfs".into())?;
     ctx(nix::unistd::pivot_root(".", "."), || "pivot_root".into())?;
-    ctx(umount2(".", MntFlags::MNT_DETACH), || "detach old root".into())?;
+    ctx(umount2(".", MntFlags::MNT_DETACH), || {
+        "detach old root".into()
+    })?;
     ctx(nix::unistd::chdir("/"), || "chdir /".into())?;
     Ok(())
 }
@@ -274,13 +383,25 @@ fn ensure_user_account(root: &Path, uroot: u32) -> R<()> {
     let passwd = root.join("etc/passwd");
     let cur = std::fs::read_to_string(&passwd).unwrap_or_default();
     if !cur.lines().any(|l| l.starts_with("user:")) {
-        let base = if cur.is_empty() { "root:x:0:0:root:/root:/bin/sh\n".to_string() } else { cur };
-        write_owned(&passwd, &format!("{base}user:x:1000:1000:user:/home/user:/bin/sh\n"), uroot)?;
+        let base = if cur.is_empty() {
+            "root:x:0:0:root:/root:/bin/sh\n".to_string()
+        } else {
+            cur
+        };
+        write_owned(
+            &passwd,
+            &format!("{base}user:x:1000:1000:user:/home/user:/bin/sh\n"),
+            uroot,
+        )?;
     }
     let group = root.join("etc/group");
     let cur = std::fs::read_to_string(&group).unwrap_or_default();
     if !cur.lines().any(|l| l.starts_with("user:")) {
-        let base = if cur.is_empty() { "root:x:0:\n".to_string() } else { cur };
+        let base = if cur.is_empty() {
+            "root:x:0:\n".to_string()
+        } else {
+            cur
+        };
         write_owned(&group, &format!("{base}user:x:1000:\n"), uroot)?;
     }
     Ok(())
@@ -288,21 +409,44 @@ fn ensure_user_account(root: &Path, uroot: u32) -> R<()> {
 
 /// Paths the OCI default profile hides or makes read-only.
 const PROC_MASKED: &[&str] = &[
-    "proc/acpi", "proc/kcore", "proc/keys", "proc/latency_stats", "proc/timer_list", "proc/timer_stats",
-    "proc/sched_debug", "proc/scsi", "proc/asound",
+    "proc/acpi",
+    "proc/kcore",
+    "proc/keys",
+    "proc/latency_stats",
+    "proc/timer_list",
+    "proc/timer_stats",
+    "proc/sched_debug",
+    "proc/scsi",
+    "proc/asound",
 ];
-const PROC_READONLY: &[&str] = &["proc/bus", "proc/fs", "proc/irq", "proc/sys", "proc/sysrq-trigger"];
+const PROC_READONLY: &[&str] = &[
+    "proc/bus",
+    "proc/fs",
+    "proc/irq",
+    "proc/sys",
+    "proc/sysrq-trigger",
+];
 
 fn mount_proc(root: &Path) -> R<()> {
     let p = root.join("proc");
-    mnt(Some("proc"), &p, Some("proc"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, None)?;
+    mnt(
+        Some("proc"),
+        &p,
+        Some("proc"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        None,
+    )?;
     for m in PROC_MASKED {
         mask(root, m)?;
     }
     for r in PROC_READONLY {
         let t = root.join(r);
         if t.exists() {
-            bind_ro(&t, &t, MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC)?;
+            bind_ro(
+                &t,
+                &t,
+                MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+            )?;
         }
     }
     Ok(())
@@ -312,29 +456,82 @@ fn mask(root: &Path, rel: &str) -> R<()> {
     let t = root.join(rel);
     match std::fs::symlink_metadata(&t) {
         Ok(m) if m.is_dir() => mnt(Some("tmpfs"), &t, Some("tmpfs"), ro_flags(), Some("size=0")),
-        Ok(_) => {
-            ctx(mount(Some("/dev/null"), &t, None::<&str>, MsFlags::MS_BIND, None::<&str>), || format!("mask {rel}"))
-        }
+        Ok(_) => ctx(
+            mount(
+                Some("/dev/null"),
+                &t,
+                None::<&str>,
+                MsFlags::MS_BIND,
+                None::<&str>,
+            ),
+            || format!("mask {rel}"),
+        ),
         Err(_) => Ok(()),
     }
 }
 
 fn mount_dev(root: &Path) -> R<()> {
     let dev = root.join("dev");
-    mnt(Some("tmpfs"), &dev, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("mode=0755,size=64k"))?;
-    for (name, major, minor) in [("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9), ("tty", 5, 0)] {
+    mnt(
+        Some("tmpfs"),
+        &dev,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some("mode=0755,size=64k"),
+    )?;
+    for (name, major, minor) in [
+        ("null", 1, 3),
+        ("zero", 1, 5),
+        ("full", 1, 7),
+        ("random", 1, 8),
+        ("urandom", 1, 9),
+        ("tty", 5, 0),
+    ] {
         let p = dev.join(name);
-        ctx(mknod(&p, SFlag::S_IFCHR, Mode::from_bits_truncate(0o666), makedev(major, minor)), || format!("mknod {name}"))?;
-        ctx(std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o666)), || format!("chmod {name}"))?;
+        ctx(
+            mknod(
+                &p,
+                SFlag::S_IFCHR,
+                Mode::from_bits_truncate(0o666),
+                makedev(major, minor),
+            ),
+            || format!("mknod {name}"),
+        )?;
+        ctx(
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o666)),
+            || format!("chmod {name}"),
+        )?;
     }
-    for (name, target) in [("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2"), ("ptmx", "pts/ptmx")] {
-        ctx(std::os::unix::fs::symlink(target, dev.join(name)), || format!("symlink /dev/{name}"))?;
+    for (name, target) in [
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+        ("ptmx", "pts/ptmx"),
+    ] {
+        ctx(std::os::unix::fs::symlink(target, dev.join(name)), || {
+            format!("symlink /dev/{name}")
+        })?;
     }
     for d in ["pts", "shm"] {
-        ctx(std::fs::create_dir(dev.join(d)), || format!("mkdir /dev/{d}"))?;
+        ctx(std::fs::create_dir(dev.join(d)), || {
+            format!("mkdir /dev/{d}")
+        })?;
     }
-    mnt(Some("devpts"), &dev.join("pts"), Some("devpts"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("newinstance,ptmxmode=0666,mode=0620"))?;
-    mnt(Some("shm"), &dev.join("shm"), Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=1777,size=64m"))
+    mnt(
+        Some("devpts"),
+        &dev.join("pts"),
+        Some("devpts"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some("newinstance,ptmxmode=0666,mode=0620"),
+    )?;
+    mnt(
+        Some("shm"),
+        &dev.join("shm"),
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=1777,size=64m"),
+    )
 }
 
 fn loopback_up() -> R<()> {

@@ -21,17 +21,26 @@ pub enum RuntimeError {
     #[error("the runtime cannot do this: {0}")]
     Unsupported(String),
     #[error("cgroup {path}: {source}")]
-    Cgroup { path: String, source: std::io::Error },
+    Cgroup {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("sandbox setup failed: {0}")]
     Setup(String),
     #[error("{context}: {source}")]
-    Io { context: String, source: std::io::Error },
+    Io {
+        context: String,
+        source: std::io::Error,
+    },
 }
 
 impl RuntimeError {
     /// Wraps an i/o error with what was being done.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
-        RuntimeError::Io { context: context.into(), source }
+        RuntimeError::Io {
+            context: context.into(),
+            source,
+        }
     }
 }
 
@@ -143,8 +152,12 @@ pub fn pid_start_time(pid: i32) -> Option<u64> {
 
 /// True if `pid` is alive, not a zombie, and started at `start`.
 pub fn same_process(pid: i32, start: u64) -> bool {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
-    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else { return false };
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+        return false;
+    };
     let mut fields = rest.split_whitespace();
     let state = fields.next().unwrap_or("Z");
     if state == "Z" || state == "X" {
@@ -155,6 +168,14 @@ pub fn same_process(pid: i32, start: u64) -> bool {
 
 /// Validates a sandbox id before it is used in host paths and cgroup names.
 pub fn check_id(id: &str) -> Result<(), RuntimeError> {
-    let ok = !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-    if ok { Ok(()) } else { Err(RuntimeError::InvalidSpec(format!("bad sandbox id {id:?}"))) }
+    let ok = !id.is_empty()
+        && id.len() <= 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(RuntimeError::InvalidSpec(format!("bad sandbox id {id:?}")))
+    }
 }

@@ -2,7 +2,9 @@
 //! its own session with rlimits and a per-sandbox directory. It is NOT isolated: commands
 //! see the host. The daemon's secrets are kept out of its environment.
 
-use crate::{Capabilities, Runtime, RuntimeError, SandboxHandle, SandboxSpec, Stats, TemplateSource};
+use crate::{
+    Capabilities, Runtime, RuntimeError, SandboxHandle, SandboxSpec, Stats, TemplateSource,
+};
 use sandpit_agent::{AgentConfig, IsolationMode};
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
@@ -11,9 +13,23 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 /// Environment names never passed on from the daemon, whatever their value.
-const SECRET_NAMES: &[&str] = &["DATABASE_URL", "SANDPIT_API_KEY", "SANDPIT_AGENT_CONFIG", "AWS_SESSION_TOKEN", "GITHUB_TOKEN"];
+const SECRET_NAMES: &[&str] = &[
+    "DATABASE_URL",
+    "SANDPIT_API_KEY",
+    "SANDPIT_AGENT_CONFIG",
+    "AWS_SESSION_TOKEN",
+    "GITHUB_TOKEN",
+];
 /// Name fragments that mark a variable as secret.
-const SECRET_PARTS: &[&str] = &["KEY", "SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH"];
+const SECRET_PARTS: &[&str] = &[
+    "KEY",
+    "SECRET",
+    "TOKEN",
+    "PASSWORD",
+    "PASSWD",
+    "CREDENTIAL",
+    "AUTH",
+];
 
 /// Whether an environment variable of the daemon must not reach a sandbox.
 pub fn is_secret(name: &str) -> bool {
@@ -23,7 +39,10 @@ pub fn is_secret(name: &str) -> bool {
 
 /// The environment a process sandbox starts with: the daemon's, minus secrets, plus what
 /// the caller passed explicitly (which wins, even for secret-looking names).
-pub fn sandbox_env(daemon: impl Iterator<Item = (String, String)>, explicit: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+pub fn sandbox_env(
+    daemon: impl Iterator<Item = (String, String)>,
+    explicit: &BTreeMap<String, String>,
+) -> BTreeMap<String, String> {
     let mut env: BTreeMap<String, String> = daemon.filter(|(k, _)| !is_secret(k)).collect();
     env.extend(explicit.iter().map(|(k, v)| (k.clone(), v.clone())));
     env
@@ -39,17 +58,23 @@ impl ProcessRuntime {
     /// A runtime keeping sandboxes under `data_dir/sandboxes`.
     pub fn new(data_dir: &Path, self_exe: PathBuf) -> Result<Self, RuntimeError> {
         let sandboxes_dir = data_dir.join("sandboxes");
-        std::fs::create_dir_all(&sandboxes_dir).map_err(|e| RuntimeError::io("create sandboxes dir", e))?;
-        Ok(Self { sandboxes_dir, self_exe })
+        std::fs::create_dir_all(&sandboxes_dir)
+            .map_err(|e| RuntimeError::io("create sandboxes dir", e))?;
+        Ok(Self {
+            sandboxes_dir,
+            self_exe,
+        })
     }
 
     fn start(&self, spec: &SandboxSpec, dir: &Path) -> Result<SandboxHandle, RuntimeError> {
         let root = dir.join("root");
         for d in ["home/user", "tmp", "workspace", "root"] {
-            std::fs::create_dir_all(root.join(d)).map_err(|e| RuntimeError::io(format!("create {d}"), e))?;
+            std::fs::create_dir_all(root.join(d))
+                .map_err(|e| RuntimeError::io(format!("create {d}"), e))?;
         }
         let socket = dir.join("agent.sock");
-        let listener = std::os::unix::net::UnixListener::bind(&socket).map_err(|e| RuntimeError::io("bind agent socket", e))?;
+        let listener = std::os::unix::net::UnixListener::bind(&socket)
+            .map_err(|e| RuntimeError::io("bind agent socket", e))?;
         let env = sandbox_env(std::env::vars(), &spec.env);
         let agent = AgentConfig {
             mode: IsolationMode::Process,
@@ -75,7 +100,10 @@ impl ProcessRuntime {
             cmd.pre_exec(move || {
                 libc::setsid();
                 let set = |res, v: u64| {
-                    let l = libc::rlimit { rlim_cur: v, rlim_max: v };
+                    let l = libc::rlimit {
+                        rlim_cur: v,
+                        rlim_max: v,
+                    };
                     libc::setrlimit(res, &l);
                 };
                 set(libc::RLIMIT_DATA, limits.memory_bytes);
@@ -88,12 +116,22 @@ impl ProcessRuntime {
                 Ok(())
             });
         }
-        let child = cmd.spawn().map_err(|e| RuntimeError::io("spawn agent", e))?;
+        let child = cmd
+            .spawn()
+            .map_err(|e| RuntimeError::io("spawn agent", e))?;
         let pid = child.id() as i32;
         // The daemon is the parent; `destroy` reaps it.
         drop(child);
-        let pid_start = crate::pid_start_time(pid).ok_or_else(|| RuntimeError::Setup("agent exited at once".into()))?;
-        Ok(SandboxHandle { id: spec.id.clone(), pid, pid_start, socket, dir: dir.to_path_buf(), uid_base: None })
+        let pid_start = crate::pid_start_time(pid)
+            .ok_or_else(|| RuntimeError::Setup("agent exited at once".into()))?;
+        Ok(SandboxHandle {
+            id: spec.id.clone(),
+            pid,
+            pid_start,
+            socket,
+            dir: dir.to_path_buf(),
+            uid_base: None,
+        })
     }
 }
 
@@ -113,10 +151,13 @@ impl Runtime for ProcessRuntime {
     fn create(&self, spec: &SandboxSpec) -> Result<SandboxHandle, RuntimeError> {
         crate::check_id(&spec.id)?;
         if spec.template != TemplateSource::Host {
-            return Err(RuntimeError::Unsupported("the process runtime only runs the host template".into()));
+            return Err(RuntimeError::Unsupported(
+                "the process runtime only runs the host template".into(),
+            ));
         }
         let dir = self.sandboxes_dir.join(&spec.id);
-        std::fs::create_dir(&dir).map_err(|e| RuntimeError::io(format!("create {}", dir.display()), e))?;
+        std::fs::create_dir(&dir)
+            .map_err(|e| RuntimeError::io(format!("create {}", dir.display()), e))?;
         self.start(spec, &dir).inspect_err(|_| {
             let _ = std::fs::remove_dir_all(&dir);
         })
@@ -131,15 +172,21 @@ impl Runtime for ProcessRuntime {
     }
 
     fn freeze(&self, _h: &SandboxHandle) -> Result<(), RuntimeError> {
-        Err(RuntimeError::Unsupported("the process runtime cannot freeze".into()))
+        Err(RuntimeError::Unsupported(
+            "the process runtime cannot freeze".into(),
+        ))
     }
 
     fn thaw(&self, _h: &SandboxHandle) -> Result<(), RuntimeError> {
-        Err(RuntimeError::Unsupported("the process runtime cannot freeze".into()))
+        Err(RuntimeError::Unsupported(
+            "the process runtime cannot freeze".into(),
+        ))
     }
 
     fn stats(&self, _h: &SandboxHandle) -> Result<Stats, RuntimeError> {
-        Err(RuntimeError::Unsupported("the process runtime keeps no resource accounting".into()))
+        Err(RuntimeError::Unsupported(
+            "the process runtime keeps no resource accounting".into(),
+        ))
     }
 
     fn is_alive(&self, h: &SandboxHandle) -> bool {
@@ -183,7 +230,8 @@ mod tests {
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v.to_string()));
-        let explicit: BTreeMap<String, String> = [("GH_TOKEN".to_string(), "mine".to_string())].into();
+        let explicit: BTreeMap<String, String> =
+            [("GH_TOKEN".to_string(), "mine".to_string())].into();
         let env = sandbox_env(daemon, &explicit);
         let keys: Vec<&str> = env.keys().map(String::as_str).collect();
         assert_eq!(keys, vec!["GH_TOKEN", "LANG", "PATH"]);

@@ -7,16 +7,62 @@ use std::path::{Path, PathBuf};
 
 /// Entries of the host's /etc copied into the skeleton (missing ones are skipped).
 const ETC_COPY: &[&str] = &[
-    "alternatives", "bash.bashrc", "ca-certificates", "ca-certificates.conf", "debian_version", "environment",
-    "gai.conf", "host.conf", "inputrc", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "login.defs",
-    "lsb-release", "mime.types", "nsswitch.conf", "os-release", "profile", "profile.d", "protocols", "python3",
-    "python3.11", "perl", "services", "shells", "skel", "ssl", "timezone", "terminfo", "vim", "issue",
+    "alternatives",
+    "bash.bashrc",
+    "ca-certificates",
+    "ca-certificates.conf",
+    "debian_version",
+    "environment",
+    "gai.conf",
+    "host.conf",
+    "inputrc",
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "localtime",
+    "login.defs",
+    "lsb-release",
+    "mime.types",
+    "nsswitch.conf",
+    "os-release",
+    "profile",
+    "profile.d",
+    "protocols",
+    "python3",
+    "python3.11",
+    "perl",
+    "services",
+    "shells",
+    "skel",
+    "ssl",
+    "timezone",
+    "terminfo",
+    "vim",
+    "issue",
 ];
 /// Never copied, even below a copied directory.
 const ETC_DENY: &[&str] = &["ssl/private"];
 /// Top-level directories the sandbox gets; the host's are never visible.
-const DIRS: &[&str] = &["usr", "etc", "home", "root", "tmp", "workspace", "proc", "sys", "dev", "run", "var", "var/tmp",
-    "var/lib", "var/cache", "var/log", "opt", "mnt", ".sandpit"];
+const DIRS: &[&str] = &[
+    "usr",
+    "etc",
+    "home",
+    "root",
+    "tmp",
+    "workspace",
+    "proc",
+    "sys",
+    "dev",
+    "run",
+    "var",
+    "var/tmp",
+    "var/lib",
+    "var/cache",
+    "var/log",
+    "opt",
+    "mnt",
+    ".sandpit",
+];
 /// Host directories bind-mounted read-only into a `host` sandbox.
 pub const HOST_BINDS: &[&str] = &["/usr"];
 const MERGED_LINKS: &[&str] = &["bin", "sbin", "lib", "lib32", "lib64", "libx32"];
@@ -25,23 +71,27 @@ const MERGED_LINKS: &[&str] = &["bin", "sbin", "lib", "lib32", "lib64", "libx32"
 pub fn build_host_skeleton(dir: &Path) -> Result<Vec<PathBuf>, RuntimeError> {
     let tmp = dir.with_extension("new");
     let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).map_err(|e| RuntimeError::io(format!("create {}", tmp.display()), e))?;
+    std::fs::create_dir_all(&tmp)
+        .map_err(|e| RuntimeError::io(format!("create {}", tmp.display()), e))?;
     for d in DIRS {
         let p = tmp.join(d);
-        std::fs::create_dir_all(&p).map_err(|e| RuntimeError::io(format!("create {}", p.display()), e))?;
+        std::fs::create_dir_all(&p)
+            .map_err(|e| RuntimeError::io(format!("create {}", p.display()), e))?;
     }
     let mut binds: Vec<PathBuf> = HOST_BINDS.iter().map(PathBuf::from).collect();
     for name in MERGED_LINKS {
         let host = Path::new("/").join(name);
         match std::fs::symlink_metadata(&host) {
             Ok(m) if m.file_type().is_symlink() => {
-                let target = std::fs::read_link(&host).map_err(|e| RuntimeError::io(format!("readlink {}", host.display()), e))?;
+                let target = std::fs::read_link(&host)
+                    .map_err(|e| RuntimeError::io(format!("readlink {}", host.display()), e))?;
                 std::os::unix::fs::symlink(&target, tmp.join(name))
                     .map_err(|e| RuntimeError::io(format!("symlink {name}"), e))?;
             }
             Ok(m) if m.is_dir() => {
                 // A host without merged /usr: bind the directory itself.
-                std::fs::create_dir_all(tmp.join(name)).map_err(|e| RuntimeError::io(format!("create {name}"), e))?;
+                std::fs::create_dir_all(tmp.join(name))
+                    .map_err(|e| RuntimeError::io(format!("create {name}"), e))?;
                 binds.push(host);
             }
             _ => {}
@@ -54,7 +104,8 @@ pub fn build_host_skeleton(dir: &Path) -> Result<Vec<PathBuf>, RuntimeError> {
         }
     }
     let _ = std::fs::remove_dir_all(dir);
-    std::fs::rename(&tmp, dir).map_err(|e| RuntimeError::io(format!("install {}", dir.display()), e))?;
+    std::fs::rename(&tmp, dir)
+        .map_err(|e| RuntimeError::io(format!("install {}", dir.display()), e))?;
     Ok(binds)
 }
 
@@ -62,16 +113,25 @@ fn copy_tree(src: &Path, dst: &Path, rel: &Path) -> Result<(), RuntimeError> {
     if ETC_DENY.iter().any(|d| rel == Path::new(d)) {
         return Ok(());
     }
-    let meta = std::fs::symlink_metadata(src).map_err(|e| RuntimeError::io(format!("stat {}", src.display()), e))?;
+    let meta = std::fs::symlink_metadata(src)
+        .map_err(|e| RuntimeError::io(format!("stat {}", src.display()), e))?;
     let ft = meta.file_type();
     if ft.is_symlink() {
-        let target = std::fs::read_link(src).map_err(|e| RuntimeError::io(format!("readlink {}", src.display()), e))?;
-        std::os::unix::fs::symlink(target, dst).map_err(|e| RuntimeError::io(format!("symlink {}", dst.display()), e))?;
+        let target = std::fs::read_link(src)
+            .map_err(|e| RuntimeError::io(format!("readlink {}", src.display()), e))?;
+        std::os::unix::fs::symlink(target, dst)
+            .map_err(|e| RuntimeError::io(format!("symlink {}", dst.display()), e))?;
     } else if ft.is_dir() {
-        std::fs::create_dir_all(dst).map_err(|e| RuntimeError::io(format!("create {}", dst.display()), e))?;
-        let rd = std::fs::read_dir(src).map_err(|e| RuntimeError::io(format!("list {}", src.display()), e))?;
+        std::fs::create_dir_all(dst)
+            .map_err(|e| RuntimeError::io(format!("create {}", dst.display()), e))?;
+        let rd = std::fs::read_dir(src)
+            .map_err(|e| RuntimeError::io(format!("list {}", src.display()), e))?;
         for e in rd.flatten() {
-            copy_tree(&e.path(), &dst.join(e.file_name()), &rel.join(e.file_name()))?;
+            copy_tree(
+                &e.path(),
+                &dst.join(e.file_name()),
+                &rel.join(e.file_name()),
+            )?;
         }
     } else if ft.is_file() {
         use std::os::unix::fs::PermissionsExt;
@@ -79,7 +139,8 @@ fn copy_tree(src: &Path, dst: &Path, rel: &Path) -> Result<(), RuntimeError> {
         if meta.permissions().mode() & 0o004 == 0 {
             return Ok(());
         }
-        std::fs::copy(src, dst).map_err(|e| RuntimeError::io(format!("copy {}", src.display()), e))?;
+        std::fs::copy(src, dst)
+            .map_err(|e| RuntimeError::io(format!("copy {}", src.display()), e))?;
     }
     Ok(())
 }
@@ -90,6 +151,23 @@ pub const PASSWD: &str = "root:x:0:0:root:/root:/bin/bash\nuser:x:1000:1000:user
 pub const GROUP: &str = "root:x:0:\ntty:x:5:\nuser:x:1000:\nnogroup:x:65534:\n";
 /// `/etc/hosts` of every sandbox.
 pub const HOSTS: &str = "127.0.0.1\tlocalhost sandpit\n::1\tlocalhost ip6-localhost ip6-loopback\n";
+
+/// Checks that a directory can serve as a root filesystem template.
+pub fn check_rootfs(path: &Path) -> Result<(), RuntimeError> {
+    let s = path.to_string_lossy();
+    if !path.is_absolute() || s.contains([',', ':', '\n']) {
+        // overlayfs options cannot carry these characters.
+        return Err(RuntimeError::InvalidSpec(format!(
+            "rootfs path {s:?} must be absolute and free of ',' and ':'"
+        )));
+    }
+    if !path.join("bin").exists() && !path.join("usr/bin").exists() {
+        return Err(RuntimeError::InvalidSpec(format!(
+            "{s} does not look like a root filesystem (no bin or usr/bin)"
+        )));
+    }
+    Ok(())
+}
 
 #[cfg(test)]
 mod tests {
@@ -103,26 +181,25 @@ mod tests {
         assert!(binds.contains(&PathBuf::from("/usr")));
         assert!(!dir.join("etc/shadow").exists());
         assert!(!dir.join("etc/ssl/private").exists());
-        assert!(!dir.join("etc/passwd").exists(), "passwd is generated per sandbox");
+        assert!(
+            !dir.join("etc/passwd").exists(),
+            "passwd is generated per sandbox"
+        );
         assert!(dir.join("home").is_dir() && dir.join("workspace").is_dir());
-        if std::fs::symlink_metadata("/bin").unwrap().file_type().is_symlink() {
-            assert!(std::fs::symlink_metadata(dir.join("bin")).unwrap().file_type().is_symlink());
+        if std::fs::symlink_metadata("/bin")
+            .unwrap()
+            .file_type()
+            .is_symlink()
+        {
+            assert!(
+                std::fs::symlink_metadata(dir.join("bin"))
+                    .unwrap()
+                    .file_type()
+                    .is_symlink()
+            );
         }
         // Rebuilding replaces the old skeleton in place.
         build_host_skeleton(&dir).unwrap();
         assert!(!dir.with_extension("new").exists());
     }
-}
-
-/// Checks that a directory can serve as a root filesystem template.
-pub fn check_rootfs(path: &Path) -> Result<(), RuntimeError> {
-    let s = path.to_string_lossy();
-    if !path.is_absolute() || s.contains([',', ':', '\n']) {
-        // overlayfs options cannot carry these characters.
-        return Err(RuntimeError::InvalidSpec(format!("rootfs path {s:?} must be absolute and free of ',' and ':'")));
-    }
-    if !path.join("bin").exists() && !path.join("usr/bin").exists() {
-        return Err(RuntimeError::InvalidSpec(format!("{s} does not look like a root filesystem (no bin or usr/bin)")));
-    }
-    Ok(())
 }

@@ -60,7 +60,9 @@ impl AgentConn {
 
     /// True once the agent answers its health check.
     pub async fn healthy(&self) -> bool {
-        let Ok(req) = http::Request::get(format!("{AGENT_BASE}/health")).body(axum::body::Body::empty()) else {
+        let Ok(req) =
+            http::Request::get(format!("{AGENT_BASE}/health")).body(axum::body::Body::empty())
+        else {
             return false;
         };
         matches!(self.http.request(req).await, Ok(r) if r.status().is_success())

@@ -15,7 +15,11 @@ pub struct ApiError {
 
 impl ApiError {
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        Self { status, code, message: message.into() }
+        Self {
+            status,
+            code,
+            message: message.into(),
+        }
     }
     pub fn bad_request(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, "invalid_argument", message)
@@ -42,7 +46,14 @@ impl IntoResponse for ApiError {
         if self.status.is_server_error() {
             tracing::warn!(status = %self.status, message = %self.message, "request failed");
         }
-        (self.status, Json(ErrorBody { code: self.code.to_string(), message: self.message })).into_response()
+        (
+            self.status,
+            Json(ErrorBody {
+                code: self.code.to_string(),
+                message: self.message,
+            }),
+        )
+            .into_response()
     }
 }
 
@@ -71,7 +82,10 @@ impl From<sandpit_runtime::RuntimeError> for ApiError {
 impl From<connectrpc::ConnectError> for ApiError {
     fn from(e: connectrpc::ConnectError) -> Self {
         use connectrpc::ErrorCode as C;
-        let msg = e.message.clone().unwrap_or_else(|| e.code.as_str().to_string());
+        let msg = e
+            .message
+            .clone()
+            .unwrap_or_else(|| e.code.as_str().to_string());
         let (status, code) = match e.code {
             C::InvalidArgument | C::OutOfRange => (StatusCode::BAD_REQUEST, "invalid_argument"),
             C::NotFound => (StatusCode::NOT_FOUND, "not_found"),

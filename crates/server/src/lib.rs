@@ -41,7 +41,10 @@ pub enum ServerError {
 /// Name of the file in the data dir holding the first admin key (mode 0600).
 pub const ADMIN_KEY_FILE: &str = "admin.key";
 
-async fn ensure_admin_key(store: &sandpit_store::Store, data_dir: &std::path::Path) -> Result<(), ServerError> {
+async fn ensure_admin_key(
+    store: &sandpit_store::Store,
+    data_dir: &std::path::Path,
+) -> Result<(), ServerError> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let path = data_dir.join(ADMIN_KEY_FILE);
@@ -59,7 +62,8 @@ async fn ensure_admin_key(store: &sandpit_store::Store, data_dir: &std::path::Pa
         .mode(0o600)
         .open(&path)
         .map_err(|e| ServerError::Io(format!("write {}", path.display()), e))?;
-    f.write_all(key.as_bytes()).map_err(|e| ServerError::Io(format!("write {}", path.display()), e))?;
+    f.write_all(key.as_bytes())
+        .map_err(|e| ServerError::Io(format!("write {}", path.display()), e))?;
     tracing::info!(path = %path.display(), "created the first admin API key");
     Ok(())
 }
@@ -67,10 +71,14 @@ async fn ensure_admin_key(store: &sandpit_store::Store, data_dir: &std::path::Pa
 /// Builds the daemon's state: store, runtimes, manager (after reconciling).
 pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState), ServerError> {
     if cfg.insecure_no_auth && !cfg.listen.ip().is_loopback() {
-        return Err(ServerError::Config("--insecure-no-auth is only allowed on a loopback address".into()));
+        return Err(ServerError::Config(
+            "--insecure-no-auth is only allowed on a loopback address".into(),
+        ));
     }
     if cfg.max_timeout_secs == 0 {
-        return Err(ServerError::Config("--max-timeout must be at least 1 second".into()));
+        return Err(ServerError::Config(
+            "--max-timeout must be at least 1 second".into(),
+        ));
     }
     {
         use std::os::unix::fs::DirBuilderExt;
@@ -86,19 +94,30 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
     let store = sandpit_store::Store::open(&cfg.data_dir.join("sandpit.db")).await?;
     ensure_admin_key(&store, &cfg.data_dir).await?;
     let mut runtimes: BTreeMap<String, Arc<dyn Runtime>> = BTreeMap::new();
-    let container = sandpit_runtime::container::ContainerRuntime::new(&cfg.data_dir, cfg.self_exe.clone(), std::path::Path::new("/sys/fs/cgroup"))?;
+    let container = sandpit_runtime::container::ContainerRuntime::new(
+        &cfg.data_dir,
+        cfg.self_exe.clone(),
+        std::path::Path::new("/sys/fs/cgroup"),
+    )?;
     runtimes.insert("container".into(), Arc::new(container));
-    let process = sandpit_runtime::process::ProcessRuntime::new(&cfg.data_dir, cfg.self_exe.clone())?;
+    let process =
+        sandpit_runtime::process::ProcessRuntime::new(&cfg.data_dir, cfg.self_exe.clone())?;
     runtimes.insert("process".into(), Arc::new(process));
     let manager = Manager::new(
         store,
         runtimes,
-        ManagerConfig { max_timeout_secs: cfg.max_timeout_secs, default_runtime: "container".into() },
+        ManagerConfig {
+            max_timeout_secs: cfg.max_timeout_secs,
+            default_runtime: "container".into(),
+        },
     );
     if let Err(e) = manager.reconcile().await {
         tracing::warn!(error = %e.message, "reconcile failed");
     }
-    let state = api::AppState { manager: manager.clone(), no_auth_owner: cfg.insecure_no_auth.then(|| "admin".to_string()) };
+    let state = api::AppState {
+        manager: manager.clone(),
+        no_auth_owner: cfg.insecure_no_auth.then(|| "admin".to_string()),
+    };
     Ok((manager, state))
 }
 
@@ -113,12 +132,17 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
             ticker.tick().await;
         }
     });
-    let listener = tokio::net::TcpListener::bind(cfg.listen).await.map_err(|e| ServerError::Io(format!("listen on {}", cfg.listen), e))?;
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .map_err(|e| ServerError::Io(format!("listen on {}", cfg.listen), e))?;
     tracing::info!(listen = %cfg.listen, data_dir = %cfg.data_dir.display(), "sandpit serving");
     axum::serve(listener, api::router(state))
         .with_graceful_shutdown(async {
             use tokio::signal::unix::{SignalKind, signal};
-            match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+            match (
+                signal(SignalKind::terminate()),
+                signal(SignalKind::interrupt()),
+            ) {
                 (Ok(mut t), Ok(mut i)) => {
                     tokio::select! { _ = t.recv() => {}, _ = i.recv() => {} }
                 }

@@ -42,19 +42,26 @@ pub struct Manager {
 }
 
 pub fn now_ms() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
 }
 
 fn new_id() -> String {
     use rand::Rng;
     const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
     let mut rng = rand::rng();
-    (0..20).map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char).collect()
+    (0..20)
+        .map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char)
+        .collect()
 }
 
 fn in_range(name: &str, v: u64, (lo, hi): (u64, u64)) -> Result<u64, ApiError> {
     if v < lo || v > hi {
-        return Err(ApiError::bad_request(format!("{name} must be between {lo} and {hi}, got {v}")));
+        return Err(ApiError::bad_request(format!(
+            "{name} must be between {lo} and {hi}, got {v}"
+        )));
     }
     Ok(v)
 }
@@ -64,7 +71,9 @@ pub fn check_env(env: &BTreeMap<String, String>) -> Result<(), ApiError> {
     for (k, v) in env {
         let valid_name = !k.is_empty() && k.len() <= 256 && !k.contains(['=', '\0']);
         if !valid_name || v.contains('\0') || v.len() > 128 * 1024 {
-            return Err(ApiError::bad_request(format!("invalid environment variable {k:?}")));
+            return Err(ApiError::bad_request(format!(
+                "invalid environment variable {k:?}"
+            )));
         }
     }
     if env.len() > 1024 {
@@ -79,29 +88,59 @@ fn handle_of(rec: &SandboxRecord) -> Option<SandboxHandle> {
 
 impl Manager {
     /// A manager over the given store and runtimes.
-    pub fn new(store: Store, runtimes: BTreeMap<String, Arc<dyn Runtime>>, cfg: ManagerConfig) -> Arc<Self> {
-        Arc::new(Self { store, runtimes, cfg, conns: Mutex::default() })
+    pub fn new(
+        store: Store,
+        runtimes: BTreeMap<String, Arc<dyn Runtime>>,
+        cfg: ManagerConfig,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            store,
+            runtimes,
+            cfg,
+            conns: Mutex::default(),
+        })
     }
 
     fn runtime(&self, name: &str) -> Result<&Arc<dyn Runtime>, ApiError> {
-        self.runtimes.get(name).ok_or_else(|| ApiError::bad_request(format!("unknown runtime {name:?}")))
+        self.runtimes
+            .get(name)
+            .ok_or_else(|| ApiError::bad_request(format!("unknown runtime {name:?}")))
     }
 
     /// The effective limits of a request, validated.
     pub fn limits(req: &CreateSandboxRequest) -> Result<Limits, ApiError> {
         let l = &req.limits;
         Ok(Limits {
-            cpu_millis: in_range("cpu_millis", l.cpu_millis.unwrap_or(DEFAULT_LIMITS.cpu_millis), CPU_RANGE)?,
-            memory_bytes: in_range("memory_bytes", l.memory_bytes.unwrap_or(DEFAULT_LIMITS.memory_bytes), MEMORY_RANGE)?,
-            disk_bytes: in_range("disk_bytes", l.disk_bytes.unwrap_or(DEFAULT_LIMITS.disk_bytes), DISK_RANGE)?,
-            max_processes: in_range("max_processes", l.max_processes.unwrap_or(DEFAULT_LIMITS.max_processes), PROCESSES_RANGE)?,
+            cpu_millis: in_range(
+                "cpu_millis",
+                l.cpu_millis.unwrap_or(DEFAULT_LIMITS.cpu_millis),
+                CPU_RANGE,
+            )?,
+            memory_bytes: in_range(
+                "memory_bytes",
+                l.memory_bytes.unwrap_or(DEFAULT_LIMITS.memory_bytes),
+                MEMORY_RANGE,
+            )?,
+            disk_bytes: in_range(
+                "disk_bytes",
+                l.disk_bytes.unwrap_or(DEFAULT_LIMITS.disk_bytes),
+                DISK_RANGE,
+            )?,
+            max_processes: in_range(
+                "max_processes",
+                l.max_processes.unwrap_or(DEFAULT_LIMITS.max_processes),
+                PROCESSES_RANGE,
+            )?,
         })
     }
 
     fn timeout(&self, t: Option<u64>) -> Result<u64, ApiError> {
         let t = t.unwrap_or(DEFAULT_TIMEOUT.min(self.cfg.max_timeout_secs));
         if t == 0 || t > self.cfg.max_timeout_secs {
-            return Err(ApiError::bad_request(format!("timeout must be between 1 and {} seconds", self.cfg.max_timeout_secs)));
+            return Err(ApiError::bad_request(format!(
+                "timeout must be between 1 and {} seconds",
+                self.cfg.max_timeout_secs
+            )));
         }
         Ok(t)
     }
@@ -111,26 +150,47 @@ impl Manager {
             return Ok(TemplateSource::Host);
         }
         match self.store.get_template(name).await? {
-            Some(t) => Ok(TemplateSource::Rootfs { path: t.rootfs.into() }),
+            Some(t) => Ok(TemplateSource::Rootfs {
+                path: t.rootfs.into(),
+            }),
             None => Err(ApiError::bad_request(format!("unknown template {name:?}"))),
         }
     }
 
     /// Creates a sandbox and returns it running; on any failure nothing is left behind.
-    pub async fn create(self: &Arc<Self>, owner: &str, req: CreateSandboxRequest) -> Result<SandboxRecord, ApiError> {
-        let runtime_name = req.runtime.clone().unwrap_or_else(|| self.cfg.default_runtime.clone());
+    pub async fn create(
+        self: &Arc<Self>,
+        owner: &str,
+        req: CreateSandboxRequest,
+    ) -> Result<SandboxRecord, ApiError> {
+        let runtime_name = req
+            .runtime
+            .clone()
+            .unwrap_or_else(|| self.cfg.default_runtime.clone());
         let runtime = self.runtime(&runtime_name)?.clone();
         let template_name = req.template.clone().unwrap_or_else(|| "host".into());
         let template = self.template(&template_name).await?;
         let limits = Self::limits(&req)?;
         let timeout = self.timeout(req.timeout)?;
         check_env(&req.env)?;
-        if req.metadata.len() > 64 || req.metadata.iter().any(|(k, v)| k.is_empty() || k.len() > 256 || v.len() > 1024) {
-            return Err(ApiError::bad_request("metadata: at most 64 entries, keys 1..=256 and values up to 1024 bytes"));
+        if req.metadata.len() > 64
+            || req
+                .metadata
+                .iter()
+                .any(|(k, v)| k.is_empty() || k.len() > 256 || v.len() > 1024)
+        {
+            return Err(ApiError::bad_request(
+                "metadata: at most 64 entries, keys 1..=256 and values up to 1024 bytes",
+            ));
         }
         let workdir = req.workdir.clone().unwrap_or_else(|| "/home/user".into());
-        if !workdir.starts_with('/') || workdir.contains('\0') || workdir.split('/').any(|c| c == "..") {
-            return Err(ApiError::bad_request("workdir must be an absolute path without '..'"));
+        if !workdir.starts_with('/')
+            || workdir.contains('\0')
+            || workdir.split('/').any(|c| c == "..")
+        {
+            return Err(ApiError::bad_request(
+                "workdir must be an absolute path without '..'",
+            ));
         }
         let now = now_ms();
         let rec = SandboxRecord {
@@ -191,7 +251,11 @@ impl Manager {
         }
     }
 
-    async fn finish_create(&self, rec: &SandboxRecord, handle: &SandboxHandle) -> Result<SandboxRecord, ApiError> {
+    async fn finish_create(
+        &self,
+        rec: &SandboxRecord,
+        handle: &SandboxHandle,
+    ) -> Result<SandboxRecord, ApiError> {
         let state = serde_json::to_value(handle).map_err(|e| ApiError::internal(e.to_string()))?;
         self.store.set_runtime_state(&rec.id, &state).await?;
         let conn = self.conn_for(&rec.id, handle);
@@ -199,20 +263,32 @@ impl Manager {
         let mut delay = Duration::from_micros(200);
         while !conn.healthy().await {
             if tokio::time::Instant::now() > deadline {
-                return Err(ApiError::unavailable("the sandbox agent did not become ready"));
+                return Err(ApiError::unavailable(
+                    "the sandbox agent did not become ready",
+                ));
             }
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(Duration::from_millis(20));
         }
         self.store
-            .transition(&rec.id, &[SandboxState::Creating], SandboxState::Running, None)
+            .transition(
+                &rec.id,
+                &[SandboxState::Creating],
+                SandboxState::Running,
+                None,
+            )
             .await?
             .ok_or_else(|| ApiError::conflict("sandbox was deleted while it was being created"))
     }
 
     fn conn_for(&self, id: &str, handle: &SandboxHandle) -> Arc<AgentConn> {
-        let Ok(mut conns) = self.conns.lock() else { return Arc::new(AgentConn::new(handle.socket.clone())) };
-        conns.entry(id.to_string()).or_insert_with(|| Arc::new(AgentConn::new(handle.socket.clone()))).clone()
+        let Ok(mut conns) = self.conns.lock() else {
+            return Arc::new(AgentConn::new(handle.socket.clone()));
+        };
+        conns
+            .entry(id.to_string())
+            .or_insert_with(|| Arc::new(AgentConn::new(handle.socket.clone())))
+            .clone()
     }
 
     fn forget(&self, id: &str) {
@@ -230,33 +306,61 @@ impl Manager {
     }
 
     /// The agent of a running sandbox of `owner`.
-    pub async fn agent(&self, owner: &str, id: &str) -> Result<(SandboxRecord, Arc<AgentConn>), ApiError> {
+    pub async fn agent(
+        &self,
+        owner: &str,
+        id: &str,
+    ) -> Result<(SandboxRecord, Arc<AgentConn>), ApiError> {
         let rec = self.get(owner, id).await?;
         if rec.state != SandboxState::Running {
-            return Err(ApiError::conflict(format!("sandbox {id} is {}", rec.state.as_str())));
+            return Err(ApiError::conflict(format!(
+                "sandbox {id} is {}",
+                rec.state.as_str()
+            )));
         }
-        let handle = handle_of(&rec).ok_or_else(|| ApiError::internal("sandbox has no runtime state"))?;
+        let handle =
+            handle_of(&rec).ok_or_else(|| ApiError::internal("sandbox has no runtime state"))?;
         Ok((rec.clone(), self.conn_for(&rec.id, &handle)))
     }
 
     /// Runtime and handle of a sandbox.
-    pub fn runtime_of(&self, rec: &SandboxRecord) -> Result<(Arc<dyn Runtime>, SandboxHandle), ApiError> {
+    pub fn runtime_of(
+        &self,
+        rec: &SandboxRecord,
+    ) -> Result<(Arc<dyn Runtime>, SandboxHandle), ApiError> {
         let rt = self.runtime(&rec.runtime)?.clone();
-        let h = handle_of(rec).ok_or_else(|| ApiError::conflict("sandbox has no runtime state yet"))?;
+        let h =
+            handle_of(rec).ok_or_else(|| ApiError::conflict("sandbox has no runtime state yet"))?;
         Ok((rt, h))
     }
 
     /// Kills and removes a sandbox and its record.
     pub async fn destroy(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
-        let from = [SandboxState::Creating, SandboxState::Running, SandboxState::Paused, SandboxState::Error, SandboxState::Stopped, SandboxState::Stopping];
-        self.store.transition(&rec.id, &from, SandboxState::Stopping, None).await?;
+        let from = [
+            SandboxState::Creating,
+            SandboxState::Running,
+            SandboxState::Paused,
+            SandboxState::Error,
+            SandboxState::Stopped,
+            SandboxState::Stopping,
+        ];
+        self.store
+            .transition(&rec.id, &from, SandboxState::Stopping, None)
+            .await?;
         self.forget(&rec.id);
         if let (Ok(rt), Some(h)) = (self.runtime(&rec.runtime).cloned(), handle_of(rec)) {
             let r = tokio::task::spawn_blocking(move || rt.destroy(&h)).await;
             match r {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
-                    self.store.transition(&rec.id, &[SandboxState::Stopping], SandboxState::Error, Some(&e.to_string())).await?;
+                    self.store
+                        .transition(
+                            &rec.id,
+                            &[SandboxState::Stopping],
+                            SandboxState::Error,
+                            Some(&e.to_string()),
+                        )
+                        .await?;
                     return Err(e.into());
                 }
                 Err(e) => return Err(ApiError::internal(format!("destroy task: {e}"))),
@@ -269,13 +373,19 @@ impl Manager {
     /// Sets the sandbox to expire `secs` from now.
     pub async fn set_timeout(&self, rec: &SandboxRecord, secs: u64) -> Result<(), ApiError> {
         let secs = self.timeout(Some(secs))?;
-        self.store.set_expires_at(&rec.id, now_ms() + secs as i64 * 1000).await?;
+        self.store
+            .set_expires_at(&rec.id, now_ms() + secs as i64 * 1000)
+            .await?;
         Ok(())
     }
 
     /// One pass of housekeeping: expire sandboxes past their TTL and clean up dead ones.
     pub async fn tick(&self) {
-        let states = [SandboxState::Running, SandboxState::Paused, SandboxState::Error];
+        let states = [
+            SandboxState::Running,
+            SandboxState::Paused,
+            SandboxState::Error,
+        ];
         match self.store.expired_sandboxes(now_ms(), &states).await {
             Ok(expired) => {
                 for rec in expired {
@@ -287,10 +397,19 @@ impl Manager {
             }
             Err(e) => tracing::warn!(error = %e, "listing expired sandboxes failed"),
         }
-        let Ok(live) = self.store.live_sandboxes().await else { return };
-        for rec in live.into_iter().filter(|r| r.state == SandboxState::Running) {
-            let Ok((rt, h)) = self.runtime_of(&rec) else { continue };
-            let alive = tokio::task::spawn_blocking(move || rt.is_alive(&h)).await.unwrap_or(true);
+        let Ok(live) = self.store.live_sandboxes().await else {
+            return;
+        };
+        for rec in live
+            .into_iter()
+            .filter(|r| r.state == SandboxState::Running)
+        {
+            let Ok((rt, h)) = self.runtime_of(&rec) else {
+                continue;
+            };
+            let alive = tokio::task::spawn_blocking(move || rt.is_alive(&h))
+                .await
+                .unwrap_or(true);
             if !alive {
                 tracing::warn!(id = %rec.id, "sandbox agent exited; cleaning up");
                 self.mark_dead(&rec, "the sandbox's agent exited").await;
@@ -303,8 +422,17 @@ impl Manager {
         if let Ok((rt, h)) = self.runtime_of(rec) {
             let _ = tokio::task::spawn_blocking(move || rt.destroy(&h)).await;
         }
-        let from = [SandboxState::Creating, SandboxState::Running, SandboxState::Paused, SandboxState::Stopping];
-        if let Err(e) = self.store.transition(&rec.id, &from, SandboxState::Stopped, Some(why)).await {
+        let from = [
+            SandboxState::Creating,
+            SandboxState::Running,
+            SandboxState::Paused,
+            SandboxState::Stopping,
+        ];
+        if let Err(e) = self
+            .store
+            .transition(&rec.id, &from, SandboxState::Stopped, Some(why))
+            .await
+        {
             tracing::warn!(id = %rec.id, error = %e, "marking sandbox stopped failed");
         }
     }
@@ -318,8 +446,13 @@ impl Manager {
             let usable = match self.runtime_of(&rec) {
                 Ok((rt, h)) => {
                     let (rt2, h2) = (rt.clone(), h.clone());
-                    let alive = tokio::task::spawn_blocking(move || rt2.is_alive(&h2)).await.unwrap_or(false);
-                    if alive && rec.state != SandboxState::Creating && self.conn_for(&rec.id, &h).healthy().await {
+                    let alive = tokio::task::spawn_blocking(move || rt2.is_alive(&h2))
+                        .await
+                        .unwrap_or(false);
+                    if alive
+                        && rec.state != SandboxState::Creating
+                        && self.conn_for(&rec.id, &h).healthy().await
+                    {
                         rt.adopt(&h);
                         true
                     } else {
@@ -337,13 +470,16 @@ impl Manager {
                 let _ = self.store.delete_sandbox(&rec.id).await;
             } else {
                 tracing::info!(id = %rec.id, "sandbox died while the daemon was down");
-                self.mark_dead(&rec, "the sandbox died while the daemon was not running").await;
+                self.mark_dead(&rec, "the sandbox died while the daemon was not running")
+                    .await;
             }
         }
         for rt in self.runtimes.values() {
             let (rt, keep) = (rt.clone(), keep.clone());
             match tokio::task::spawn_blocking(move || rt.remove_orphans(&keep)).await {
-                Ok(Ok(removed)) if !removed.is_empty() => tracing::info!(?removed, "removed orphaned sandbox leftovers"),
+                Ok(Ok(removed)) if !removed.is_empty() => {
+                    tracing::info!(?removed, "removed orphaned sandbox leftovers")
+                }
                 Ok(Err(e)) => tracing::warn!(error = %e, "sweeping orphans failed"),
                 _ => {}
             }

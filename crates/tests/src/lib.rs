@@ -13,7 +13,11 @@ pub fn sandpit_bin() -> PathBuf {
     // target/<triple>/debug/deps/<test> -> target/<triple>/debug/sandpit
     let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
     let bin = dir.join("sandpit");
-    assert!(bin.exists(), "{} missing: build with `cargo build --workspace` first", bin.display());
+    assert!(
+        bin.exists(),
+        "{} missing: build with `cargo build --workspace` first",
+        bin.display()
+    );
     bin
 }
 
@@ -34,14 +38,22 @@ fn free_port() -> u16 {
 impl Daemon {
     /// Starts a daemon with a fresh data directory.
     pub async fn start() -> Daemon {
-        let data = tempfile::Builder::new().prefix("sandpit-test-").tempdir_in("/var/tmp").expect("tempdir");
+        let data = tempfile::Builder::new()
+            .prefix("sandpit-test-")
+            .tempdir_in("/var/tmp")
+            .expect("tempdir");
         Self::start_in(data, free_port()).await
     }
 
     /// Starts a daemon on an existing data directory (for restart tests).
     pub async fn start_in(data: tempfile::TempDir, port: u16) -> Daemon {
         let child = Command::new(sandpit_bin())
-            .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--data-dir"])
+            .args([
+                "serve",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--data-dir",
+            ])
             .arg(data.path())
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
@@ -56,8 +68,15 @@ impl Daemon {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        let key = std::fs::read_to_string(data.path().join("admin.key")).expect("admin key written");
-        Daemon { child: Some(child), url, data, key, port }
+        let key =
+            std::fs::read_to_string(data.path().join("admin.key")).expect("admin key written");
+        Daemon {
+            child: Some(child),
+            url,
+            data,
+            key,
+            port,
+        }
     }
 
     /// A client with the admin key.
@@ -67,8 +86,16 @@ impl Daemon {
 
     /// Creates a sandbox with small limits.
     pub async fn sandbox(&self, limits: LimitsSpec) -> String {
-        let req = CreateSandboxRequest { limits, timeout: Some(600), ..Default::default() };
-        self.client().create_sandbox(&req).await.expect("create sandbox").id
+        let req = CreateSandboxRequest {
+            limits,
+            timeout: Some(600),
+            ..Default::default()
+        };
+        self.client()
+            .create_sandbox(&req)
+            .await
+            .expect("create sandbox")
+            .id
     }
 
     /// Deletes every sandbox, then stops the daemon.
@@ -85,7 +112,10 @@ impl Daemon {
     /// Stops the daemon with SIGTERM (sandboxes keep running).
     pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM);
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(child.id() as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
             let _ = child.wait();
         }
     }
@@ -106,7 +136,12 @@ impl Drop for Daemon {
         if self.child.is_some() {
             let c = self.client();
             let cleanup = std::thread::spawn(move || {
-                let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+                let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                else {
+                    return;
+                };
                 rt.block_on(async {
                     if let Ok(list) = c.list_sandboxes(None, &[], Some(1000), None).await {
                         for s in list.items {
@@ -123,7 +158,10 @@ impl Drop for Daemon {
 
 /// Runs `bash -c script` and returns the response.
 pub async fn sh(c: &Client, id: &str, script: &str) -> sandpit_api::RunCommandResponse {
-    let req = sandpit_api::RunCommandRequest { argv: vec!["bash".into(), "-c".into(), script.into()], ..Default::default() };
+    let req = sandpit_api::RunCommandRequest {
+        argv: vec!["bash".into(), "-c".into(), script.into()],
+        ..Default::default()
+    };
     c.run(id, &req).await.expect("run command")
 }
 

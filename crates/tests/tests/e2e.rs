@@ -7,7 +7,11 @@ use sha2::{Digest, Sha256};
 use std::time::Duration;
 
 fn small() -> LimitsSpec {
-    LimitsSpec { memory_bytes: Some(256 << 20), max_processes: Some(64), ..Default::default() }
+    LimitsSpec {
+        memory_bytes: Some(256 << 20),
+        max_processes: Some(64),
+        ..Default::default()
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -15,23 +19,72 @@ async fn python_prints_42_and_commands_report_exit_codes_and_streams() {
     let d = Daemon::start().await;
     let c = d.client();
     let id = d.sandbox(small()).await;
-    let r = c.run(&id, &RunCommandRequest { argv: vec!["python3".into(), "-c".into(), "print(6*7)".into()], ..Default::default() }).await.unwrap();
+    let r = c
+        .run(
+            &id,
+            &RunCommandRequest {
+                argv: vec!["python3".into(), "-c".into(), "print(6*7)".into()],
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
     assert_eq!((r.exit_code, r.stdout.as_str()), (0, "42\n"));
     let r = sh(&c, &id, "echo out; echo err >&2; exit 7").await;
-    assert_eq!((r.exit_code, r.stdout.as_str(), r.stderr.as_str()), (7, "out\n", "err\n"));
+    assert_eq!(
+        (r.exit_code, r.stdout.as_str(), r.stderr.as_str()),
+        (7, "out\n", "err\n")
+    );
     // stdin is delivered and closed
-    let req = RunCommandRequest { argv: vec!["wc".into(), "-c".into()], stdin: Some("hello".into()), ..Default::default() };
+    let req = RunCommandRequest {
+        argv: vec!["wc".into(), "-c".into()],
+        stdin: Some("hello".into()),
+        ..Default::default()
+    };
     assert_eq!(c.run(&id, &req).await.unwrap().stdout.trim(), "5");
     // output cap
-    let req = RunCommandRequest { argv: vec!["bash".into(), "-c".into(), "head -c 100000 /dev/zero".into()], max_output_bytes: Some(1000), ..Default::default() };
+    let req = RunCommandRequest {
+        argv: vec![
+            "bash".into(),
+            "-c".into(),
+            "head -c 100000 /dev/zero".into(),
+        ],
+        max_output_bytes: Some(1000),
+        ..Default::default()
+    };
     let r = c.run(&id, &req).await.unwrap();
     assert!(r.truncated && r.stdout.len() == 1000);
     // 50 MB of output over the stream, all of it
-    let req = RunCommandRequest { argv: vec!["bash".into(), "-c".into(), "head -c 52428800 /dev/zero; echo done >&2".into()], ..Default::default() };
-    let (out, err, code) = c.stream_command(&id, &req).await.unwrap().collect().await.unwrap();
-    assert_eq!((out.len(), err.as_slice(), code), (52_428_800, &b"done\n"[..], 0));
+    let req = RunCommandRequest {
+        argv: vec![
+            "bash".into(),
+            "-c".into(),
+            "head -c 52428800 /dev/zero; echo done >&2".into(),
+        ],
+        ..Default::default()
+    };
+    let (out, err, code) = c
+        .stream_command(&id, &req)
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    assert_eq!(
+        (out.len(), err.as_slice(), code),
+        (52_428_800, &b"done\n"[..], 0)
+    );
     // unknown command: a clear 404, not a 500
-    let bad = c.run(&id, &RunCommandRequest { argv: vec!["/nope".into()], ..Default::default() }).await.unwrap_err();
+    let bad = c
+        .run(
+            &id,
+            &RunCommandRequest {
+                argv: vec!["/nope".into()],
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap_err();
     assert_eq!(bad.status(), Some(404));
     d.shutdown().await;
 }
@@ -43,29 +96,81 @@ async fn isolation_holds() {
     let id = d.sandbox(small()).await;
     let daemon_pid = d.child.as_ref().unwrap().id();
     // only the sandbox's own processes are visible
-    let r = sh(&c, &id, "ls /proc | grep -E '^[0-9]+$' | sort -n | head -1; ls /proc | grep -cE '^[0-9]+$'").await;
+    let r = sh(
+        &c,
+        &id,
+        "ls /proc | grep -E '^[0-9]+$' | sort -n | head -1; ls /proc | grep -cE '^[0-9]+$'",
+    )
+    .await;
     let mut lines = r.stdout.lines();
     assert_eq!(lines.next(), Some("1"));
-    assert!(lines.next().unwrap().parse::<u32>().unwrap() < 10, "{}", r.stdout);
-    assert_ne!(sh(&c, &id, &format!("kill -0 {daemon_pid}")).await.exit_code, 0);
+    assert!(
+        lines.next().unwrap().parse::<u32>().unwrap() < 10,
+        "{}",
+        r.stdout
+    );
+    assert_ne!(
+        sh(&c, &id, &format!("kill -0 {daemon_pid}"))
+            .await
+            .exit_code,
+        0
+    );
     // root inside is an unprivileged uid outside
     let r = sh_root(&c, &id, "id -u; cat /proc/self/uid_map").await;
-    let map: Vec<&str> = r.stdout.lines().nth(1).unwrap().split_whitespace().collect();
+    let map: Vec<&str> = r
+        .stdout
+        .lines()
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .collect();
     assert_eq!(r.stdout.lines().next(), Some("0"));
     assert_eq!(map[0], "0");
     assert!(map[1].parse::<u64>().unwrap() >= 1_000_000_000);
     // host files are not writable, mounts and namespaces refused, even for root
     let r = sh_root(&c, &id, "touch /usr/x 2>&1; mount -t tmpfs t /mnt 2>&1; unshare -U true 2>&1; echo > /proc/sysrq-trigger 2>&1; grep -E '^(Seccomp|NoNewPrivs):' /proc/self/status").await;
     assert!(r.stdout.contains("Read-only file system"), "{}", r.stdout);
-    assert!(r.stdout.contains("permission denied") || r.stdout.contains("Operation not permitted"), "{}", r.stdout);
-    assert!(r.stdout.contains("Seccomp:\t2") && r.stdout.contains("NoNewPrivs:\t1"), "{}", r.stdout);
+    assert!(
+        r.stdout.contains("permission denied") || r.stdout.contains("Operation not permitted"),
+        "{}",
+        r.stdout
+    );
+    assert!(
+        r.stdout.contains("Seccomp:\t2") && r.stdout.contains("NoNewPrivs:\t1"),
+        "{}",
+        r.stdout
+    );
     // module loading and kexec are refused by seccomp; ptrace of the host is impossible
-    let py = format!("import ctypes,os; l=ctypes.CDLL(None,use_errno=True); r=l.syscall(175,0,0,0); print(r, ctypes.get_errno()); r=l.syscall(101,16,1,0,0); print(r, ctypes.get_errno()); r=l.syscall(101,16,{daemon_pid},0,0); print(r, ctypes.get_errno())");
-    let r = c.run(&id, &RunCommandRequest { argv: vec!["python3".into(), "-c".into(), py], user: Some("root".into()), ..Default::default() }).await.unwrap();
+    let py = format!(
+        "import ctypes,os; l=ctypes.CDLL(None,use_errno=True); r=l.syscall(175,0,0,0); print(r, ctypes.get_errno()); r=l.syscall(101,16,1,0,0); print(r, ctypes.get_errno()); r=l.syscall(101,16,{daemon_pid},0,0); print(r, ctypes.get_errno())"
+    );
+    let r = c
+        .run(
+            &id,
+            &RunCommandRequest {
+                argv: vec!["python3".into(), "-c".into(), py],
+                user: Some("root".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
     let lines: Vec<&str> = r.stdout.lines().collect();
-    assert_eq!(lines[0], "-1 1", "init_module must fail with EPERM: {}", r.stdout);
-    assert_eq!(lines[1], "-1 1", "ptrace(ATTACH) of the agent (PID 1) must fail with EPERM: {}", r.stdout);
-    assert_eq!(lines[2], "-1 3", "ptrace(ATTACH) of a host pid must fail with ESRCH: {}", r.stdout);
+    assert_eq!(
+        lines[0], "-1 1",
+        "init_module must fail with EPERM: {}",
+        r.stdout
+    );
+    assert_eq!(
+        lines[1], "-1 1",
+        "ptrace(ATTACH) of the agent (PID 1) must fail with EPERM: {}",
+        r.stdout
+    );
+    assert_eq!(
+        lines[2], "-1 3",
+        "ptrace(ATTACH) of a host pid must fail with ESRCH: {}",
+        r.stdout
+    );
     // the host's /etc secrets are not there
     assert_ne!(sh_root(&c, &id, "test -e /etc/shadow").await.exit_code, 0);
     d.shutdown().await;
@@ -75,13 +180,39 @@ async fn isolation_holds() {
 async fn limits_contain_memory_fork_and_disk_bombs() {
     let d = Daemon::start().await;
     let c = d.client();
-    let limits = LimitsSpec { memory_bytes: Some(64 << 20), max_processes: Some(32), disk_bytes: Some(16 << 20), ..Default::default() };
+    let limits = LimitsSpec {
+        memory_bytes: Some(64 << 20),
+        max_processes: Some(32),
+        disk_bytes: Some(16 << 20),
+        ..Default::default()
+    };
     let id = d.sandbox(limits).await;
-    let r = c.run(&id, &RunCommandRequest { argv: vec!["python3".into(), "-c".into(), "x = bytearray(512 << 20); print('survived')".into()], ..Default::default() }).await.unwrap();
+    let r = c
+        .run(
+            &id,
+            &RunCommandRequest {
+                argv: vec![
+                    "python3".into(),
+                    "-c".into(),
+                    "x = bytearray(512 << 20); print('survived')".into(),
+                ],
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
     assert_eq!(r.exit_code, 137, "memory bomb must be OOM-killed: {r:?}");
     let r = sh(&c, &id, "for i in $(seq 100); do sleep 5 & done 2>&1 | grep -c 'Resource temporarily unavailable'; true").await;
-    assert!(r.stdout.trim().parse::<u32>().unwrap_or(0) > 0, "fork bomb must hit max_processes: {r:?}");
-    let r = sh(&c, &id, "pkill sleep; dd if=/dev/zero of=/tmp/fill bs=1M count=64 2>&1; echo rc=$?").await;
+    assert!(
+        r.stdout.trim().parse::<u32>().unwrap_or(0) > 0,
+        "fork bomb must hit max_processes: {r:?}"
+    );
+    let r = sh(
+        &c,
+        &id,
+        "pkill sleep; dd if=/dev/zero of=/tmp/fill bs=1M count=64 2>&1; echo rc=$?",
+    )
+    .await;
     assert!(r.stdout.contains("No space left on device"), "{}", r.stdout);
     c.health().await.unwrap();
     let st = c.stats(&id).await.unwrap();
@@ -97,20 +228,52 @@ async fn timeouts_signals_and_background_reattach() {
     let c = d.client();
     let id = d.sandbox(small()).await;
     // timeout kills the whole tree, including a grandchild in its own process group
-    let req = RunCommandRequest { argv: vec!["bash".into(), "-c".into(), "setsid sleep 300 & sleep 300".into()], timeout_ms: Some(500), ..Default::default() };
+    let req = RunCommandRequest {
+        argv: vec![
+            "bash".into(),
+            "-c".into(),
+            "setsid sleep 300 & sleep 300".into(),
+        ],
+        timeout_ms: Some(500),
+        ..Default::default()
+    };
     let r = c.run(&id, &req).await.unwrap();
     assert!(r.timed_out && r.exit_code == 137, "{r:?}");
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(sh(&c, &id, "pgrep -c sleep; true").await.stdout.trim(), "0");
     // background command survives the client going away; its output is kept
-    let bg = c.run_background(&id, &RunCommandRequest { argv: vec!["bash".into(), "-c".into(), "echo first; sleep 1; echo second; sleep 30".into()], ..Default::default() }).await.unwrap();
+    let bg = c
+        .run_background(
+            &id,
+            &RunCommandRequest {
+                argv: vec![
+                    "bash".into(),
+                    "-c".into(),
+                    "echo first; sleep 1; echo second; sleep 30".into(),
+                ],
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert!(c.list_commands(&id).await.unwrap().iter().any(|p| p.pid == bg.pid));
+    assert!(
+        c.list_commands(&id)
+            .await
+            .unwrap()
+            .iter()
+            .any(|p| p.pid == bg.pid)
+    );
     let mut s = c.attach(&id, bg.pid).await.unwrap();
     let mut seen = String::new();
     while !seen.contains("second") {
-        match tokio::time::timeout(Duration::from_secs(10), s.next_event()).await.unwrap().unwrap() {
-            Some(CommandEvent::Stdout { data }) => seen.push_str(&String::from_utf8(sandpit_client::decode_data(&data).unwrap()).unwrap()),
+        match tokio::time::timeout(Duration::from_secs(10), s.next_event())
+            .await
+            .unwrap()
+            .unwrap()
+        {
+            Some(CommandEvent::Stdout { data }) => seen
+                .push_str(&String::from_utf8(sandpit_client::decode_data(&data).unwrap()).unwrap()),
             Some(_) => {}
             None => break,
         }
@@ -118,7 +281,8 @@ async fn timeouts_signals_and_background_reattach() {
     assert_eq!(seen, "first\nsecond\n");
     c.signal(&id, bg.pid, "SIGTERM").await.unwrap();
     let mut code = None;
-    while let Ok(Ok(Some(ev))) = tokio::time::timeout(Duration::from_secs(10), s.next_event()).await {
+    while let Ok(Ok(Some(ev))) = tokio::time::timeout(Duration::from_secs(10), s.next_event()).await
+    {
         if let CommandEvent::End { exit_code, .. } = ev {
             code = Some(exit_code);
             break;
@@ -132,33 +296,83 @@ async fn timeouts_signals_and_background_reattach() {
 async fn files_round_trip_and_escapes_are_refused() {
     let d = Daemon::start().await;
     let c = d.client();
-    let id = d.sandbox(LimitsSpec { memory_bytes: Some(1 << 30), disk_bytes: Some(512 << 20), ..Default::default() }).await;
+    let id = d
+        .sandbox(LimitsSpec {
+            memory_bytes: Some(1 << 30),
+            disk_bytes: Some(512 << 20),
+            ..Default::default()
+        })
+        .await;
     let local = tempfile::NamedTempFile::new().unwrap();
     let mut data = vec![0u8; 100 << 20];
     for (i, b) in data.iter_mut().enumerate() {
         *b = (i.wrapping_mul(2654435761) >> 13) as u8;
     }
     std::fs::write(local.path(), &data).unwrap();
-    c.upload_from_file(&id, "/workspace/big/blob.bin", local.path()).await.unwrap();
+    c.upload_from_file(&id, "/workspace/big/blob.bin", local.path())
+        .await
+        .unwrap();
     let back = c.read_file(&id, "/workspace/big/blob.bin").await.unwrap();
-    assert_eq!(hex::encode(Sha256::digest(&back)), hex::encode(Sha256::digest(&data)));
+    assert_eq!(
+        hex::encode(Sha256::digest(&back)),
+        hex::encode(Sha256::digest(&data))
+    );
     let inside = sh(&c, &id, "sha256sum /workspace/big/blob.bin | cut -d' ' -f1").await;
     assert_eq!(inside.stdout.trim(), hex::encode(Sha256::digest(&data)));
     drop(back);
     let st = c.stat(&id, "/workspace/big/blob.bin").await.unwrap();
     assert_eq!((st.size, st.owner.as_str()), (100 << 20, "user"));
-    c.copy_path(&id, "/workspace/big", "/workspace/copy").await.unwrap();
-    c.move_path(&id, "/workspace/copy/blob.bin", "/home/user/moved.bin").await.unwrap();
-    assert_eq!(c.stat(&id, "/home/user/moved.bin").await.unwrap().size, 100 << 20);
+    c.copy_path(&id, "/workspace/big", "/workspace/copy")
+        .await
+        .unwrap();
+    c.move_path(&id, "/workspace/copy/blob.bin", "/home/user/moved.bin")
+        .await
+        .unwrap();
+    assert_eq!(
+        c.stat(&id, "/home/user/moved.bin").await.unwrap().size,
+        100 << 20
+    );
     c.remove(&id, "/workspace/big").await.unwrap();
-    assert_eq!(c.stat(&id, "/workspace/big").await.unwrap_err().status(), Some(404));
+    assert_eq!(
+        c.stat(&id, "/workspace/big").await.unwrap_err().status(),
+        Some(404)
+    );
     c.mkdir(&id, "/workspace/a/b").await.unwrap();
-    assert!(c.list_dir(&id, "/workspace", 2).await.unwrap().iter().any(|e| e.path == "/workspace/a/b" && e.r#type == "dir"));
+    assert!(
+        c.list_dir(&id, "/workspace", 2)
+            .await
+            .unwrap()
+            .iter()
+            .any(|e| e.path == "/workspace/a/b" && e.r#type == "dir")
+    );
     // escapes: `..` above the root is refused; symlinks resolve inside the sandbox only
-    assert_eq!(c.read_file(&id, "/../../etc/passwd").await.unwrap_err().status(), Some(403));
-    sh(&c, &id, &format!("ln -s {} /tmp/host-data", d.data.path().display())).await;
-    assert_eq!(c.read_file(&id, "/tmp/host-data/admin.key").await.unwrap_err().status(), Some(404));
-    assert_eq!(c.read_file(&id, "relative/../../../..").await.unwrap_err().status(), Some(403));
+    assert_eq!(
+        c.read_file(&id, "/../../etc/passwd")
+            .await
+            .unwrap_err()
+            .status(),
+        Some(403)
+    );
+    sh(
+        &c,
+        &id,
+        &format!("ln -s {} /tmp/host-data", d.data.path().display()),
+    )
+    .await;
+    assert_eq!(
+        c.read_file(&id, "/tmp/host-data/admin.key")
+            .await
+            .unwrap_err()
+            .status(),
+        Some(404)
+    );
+    assert_eq!(
+        c.read_file(&id, "relative/../../../..")
+            .await
+            .unwrap_err()
+            .status(),
+        Some(403)
+    );
     d.shutdown().await;
 }
 
@@ -166,12 +380,27 @@ async fn files_round_trip_and_escapes_are_refused() {
 async fn process_runtime_strips_secrets_and_refuses_symlink_escapes() {
     let d = Daemon::start().await;
     let c = d.client();
-    let req = CreateSandboxRequest { runtime: Some("process".into()), env: [("MY_TOKEN".to_string(), "given".to_string())].into(), ..Default::default() };
+    let req = CreateSandboxRequest {
+        runtime: Some("process".into()),
+        env: [("MY_TOKEN".to_string(), "given".to_string())].into(),
+        ..Default::default()
+    };
     let sb = c.create_sandbox(&req).await.unwrap();
     assert!(!sb.isolated);
-    let r = sh(&c, &sb.id, "env | grep -E 'TOKEN|KEY|SECRET' | sort; ln -s /etc/passwd $HOME/link").await;
+    let r = sh(
+        &c,
+        &sb.id,
+        "env | grep -E 'TOKEN|KEY|SECRET' | sort; ln -s /etc/passwd $HOME/link",
+    )
+    .await;
     assert_eq!(r.stdout, "MY_TOKEN=given\n");
-    assert_eq!(c.read_file(&sb.id, "/home/user/link").await.unwrap_err().status(), Some(403));
+    assert_eq!(
+        c.read_file(&sb.id, "/home/user/link")
+            .await
+            .unwrap_err()
+            .status(),
+        Some(403)
+    );
     d.shutdown().await;
 }
 
@@ -187,7 +416,9 @@ fn leftovers(d: &Daemon, id: &str) -> Vec<String> {
     for ctl in ["memory", "pids", "cpu", "freezer", "unified"] {
         if let Ok(rd) = std::fs::read_dir(format!("/sys/fs/cgroup/{ctl}")) {
             for e in rd.flatten() {
-                if e.file_name().to_string_lossy().starts_with("sandpit-") && e.path().join(id).exists() {
+                if e.file_name().to_string_lossy().starts_with("sandpit-")
+                    && e.path().join(id).exists()
+                {
                     found.push(format!("cgroup {ctl}"));
                 }
             }
@@ -205,7 +436,13 @@ async fn delete_and_expiry_leave_nothing_behind() {
     c.delete_sandbox(&id).await.unwrap();
     assert_eq!(c.get_sandbox(&id).await.unwrap_err().status(), Some(404));
     assert_eq!(leftovers(&d, &id), Vec::<String>::new());
-    let short = c.create_sandbox(&CreateSandboxRequest { timeout: Some(1), ..Default::default() }).await.unwrap();
+    let short = c
+        .create_sandbox(&CreateSandboxRequest {
+            timeout: Some(1),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     let mut gone = false;
     for _ in 0..50 {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -230,10 +467,16 @@ async fn sigkill_of_the_daemon_then_restart_reconciles() {
     // kill one sandbox while the daemon is down
     let pid_file = std::fs::read_to_string("/proc/mounts").unwrap();
     let _ = pid_file;
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db")).await.unwrap();
+    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
+        .await
+        .unwrap();
     let rec = db.get_sandbox(&doomed).await.unwrap().unwrap();
     let pid = rec.runtime_state["pid"].as_i64().unwrap() as i32;
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
     db.close().await;
     let port = d.port;
     let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
@@ -252,17 +495,50 @@ async fn owners_only_see_their_own_sandboxes() {
     let d = Daemon::start().await;
     let admin = d.client();
     let id = d.sandbox(small()).await;
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db")).await.unwrap();
+    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
+        .await
+        .unwrap();
     let (_, other_key) = db.create_api_key("mallory", "test").await.unwrap();
     let other = sandpit_client::Client::new(&d.url, Some(other_key)).unwrap();
-    assert_eq!(other.get_sandbox(&id).await.unwrap_err().status(), Some(404));
-    assert_eq!(other.delete_sandbox(&id).await.unwrap_err().status(), Some(404));
-    assert_eq!(other.read_file(&id, "/etc/hostname").await.unwrap_err().status(), Some(404));
-    assert!(other.list_sandboxes(None, &[], None, None).await.unwrap().items.is_empty());
+    assert_eq!(
+        other.get_sandbox(&id).await.unwrap_err().status(),
+        Some(404)
+    );
+    assert_eq!(
+        other.delete_sandbox(&id).await.unwrap_err().status(),
+        Some(404)
+    );
+    assert_eq!(
+        other
+            .read_file(&id, "/etc/hostname")
+            .await
+            .unwrap_err()
+            .status(),
+        Some(404)
+    );
+    assert!(
+        other
+            .list_sandboxes(None, &[], None, None)
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    );
     let anon = sandpit_client::Client::new(&d.url, None).unwrap();
     assert_eq!(anon.get_sandbox(&id).await.unwrap_err().status(), Some(401));
-    let wrong = sandpit_client::Client::new(&d.url, Some("sp_0000000000000000000000000000000000000000".into())).unwrap();
-    assert_eq!(wrong.list_sandboxes(None, &[], None, None).await.unwrap_err().status(), Some(401));
+    let wrong = sandpit_client::Client::new(
+        &d.url,
+        Some("sp_0000000000000000000000000000000000000000".into()),
+    )
+    .unwrap();
+    assert_eq!(
+        wrong
+            .list_sandboxes(None, &[], None, None)
+            .await
+            .unwrap_err()
+            .status(),
+        Some(401)
+    );
     assert_eq!(admin.get_sandbox(&id).await.unwrap().id, id);
     db.close().await;
     d.shutdown().await;
@@ -273,13 +549,40 @@ async fn bad_input_gets_a_clear_4xx_and_leaves_nothing() {
     let d = Daemon::start().await;
     let c = d.client();
     let cases = [
-        CreateSandboxRequest { template: Some("nope".into()), ..Default::default() },
-        CreateSandboxRequest { runtime: Some("vm".into()), ..Default::default() },
-        CreateSandboxRequest { timeout: Some(0), ..Default::default() },
-        CreateSandboxRequest { limits: LimitsSpec { memory_bytes: Some(1), ..Default::default() }, ..Default::default() },
-        CreateSandboxRequest { limits: LimitsSpec { max_processes: Some(u64::MAX), ..Default::default() }, ..Default::default() },
-        CreateSandboxRequest { env: [("A=B".to_string(), "x".to_string())].into(), ..Default::default() },
-        CreateSandboxRequest { workdir: Some("relative".into()), ..Default::default() },
+        CreateSandboxRequest {
+            template: Some("nope".into()),
+            ..Default::default()
+        },
+        CreateSandboxRequest {
+            runtime: Some("vm".into()),
+            ..Default::default()
+        },
+        CreateSandboxRequest {
+            timeout: Some(0),
+            ..Default::default()
+        },
+        CreateSandboxRequest {
+            limits: LimitsSpec {
+                memory_bytes: Some(1),
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+        CreateSandboxRequest {
+            limits: LimitsSpec {
+                max_processes: Some(u64::MAX),
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+        CreateSandboxRequest {
+            env: [("A=B".to_string(), "x".to_string())].into(),
+            ..Default::default()
+        },
+        CreateSandboxRequest {
+            workdir: Some("relative".into()),
+            ..Default::default()
+        },
     ];
     for req in cases {
         let e = c.create_sandbox(&req).await.unwrap_err();
@@ -288,18 +591,52 @@ async fn bad_input_gets_a_clear_4xx_and_leaves_nothing() {
     let http = reqwest::Client::new();
     let url = format!("{}/v1/sandboxes", d.url);
     let auth = format!("Bearer {}", d.key);
-    let r = http.post(&url).header("authorization", &auth).header("content-type", "application/json").body("{not json").send().await.unwrap();
+    let r = http
+        .post(&url)
+        .header("authorization", &auth)
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 400);
     let body: serde_json::Value = r.json().await.unwrap();
     assert!(body["code"].is_string() && body["message"].is_string());
     let big = format!("{{\"metadata\":{{\"k\":\"{}\"}}}}", "x".repeat(2 << 20));
     // A fresh client: the server closes a connection whose oversized body it did not read.
-    let r = reqwest::Client::new().post(&url).header("authorization", &auth).header("content-type", "application/json").body(big).send().await.unwrap();
+    let r = reqwest::Client::new()
+        .post(&url)
+        .header("authorization", &auth)
+        .header("content-type", "application/json")
+        .body(big)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 413);
-    let r = http.post(&url).header("authorization", &auth).header("content-type", "application/json").body("{\"unknown\":1}").send().await.unwrap();
+    let r = http
+        .post(&url)
+        .header("authorization", &auth)
+        .header("content-type", "application/json")
+        .body("{\"unknown\":1}")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 400);
-    assert!(c.list_sandboxes(None, &[], None, None).await.unwrap().items.is_empty());
-    let doc: serde_json::Value = http.get(format!("{}/v1/openapi.json", d.url)).send().await.unwrap().json().await.unwrap();
+    assert!(
+        c.list_sandboxes(None, &[], None, None)
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    );
+    let doc: serde_json::Value = http
+        .get(format!("{}/v1/openapi.json", d.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert!(doc["paths"]["/v1/sandboxes"].is_object());
     d.shutdown().await;
 }

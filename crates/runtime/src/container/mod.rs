@@ -6,7 +6,9 @@ pub mod security;
 
 use crate::cgroup::Cgroups;
 use crate::init::{ID_RANGE, InitConfig};
-use crate::{Capabilities, Runtime, RuntimeError, SandboxHandle, SandboxSpec, Stats, TemplateSource};
+use crate::{
+    Capabilities, Runtime, RuntimeError, SandboxHandle, SandboxSpec, Stats, TemplateSource,
+};
 use sandpit_agent::{AgentConfig, IsolationMode};
 use std::collections::BTreeSet;
 use std::ffi::CString;
@@ -36,19 +38,37 @@ pub struct ContainerRuntime {
 impl ContainerRuntime {
     /// Prepares the runtime under `data_dir`; `self_exe` is the sandpit binary (it is both
     /// the init helper and the agent).
-    pub fn new(data_dir: &Path, self_exe: PathBuf, cgroup_root: &Path) -> Result<Self, RuntimeError> {
+    pub fn new(
+        data_dir: &Path,
+        self_exe: PathBuf,
+        cgroup_root: &Path,
+    ) -> Result<Self, RuntimeError> {
         let sandboxes_dir = data_dir.join("sandboxes");
-        std::fs::create_dir_all(&sandboxes_dir).map_err(|e| RuntimeError::io("create sandboxes dir", e))?;
+        std::fs::create_dir_all(&sandboxes_dir)
+            .map_err(|e| RuntimeError::io("create sandboxes dir", e))?;
         let host_skeleton = data_dir.join("templates").join("host");
-        std::fs::create_dir_all(data_dir.join("templates")).map_err(|e| RuntimeError::io("create templates dir", e))?;
+        std::fs::create_dir_all(data_dir.join("templates"))
+            .map_err(|e| RuntimeError::io("create templates dir", e))?;
         let host_binds = crate::template::build_host_skeleton(&host_skeleton)?;
         let cgroups = Cgroups::detect(cgroup_root, &cgroup_parent(data_dir))?;
-        Ok(Self { sandboxes_dir, host_skeleton, host_binds, self_exe, cgroups, slots: Mutex::default() })
+        Ok(Self {
+            sandboxes_dir,
+            host_skeleton,
+            host_binds,
+            self_exe,
+            cgroups,
+            slots: Mutex::default(),
+        })
     }
 
     fn alloc_slot(&self) -> Result<u32, RuntimeError> {
-        let mut slots = self.slots.lock().map_err(|_| RuntimeError::Setup("slot table poisoned".into()))?;
-        let free = (0..MAX_SLOTS).find(|s| !slots.contains(s)).ok_or_else(|| RuntimeError::Setup("no free uid range".into()))?;
+        let mut slots = self
+            .slots
+            .lock()
+            .map_err(|_| RuntimeError::Setup("slot table poisoned".into()))?;
+        let free = (0..MAX_SLOTS)
+            .find(|s| !slots.contains(s))
+            .ok_or_else(|| RuntimeError::Setup("no free uid range".into()))?;
         slots.insert(free);
         Ok(free)
     }
@@ -63,13 +83,20 @@ impl ContainerRuntime {
         self.sandboxes_dir.join(id)
     }
 
-    fn start(&self, spec: &SandboxSpec, dir: &Path, uid_base: u32) -> Result<SandboxHandle, RuntimeError> {
+    fn start(
+        &self,
+        spec: &SandboxSpec,
+        dir: &Path,
+        uid_base: u32,
+    ) -> Result<SandboxHandle, RuntimeError> {
         for d in [dir.to_path_buf(), dir.join("rootfs"), dir.join("layer")] {
-            std::fs::create_dir(&d).map_err(|e| RuntimeError::io(format!("create {}", d.display()), e))?;
+            std::fs::create_dir(&d)
+                .map_err(|e| RuntimeError::io(format!("create {}", d.display()), e))?;
         }
         self.cgroups.create(&spec.id, &spec.limits)?;
         let socket = dir.join("agent.sock");
-        let listener = std::os::unix::net::UnixListener::bind(&socket).map_err(|e| RuntimeError::io("bind agent socket", e))?;
+        let listener = std::os::unix::net::UnixListener::bind(&socket)
+            .map_err(|e| RuntimeError::io("bind agent socket", e))?;
         let (lower, host_template) = match &spec.template {
             TemplateSource::Host => (self.host_skeleton.clone(), true),
             TemplateSource::Rootfs { path } => (path.clone(), false),
@@ -85,12 +112,17 @@ impl ContainerRuntime {
         let init = InitConfig {
             dir: dir.to_path_buf(),
             lower,
-            host_binds: if host_template { self.host_binds.clone() } else { Vec::new() },
+            host_binds: if host_template {
+                self.host_binds.clone()
+            } else {
+                Vec::new()
+            },
             host_template,
             disk_bytes: spec.limits.disk_bytes,
             uid_base,
             agent_exe: self.self_exe.clone(),
-            agent_config: serde_json::to_string(&agent).map_err(|e| RuntimeError::Setup(e.to_string()))?,
+            agent_config: serde_json::to_string(&agent)
+                .map_err(|e| RuntimeError::Setup(e.to_string()))?,
         };
         let procs: Vec<CString> = self
             .cgroups
@@ -101,7 +133,11 @@ impl ContainerRuntime {
             .map_err(|e| RuntimeError::Setup(e.to_string()))?;
         let listen_raw = listener.as_raw_fd();
         let mut cmd = Command::new(&self.self_exe);
-        cmd.arg("__sandbox-init").env_clear().stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::null());
+        cmd.arg("__sandbox-init")
+            .env_clear()
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
         // SAFETY: only raw syscalls on data prepared before the fork.
         unsafe {
             cmd.pre_exec(move || {
@@ -113,7 +149,10 @@ impl ContainerRuntime {
                     }
                     libc::close(fd);
                 }
-                let flags = libc::CLONE_NEWUTS | libc::CLONE_NEWIPC | libc::CLONE_NEWNET | libc::CLONE_NEWPID;
+                let flags = libc::CLONE_NEWUTS
+                    | libc::CLONE_NEWIPC
+                    | libc::CLONE_NEWNET
+                    | libc::CLONE_NEWPID;
                 if libc::unshare(flags) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
@@ -124,11 +163,15 @@ impl ContainerRuntime {
                 Ok(())
             });
         }
-        let mut child = cmd.spawn().map_err(|e| RuntimeError::io("spawn sandbox init", e))?;
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| RuntimeError::io("spawn sandbox init", e))?;
         drop(listener);
         let payload = serde_json::to_vec(&init).map_err(|e| RuntimeError::Setup(e.to_string()))?;
         if let Some(mut stdin) = child.stdin.take() {
-            stdin.write_all(&payload).map_err(|e| RuntimeError::io("send init config", e))?;
+            stdin
+                .write_all(&payload)
+                .map_err(|e| RuntimeError::io("send init config", e))?;
         }
         let mut line = String::new();
         if let Some(out) = child.stdout.take() {
@@ -139,11 +182,24 @@ impl ContainerRuntime {
         let mut parts = line.split_whitespace();
         match (parts.next(), parts.next(), parts.next()) {
             (Some("OK"), Some(pid), Some(start)) => {
-                let pid = pid.parse().map_err(|_| RuntimeError::Setup(format!("bad init reply {line:?}")))?;
-                let pid_start = start.parse().map_err(|_| RuntimeError::Setup(format!("bad init reply {line:?}")))?;
-                Ok(SandboxHandle { id: spec.id.clone(), pid, pid_start, socket, dir: dir.to_path_buf(), uid_base: Some(uid_base) })
+                let pid = pid
+                    .parse()
+                    .map_err(|_| RuntimeError::Setup(format!("bad init reply {line:?}")))?;
+                let pid_start = start
+                    .parse()
+                    .map_err(|_| RuntimeError::Setup(format!("bad init reply {line:?}")))?;
+                Ok(SandboxHandle {
+                    id: spec.id.clone(),
+                    pid,
+                    pid_start,
+                    socket,
+                    dir: dir.to_path_buf(),
+                    uid_base: Some(uid_base),
+                })
             }
-            _ => Err(RuntimeError::Setup(line.strip_prefix("ERR ").unwrap_or(line).to_string())),
+            _ => Err(RuntimeError::Setup(
+                line.strip_prefix("ERR ").unwrap_or(line).to_string(),
+            )),
         }
     }
 
@@ -164,7 +220,9 @@ impl ContainerRuntime {
 
 /// Names the parent cgroup after the data directory (FNV-1a of its path).
 fn cgroup_parent(data_dir: &Path) -> String {
-    let canon = data_dir.canonicalize().unwrap_or_else(|_| data_dir.to_path_buf());
+    let canon = data_dir
+        .canonicalize()
+        .unwrap_or_else(|_| data_dir.to_path_buf());
     let mut h: u32 = 0x811c_9dc5;
     for b in canon.as_os_str().as_encoded_bytes() {
         h = (h ^ *b as u32).wrapping_mul(0x0100_0193);
@@ -174,7 +232,10 @@ fn cgroup_parent(data_dir: &Path) -> String {
 
 /// Collects the exit status of a sandbox's PID 1 if this daemon is its (sub)reaper.
 fn reap(pid: i32) {
-    let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), Some(nix::sys::wait::WaitPidFlag::WNOHANG));
+    let _ = nix::sys::wait::waitpid(
+        nix::unistd::Pid::from_raw(pid),
+        Some(nix::sys::wait::WaitPidFlag::WNOHANG),
+    );
 }
 
 impl Runtime for ContainerRuntime {
@@ -200,7 +261,10 @@ impl Runtime for ContainerRuntime {
         let dir = self.dir_of(&spec.id);
         if dir.exists() {
             self.free_slot(Some(uid_base));
-            return Err(RuntimeError::InvalidSpec(format!("sandbox {} already exists", spec.id)));
+            return Err(RuntimeError::InvalidSpec(format!(
+                "sandbox {} already exists",
+                spec.id
+            )));
         }
         match self.start(spec, &dir, uid_base) {
             Ok(h) => Ok(h),
@@ -252,7 +316,10 @@ impl Runtime for ContainerRuntime {
     fn remove_orphans(&self, keep: &[String]) -> Result<Vec<String>, RuntimeError> {
         let mut ids: BTreeSet<String> = self.cgroups.list().into_iter().collect();
         if let Ok(rd) = std::fs::read_dir(&self.sandboxes_dir) {
-            ids.extend(rd.flatten().filter_map(|e| e.file_name().to_str().map(String::from)));
+            ids.extend(
+                rd.flatten()
+                    .filter_map(|e| e.file_name().to_str().map(String::from)),
+            );
         }
         let mut removed = Vec::new();
         for id in ids {

@@ -1,7 +1,10 @@
 //! The last layers applied before the agent is exec'd: capability bounding set, Landlock
 //! and a seccomp filter of what sandboxes never need.
 
-use seccompiler::{BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule, TargetArch};
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+    SeccompRule, TargetArch,
+};
 use std::collections::BTreeMap;
 
 /// Capabilities root inside a sandbox keeps (all relative to its own user namespace):
@@ -21,34 +24,87 @@ pub fn drop_capabilities() -> Result<(), String> {
         }
         // SAFETY: prctl with integer arguments.
         if unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) } != 0 {
-            return Err(format!("drop capability {cap}: {}", std::io::Error::last_os_error()));
+            return Err(format!(
+                "drop capability {cap}: {}",
+                std::io::Error::last_os_error()
+            ));
         }
     }
     // SAFETY: prctl with integer arguments.
-    unsafe { libc::prctl(libc::PR_CAP_AMBIENT, libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong, 0, 0, 0) };
+    unsafe {
+        libc::prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong,
+            0,
+            0,
+            0,
+        )
+    };
     Ok(())
 }
 
 /// Syscalls refused with EPERM: kernel and host administration, module and kernel-image
 /// loading, new namespaces and mounts, bpf, keyrings, perf, userfaultfd, io_uring.
 const DENIED: &[i64] = &[
-    libc::SYS_kexec_load, libc::SYS_kexec_file_load, libc::SYS_init_module, libc::SYS_finit_module,
-    libc::SYS_delete_module, libc::SYS_bpf, libc::SYS_keyctl, libc::SYS_add_key, libc::SYS_request_key,
-    libc::SYS_perf_event_open, libc::SYS_userfaultfd, libc::SYS_reboot, libc::SYS_swapon, libc::SYS_swapoff,
-    libc::SYS_mount, libc::SYS_umount2, libc::SYS_pivot_root, libc::SYS_fsopen, libc::SYS_fsmount,
-    libc::SYS_fsconfig, libc::SYS_fspick, libc::SYS_move_mount, libc::SYS_open_tree, libc::SYS_mount_setattr,
-    libc::SYS_unshare, libc::SYS_setns, libc::SYS_acct, libc::SYS_settimeofday, libc::SYS_clock_settime,
-    libc::SYS_clock_adjtime, libc::SYS_adjtimex, libc::SYS_quotactl, libc::SYS_lookup_dcookie,
-    libc::SYS_open_by_handle_at, libc::SYS_name_to_handle_at, libc::SYS_iopl, libc::SYS_ioperm,
-    libc::SYS_syslog, libc::SYS_uselib, libc::SYS_personality, libc::SYS_io_uring_setup,
-    libc::SYS_io_uring_enter, libc::SYS_io_uring_register, libc::SYS_vhangup, libc::SYS_kcmp,
-    libc::SYS_process_vm_writev, libc::SYS_fanotify_init, libc::SYS_nfsservctl,
+    libc::SYS_kexec_load,
+    libc::SYS_kexec_file_load,
+    libc::SYS_init_module,
+    libc::SYS_finit_module,
+    libc::SYS_delete_module,
+    libc::SYS_bpf,
+    libc::SYS_keyctl,
+    libc::SYS_add_key,
+    libc::SYS_request_key,
+    libc::SYS_perf_event_open,
+    libc::SYS_userfaultfd,
+    libc::SYS_reboot,
+    libc::SYS_swapon,
+    libc::SYS_swapoff,
+    libc::SYS_mount,
+    libc::SYS_umount2,
+    libc::SYS_pivot_root,
+    libc::SYS_fsopen,
+    libc::SYS_fsmount,
+    libc::SYS_fsconfig,
+    libc::SYS_fspick,
+    libc::SYS_move_mount,
+    libc::SYS_open_tree,
+    libc::SYS_mount_setattr,
+    libc::SYS_unshare,
+    libc::SYS_setns,
+    libc::SYS_acct,
+    libc::SYS_settimeofday,
+    libc::SYS_clock_settime,
+    libc::SYS_clock_adjtime,
+    libc::SYS_adjtimex,
+    libc::SYS_quotactl,
+    libc::SYS_lookup_dcookie,
+    libc::SYS_open_by_handle_at,
+    libc::SYS_name_to_handle_at,
+    libc::SYS_iopl,
+    libc::SYS_ioperm,
+    libc::SYS_syslog,
+    libc::SYS_uselib,
+    libc::SYS_personality,
+    libc::SYS_io_uring_setup,
+    libc::SYS_io_uring_enter,
+    libc::SYS_io_uring_register,
+    libc::SYS_vhangup,
+    libc::SYS_kcmp,
+    libc::SYS_process_vm_writev,
+    libc::SYS_fanotify_init,
+    libc::SYS_nfsservctl,
 ];
 
 /// clone(2) flags that would create namespaces.
 const NS_FLAGS: &[u64] = &[
-    libc::CLONE_NEWUSER as u64, libc::CLONE_NEWNS as u64, libc::CLONE_NEWPID as u64, libc::CLONE_NEWNET as u64,
-    libc::CLONE_NEWUTS as u64, libc::CLONE_NEWIPC as u64, libc::CLONE_NEWCGROUP as u64,
+    libc::CLONE_NEWUSER as u64,
+    libc::CLONE_NEWNS as u64,
+    libc::CLONE_NEWPID as u64,
+    libc::CLONE_NEWNET as u64,
+    libc::CLONE_NEWUTS as u64,
+    libc::CLONE_NEWIPC as u64,
+    libc::CLONE_NEWCGROUP as u64,
 ];
 
 fn arch() -> Result<TargetArch, String> {
@@ -61,16 +117,32 @@ pub fn filters() -> Result<Vec<BpfProgram>, String> {
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = DENIED.iter().map(|s| (*s, vec![])).collect();
     let mut clone_rules = Vec::new();
     for flag in NS_FLAGS {
-        let cond = SeccompCondition::new(0, SeccompCmpArgLen::Qword, SeccompCmpOp::MaskedEq(*flag), *flag)
-            .map_err(|e| format!("seccomp rule: {e}"))?;
+        let cond = SeccompCondition::new(
+            0,
+            SeccompCmpArgLen::Qword,
+            SeccompCmpOp::MaskedEq(*flag),
+            *flag,
+        )
+        .map_err(|e| format!("seccomp rule: {e}"))?;
         clone_rules.push(SeccompRule::new(vec![cond]).map_err(|e| format!("seccomp rule: {e}"))?);
     }
     rules.insert(libc::SYS_clone, clone_rules);
-    let deny = SeccompFilter::new(rules, SeccompAction::Allow, SeccompAction::Errno(libc::EPERM as u32), arch()?)
-        .map_err(|e| format!("seccomp filter: {e}"))?;
-    let clone3: BTreeMap<i64, Vec<SeccompRule>> = [(libc::SYS_clone3, vec![])].into_iter().collect();
-    let nosys = SeccompFilter::new(clone3, SeccompAction::Allow, SeccompAction::Errno(libc::ENOSYS as u32), arch()?)
-        .map_err(|e| format!("seccomp filter: {e}"))?;
+    let deny = SeccompFilter::new(
+        rules,
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::EPERM as u32),
+        arch()?,
+    )
+    .map_err(|e| format!("seccomp filter: {e}"))?;
+    let clone3: BTreeMap<i64, Vec<SeccompRule>> =
+        [(libc::SYS_clone3, vec![])].into_iter().collect();
+    let nosys = SeccompFilter::new(
+        clone3,
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::ENOSYS as u32),
+        arch()?,
+    )
+    .map_err(|e| format!("seccomp filter: {e}"))?;
     let mut out = Vec::new();
     for f in [deny, nosys] {
         out.push(BpfProgram::try_from(f).map_err(|e| format!("seccomp compile: {e}"))?);
@@ -87,12 +159,27 @@ pub fn apply_seccomp() -> Result<(), String> {
 }
 
 /// Top-level directories of a `host` sandbox that stay writable.
-const LANDLOCK_WRITABLE: &[&str] = &["/home", "/tmp", "/workspace", "/root", "/etc", "/var", "/run", "/opt", "/mnt", "/dev", "/proc"];
+const LANDLOCK_WRITABLE: &[&str] = &[
+    "/home",
+    "/tmp",
+    "/workspace",
+    "/root",
+    "/etc",
+    "/var",
+    "/run",
+    "/opt",
+    "/mnt",
+    "/dev",
+    "/proc",
+];
 
 /// Confines the filesystem with Landlock where the kernel has it: the host's files are
 /// read/execute only (everything but the writable top-level directories), even if a read-only mount were ever remounted. Best effort on old kernels.
 pub fn apply_landlock() -> Result<(), String> {
-    use landlock::{ABI, Access, AccessFs, Ruleset, RulesetAttr, RulesetCreatedAttr, RulesetStatus, path_beneath_rules};
+    use landlock::{
+        ABI, Access, AccessFs, Ruleset, RulesetAttr, RulesetCreatedAttr, RulesetStatus,
+        path_beneath_rules,
+    };
     let abi = ABI::V5;
     let all = AccessFs::from_all(abi);
     let read = AccessFs::from_read(abi);

@@ -28,29 +28,48 @@ const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STA
 pub fn as_user(user: Option<&str>) -> Result<CallOptions, ApiError> {
     let user = user.unwrap_or("user");
     if user != "user" && user != "root" {
-        return Err(ApiError::bad_request(format!("unknown user {user:?}: use \"user\" or \"root\"")));
+        return Err(ApiError::bad_request(format!(
+            "unknown user {user:?}: use \"user\" or \"root\""
+        )));
     }
     let value = format!("Basic {}", B64.encode(format!("{user}:")));
-    CallOptions::default().try_with_header("authorization", value).map_err(|e| ApiError::internal(e.to_string()))
+    CallOptions::default()
+        .try_with_header("authorization", value)
+        .map_err(|e| ApiError::internal(e.to_string()))
 }
 
 fn selector(pid: u32) -> ProcessSelector {
-    ProcessSelector { selector: Some(Selector::Pid(pid)), ..Default::default() }
+    ProcessSelector {
+        selector: Some(Selector::Pid(pid)),
+        ..Default::default()
+    }
 }
 
 /// `keep_stdin`: leave a stdin pipe open for later input (WebSocket and background runs).
 fn start_request(req: &RunCommandRequest, keep_stdin: bool) -> Result<StartRequest, ApiError> {
-    let (cmd, args) = req.argv.split_first().ok_or_else(|| ApiError::bad_request("argv must not be empty"))?;
+    let (cmd, args) = req
+        .argv
+        .split_first()
+        .ok_or_else(|| ApiError::bad_request("argv must not be empty"))?;
     crate::manager::check_env(&req.env)?;
     let config = ProcessConfig {
         cmd: cmd.clone(),
         args: args.to_vec(),
-        envs: req.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        envs: req
+            .env
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
         cwd: req.cwd.clone(),
         ..Default::default()
     };
     let pty = req.pty.map(|p| PTY {
-        size: pty::Size { cols: p.cols as u32, rows: p.rows as u32, ..Default::default() }.into(),
+        size: pty::Size {
+            cols: p.cols as u32,
+            rows: p.rows as u32,
+            ..Default::default()
+        }
+        .into(),
         ..Default::default()
     });
     Ok(StartRequest {
@@ -63,19 +82,42 @@ fn start_request(req: &RunCommandRequest, keep_stdin: bool) -> Result<StartReque
 }
 
 async fn kill(conn: &AgentConn, pid: u32) {
-    let req = SendSignalRequest { process: selector(pid).into(), signal: Signal::SIGNAL_SIGKILL.into(), ..Default::default() };
+    let req = SendSignalRequest {
+        process: selector(pid).into(),
+        signal: Signal::SIGNAL_SIGKILL.into(),
+        ..Default::default()
+    };
     if let Err(e) = conn.process.send_signal(req).await {
         tracing::debug!(pid, error = %e, "kill after timeout");
     }
 }
 
-async fn write_stdin(conn: &AgentConn, pid: u32, data: Vec<u8>, close: bool) -> Result<(), ApiError> {
+async fn write_stdin(
+    conn: &AgentConn,
+    pid: u32,
+    data: Vec<u8>,
+    close: bool,
+) -> Result<(), ApiError> {
     if !data.is_empty() {
-        let input = ProcessInput { input: Some(Input::Stdin(data)), ..Default::default() };
-        conn.process.send_input(SendInputRequest { process: selector(pid).into(), input: input.into(), ..Default::default() }).await?;
+        let input = ProcessInput {
+            input: Some(Input::Stdin(data)),
+            ..Default::default()
+        };
+        conn.process
+            .send_input(SendInputRequest {
+                process: selector(pid).into(),
+                input: input.into(),
+                ..Default::default()
+            })
+            .await?;
     }
     if close {
-        conn.process.close_stdin(CloseStdinRequest { process: selector(pid).into(), ..Default::default() }).await?;
+        conn.process
+            .close_stdin(CloseStdinRequest {
+                process: selector(pid).into(),
+                ..Default::default()
+            })
+            .await?;
     }
     Ok(())
 }
@@ -83,11 +125,18 @@ async fn write_stdin(conn: &AgentConn, pid: u32, data: Vec<u8>, close: bool) -> 
 /// Run a command: to completion (output captured up to a cap) or in the background.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/commands", request_body = RunCommandRequest,
     responses((status = 200, body = RunCommandResponse), (status = 202, body = BackgroundCommand), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
-pub async fn run(State(state): State<AppState>, owner: Owner, Path(id): Path<String>, ApiJson(req): ApiJson<RunCommandRequest>) -> Result<Response, ApiError> {
+pub async fn run(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<RunCommandRequest>,
+) -> Result<Response, ApiError> {
     use axum::response::IntoResponse;
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
     if req.pty.is_some() {
-        return Err(ApiError::bad_request("a pty needs the WebSocket route /commands/stream"));
+        return Err(ApiError::bad_request(
+            "a pty needs the WebSocket route /commands/stream",
+        ));
     }
     if req.background {
         let (pid, stream) = start(&conn, &req, true).await?;
@@ -98,21 +147,37 @@ pub async fn run(State(state): State<AppState>, owner: Owner, Path(id): Path<Str
     Ok(Json(run_to_end(&conn, &req).await?).into_response())
 }
 
-type StartStream = connectrpc::client::ServerStream<hyper::body::Incoming, __buffa::view::StartResponseView<'static>>;
+type StartStream = connectrpc::client::ServerStream<
+    hyper::body::Incoming,
+    __buffa::view::StartResponseView<'static>,
+>;
 
 /// Starts a command, feeds its stdin text, and returns its pid with the event stream.
-async fn start(conn: &AgentConn, req: &RunCommandRequest, keep_stdin: bool) -> Result<(u32, StartStream), ApiError> {
+async fn start(
+    conn: &AgentConn,
+    req: &RunCommandRequest,
+    keep_stdin: bool,
+) -> Result<(u32, StartStream), ApiError> {
     let mut opts = as_user(req.user.as_deref())?;
     if req.background {
-        opts = opts.try_with_header("sandpit-detach", "1").map_err(|e| ApiError::internal(e.to_string()))?;
+        opts = opts
+            .try_with_header("sandpit-detach", "1")
+            .map_err(|e| ApiError::internal(e.to_string()))?;
     }
-    let mut stream = conn.process.start_with_options(start_request(req, keep_stdin)?, opts).await?;
+    let mut stream = conn
+        .process
+        .start_with_options(start_request(req, keep_stdin)?, opts)
+        .await?;
     let pid = match stream.message::<StartResponse>().await? {
         Some(m) => match (*m.to_owned_message().event).clone().event {
             Some(Event::Start(s)) => s.pid,
             _ => return Err(ApiError::internal("agent did not report the start")),
         },
-        None => return Err(ApiError::internal("agent closed the stream before the start")),
+        None => {
+            return Err(ApiError::internal(
+                "agent closed the stream before the start",
+            ));
+        }
     };
     if let Some(input) = &req.stdin {
         write_stdin(conn, pid, input.as_bytes().to_vec(), !keep_stdin).await?;
@@ -121,25 +186,35 @@ async fn start(conn: &AgentConn, req: &RunCommandRequest, keep_stdin: bool) -> R
 }
 
 /// Runs a command to its end, capturing output up to the cap and enforcing the timeout.
-pub async fn run_to_end(conn: &AgentConn, req: &RunCommandRequest) -> Result<RunCommandResponse, ApiError> {
-    let cap = req.max_output_bytes.unwrap_or(DEFAULT_OUTPUT_CAP).min(MAX_OUTPUT_CAP) as usize;
+pub async fn run_to_end(
+    conn: &AgentConn,
+    req: &RunCommandRequest,
+) -> Result<RunCommandResponse, ApiError> {
+    let cap = req
+        .max_output_bytes
+        .unwrap_or(DEFAULT_OUTPUT_CAP)
+        .min(MAX_OUTPUT_CAP) as usize;
     let started = Instant::now();
     let (pid, mut stream) = start(conn, req, false).await?;
-    let deadline = req.timeout_ms.map(|ms| tokio::time::Instant::now() + Duration::from_millis(ms));
+    let deadline = req
+        .timeout_ms
+        .map(|ms| tokio::time::Instant::now() + Duration::from_millis(ms));
     let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
     let mut truncated = false;
     let mut timed_out = false;
     let mut exit_code = -1;
     loop {
         let next = match deadline {
-            Some(d) if !timed_out => match tokio::time::timeout_at(d, stream.message::<StartResponse>()).await {
-                Ok(m) => m,
-                Err(_) => {
-                    timed_out = true;
-                    kill(conn, pid).await;
-                    continue;
+            Some(d) if !timed_out => {
+                match tokio::time::timeout_at(d, stream.message::<StartResponse>()).await {
+                    Ok(m) => m,
+                    Err(_) => {
+                        timed_out = true;
+                        kill(conn, pid).await;
+                        continue;
+                    }
                 }
-            },
+            }
             _ => stream.message::<StartResponse>().await,
         };
         let Some(msg) = next? else { break };
@@ -176,16 +251,29 @@ pub async fn run_to_end(conn: &AgentConn, req: &RunCommandRequest) -> Result<Run
 
 /// Running commands.
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/commands", responses((status = 200, body = Vec<CommandInfo>), (status = 404, body = ErrorBody)))]
-pub async fn list(State(state): State<AppState>, owner: Owner, Path(id): Path<String>) -> Result<Json<Vec<CommandInfo>>, ApiError> {
+pub async fn list(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+) -> Result<Json<Vec<CommandInfo>>, ApiError> {
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
-    let resp = conn.process.list(ListRequest::default()).await?.into_owned();
+    let resp = conn
+        .process
+        .list(ListRequest::default())
+        .await?
+        .into_owned();
     Ok(Json(
         resp.processes
             .into_iter()
             .map(|p| {
                 let mut argv = vec![p.config.cmd.clone()];
                 argv.extend(p.config.args.iter().cloned());
-                CommandInfo { pid: p.pid, tag: p.tag.clone(), argv, cwd: p.config.cwd.clone() }
+                CommandInfo {
+                    pid: p.pid,
+                    tag: p.tag.clone(),
+                    argv,
+                    cwd: p.config.cwd.clone(),
+                }
             })
             .collect(),
     ))
@@ -195,22 +283,40 @@ fn parse_signal(s: &str) -> Result<Signal, ApiError> {
     match s.trim_start_matches("SIG").to_ascii_uppercase().as_str() {
         "TERM" | "SIGTERM" => Ok(Signal::SIGNAL_SIGTERM),
         "KILL" | "SIGKILL" => Ok(Signal::SIGNAL_SIGKILL),
-        other => Err(ApiError::bad_request(format!("unsupported signal {other:?}: use SIGTERM or SIGKILL"))),
+        other => Err(ApiError::bad_request(format!(
+            "unsupported signal {other:?}: use SIGTERM or SIGKILL"
+        ))),
     }
 }
 
 /// Send SIGTERM or SIGKILL (which kills the whole process tree).
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/commands/{pid}/signal", request_body = SignalRequest, responses((status = 204), (status = 404, body = ErrorBody)))]
-pub async fn signal(State(state): State<AppState>, owner: Owner, Path((id, pid)): Path<(String, u32)>, ApiJson(req): ApiJson<SignalRequest>) -> Result<StatusCode, ApiError> {
+pub async fn signal(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path((id, pid)): Path<(String, u32)>,
+    ApiJson(req): ApiJson<SignalRequest>,
+) -> Result<StatusCode, ApiError> {
     let sig = parse_signal(&req.signal)?;
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
-    conn.process.send_signal(SendSignalRequest { process: selector(pid).into(), signal: sig.into(), ..Default::default() }).await?;
+    conn.process
+        .send_signal(SendSignalRequest {
+            process: selector(pid).into(),
+            signal: sig.into(),
+            ..Default::default()
+        })
+        .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 /// Write to a command's stdin, optionally closing it.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/commands/{pid}/stdin", request_body = StdinRequest, responses((status = 204), (status = 404, body = ErrorBody)))]
-pub async fn stdin(State(state): State<AppState>, owner: Owner, Path((id, pid)): Path<(String, u32)>, ApiJson(req): ApiJson<StdinRequest>) -> Result<StatusCode, ApiError> {
+pub async fn stdin(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path((id, pid)): Path<(String, u32)>,
+    ApiJson(req): ApiJson<StdinRequest>,
+) -> Result<StatusCode, ApiError> {
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
     write_stdin(&conn, pid, req.data.into_bytes(), req.close).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -218,7 +324,12 @@ pub async fn stdin(State(state): State<AppState>, owner: Owner, Path((id, pid)):
 
 /// Start a command over a WebSocket: send a RunCommandRequest, receive CommandEvents.
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/commands/stream", responses((status = 101, description = "WebSocket of CommandEvent"), (status = 404, body = ErrorBody)))]
-pub async fn stream(State(state): State<AppState>, owner: Owner, Path(id): Path<String>, ws: WebSocketUpgrade) -> Result<Response, ApiError> {
+pub async fn stream(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    ws: WebSocketUpgrade,
+) -> Result<Response, ApiError> {
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
     Ok(ws.on_upgrade(move |socket| async move {
         if let Err(e) = stream_new(socket, conn).await {
@@ -229,9 +340,20 @@ pub async fn stream(State(state): State<AppState>, owner: Owner, Path(id): Path<
 
 /// Reattach to a running (or finished but unread) command: missed output, then live output.
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/commands/{pid}/stream", responses((status = 101, description = "WebSocket of CommandEvent"), (status = 404, body = ErrorBody)))]
-pub async fn attach(State(state): State<AppState>, owner: Owner, Path((id, pid)): Path<(String, u32)>, ws: WebSocketUpgrade) -> Result<Response, ApiError> {
+pub async fn attach(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path((id, pid)): Path<(String, u32)>,
+    ws: WebSocketUpgrade,
+) -> Result<Response, ApiError> {
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
-    let stream = conn.process.connect(ConnectRequest { process: selector(pid).into(), ..Default::default() }).await?;
+    let stream = conn
+        .process
+        .connect(ConnectRequest {
+            process: selector(pid).into(),
+            ..Default::default()
+        })
+        .await?;
     Ok(ws.on_upgrade(move |socket| async move {
         let (tx, rx) = split(socket);
         let _ = pump(connect_events(stream), tx, rx, conn, None, None).await;
@@ -249,7 +371,9 @@ fn split(socket: WebSocket) -> (WsTx, WsRx) {
 async fn send_event(tx: &mut WsTx, ev: &CommandEvent) -> Result<(), ApiError> {
     use futures::SinkExt;
     let text = serde_json::to_string(ev).map_err(|e| ApiError::internal(e.to_string()))?;
-    tx.send(Message::Text(text.into())).await.map_err(|e| ApiError::internal(format!("websocket: {e}")))
+    tx.send(Message::Text(text.into()))
+        .await
+        .map_err(|e| ApiError::internal(format!("websocket: {e}")))
 }
 
 async fn stream_new(socket: WebSocket, conn: Arc<AgentConn>) -> Result<(), ApiError> {
@@ -265,18 +389,37 @@ async fn stream_new(socket: WebSocket, conn: Arc<AgentConn>) -> Result<(), ApiEr
     let req: RunCommandRequest = match serde_json::from_str(&first) {
         Ok(r) => r,
         Err(e) => {
-            send_event(&mut tx, &CommandEvent::Error { message: format!("invalid start message: {e}") }).await?;
+            send_event(
+                &mut tx,
+                &CommandEvent::Error {
+                    message: format!("invalid start message: {e}"),
+                },
+            )
+            .await?;
             return Ok(());
         }
     };
     let started = async {
         let opts = as_user(req.user.as_deref())?;
-        let stream = conn.process.start_with_options(start_request(&req, true)?, opts).await?;
+        let stream = conn
+            .process
+            .start_with_options(start_request(&req, true)?, opts)
+            .await?;
         Ok::<_, ApiError>(stream)
     }
     .await;
     match started {
-        Ok(stream) => pump(start_events(stream), tx, rx, conn, req.timeout_ms.map(Duration::from_millis), req.stdin.clone()).await,
+        Ok(stream) => {
+            pump(
+                start_events(stream),
+                tx,
+                rx,
+                conn,
+                req.timeout_ms.map(Duration::from_millis),
+                req.stdin.clone(),
+            )
+            .await
+        }
         Err(e) => send_event(&mut tx, &CommandEvent::Error { message: e.message }).await,
     }
 }
@@ -289,8 +432,7 @@ async fn pump(
     conn: Arc<AgentConn>,
     timeout: Option<Duration>,
     mut initial_stdin: Option<String>,
-) -> Result<(), ApiError>
-{
+) -> Result<(), ApiError> {
     use futures::StreamExt;
     let mut pid: Option<u32> = None;
     let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
@@ -353,21 +495,57 @@ async fn pump(
 async fn client_message(conn: &AgentConn, pid: u32, m: ClientMessage) -> Result<(), ApiError> {
     match m {
         ClientMessage::Stdin { data } => {
-            let bytes = B64.decode(data).map_err(|e| ApiError::bad_request(format!("stdin is not base64: {e}")))?;
+            let bytes = B64
+                .decode(data)
+                .map_err(|e| ApiError::bad_request(format!("stdin is not base64: {e}")))?;
             // A pty process takes its input through the terminal; the agent routes stdin there.
-            let input = ProcessInput { input: Some(Input::Stdin(bytes)), ..Default::default() };
-            conn.process.send_input(SendInputRequest { process: selector(pid).into(), input: input.into(), ..Default::default() }).await?;
+            let input = ProcessInput {
+                input: Some(Input::Stdin(bytes)),
+                ..Default::default()
+            };
+            conn.process
+                .send_input(SendInputRequest {
+                    process: selector(pid).into(),
+                    input: input.into(),
+                    ..Default::default()
+                })
+                .await?;
         }
         ClientMessage::CloseStdin => {
-            conn.process.close_stdin(CloseStdinRequest { process: selector(pid).into(), ..Default::default() }).await?;
+            conn.process
+                .close_stdin(CloseStdinRequest {
+                    process: selector(pid).into(),
+                    ..Default::default()
+                })
+                .await?;
         }
         ClientMessage::Signal { signal } => {
             let sig = parse_signal(&signal)?;
-            conn.process.send_signal(SendSignalRequest { process: selector(pid).into(), signal: sig.into(), ..Default::default() }).await?;
+            conn.process
+                .send_signal(SendSignalRequest {
+                    process: selector(pid).into(),
+                    signal: sig.into(),
+                    ..Default::default()
+                })
+                .await?;
         }
         ClientMessage::Resize { cols, rows } => {
-            let pty = PTY { size: pty::Size { cols: cols as u32, rows: rows as u32, ..Default::default() }.into(), ..Default::default() };
-            conn.process.update(UpdateRequest { process: selector(pid).into(), pty: pty.into(), ..Default::default() }).await?;
+            let pty = PTY {
+                size: pty::Size {
+                    cols: cols as u32,
+                    rows: rows as u32,
+                    ..Default::default()
+                }
+                .into(),
+                ..Default::default()
+            };
+            conn.process
+                .update(UpdateRequest {
+                    process: selector(pid).into(),
+                    pty: pty.into(),
+                    ..Default::default()
+                })
+                .await?;
         }
     }
     Ok(())
@@ -377,18 +555,31 @@ fn to_event(ev: ProcessEvent) -> Option<CommandEvent> {
     Some(match ev.event? {
         Event::Start(s) => CommandEvent::Start { pid: s.pid },
         Event::Data(d) => match d.output? {
-            Output::Stdout(b) => CommandEvent::Stdout { data: B64.encode(b) },
-            Output::Stderr(b) => CommandEvent::Stderr { data: B64.encode(b) },
-            Output::Pty(b) => CommandEvent::Pty { data: B64.encode(b) },
+            Output::Stdout(b) => CommandEvent::Stdout {
+                data: B64.encode(b),
+            },
+            Output::Stderr(b) => CommandEvent::Stderr {
+                data: B64.encode(b),
+            },
+            Output::Pty(b) => CommandEvent::Pty {
+                data: B64.encode(b),
+            },
         },
-        Event::End(e) => CommandEvent::End { exit_code: e.exit_code, status: e.status.clone() },
+        Event::End(e) => CommandEvent::End {
+            exit_code: e.exit_code,
+            status: e.status.clone(),
+        },
         Event::Keepalive(_) => return None,
     })
 }
 
-type ConnectStream = connectrpc::client::ServerStream<hyper::body::Incoming, __buffa::view::ConnectResponseView<'static>>;
+type ConnectStream = connectrpc::client::ServerStream<
+    hyper::body::Incoming,
+    __buffa::view::ConnectResponseView<'static>,
+>;
 /// Command events of a Start or Connect call.
-type EventStream = std::pin::Pin<Box<dyn futures::Stream<Item = Result<CommandEvent, ApiError>> + Send>>;
+type EventStream =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<CommandEvent, ApiError>> + Send>>;
 
 macro_rules! events_fn {
     ($name:ident, $stream:ty, $resp:ty) => {

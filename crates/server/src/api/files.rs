@@ -26,7 +26,9 @@ pub struct PathQuery {
 
 fn check_path(p: &str) -> Result<(), ApiError> {
     if p.is_empty() || p.contains('\0') || p.len() > 4096 {
-        return Err(ApiError::bad_request("path must be 1..=4096 bytes without NUL"));
+        return Err(ApiError::bad_request(
+            "path must be 1..=4096 bytes without NUL",
+        ));
     }
     Ok(())
 }
@@ -67,7 +69,12 @@ fn entry(e: &pfs::EntryInfo) -> EntryInfo {
 async fn agent_error(resp: http::Response<hyper::body::Incoming>) -> ApiError {
     use http_body_util::BodyExt;
     let status = resp.status();
-    let body = resp.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
     let message = serde_json::from_slice::<serde_json::Value>(&body)
         .ok()
         .and_then(|v| v.get("message").and_then(|m| m.as_str()).map(String::from))
@@ -80,25 +87,50 @@ async fn agent_error(resp: http::Response<hyper::body::Incoming>) -> ApiError {
         StatusCode::INSUFFICIENT_STORAGE => "resource_exhausted",
         _ => "agent_error",
     };
-    let status = if status.is_server_error() && status != StatusCode::INSUFFICIENT_STORAGE { StatusCode::BAD_GATEWAY } else { status };
+    let status = if status.is_server_error() && status != StatusCode::INSUFFICIENT_STORAGE {
+        StatusCode::BAD_GATEWAY
+    } else {
+        status
+    };
     ApiError::new(status, code, message)
 }
 
 /// Download a file (streamed).
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files", params(PathQuery), responses((status = 200, description = "file bytes"), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)))]
-pub async fn download(State(state): State<AppState>, owner: Owner, Path(id): Path<String>, ApiQuery(q): ApiQuery<PathQuery>) -> Result<Response, ApiError> {
+pub async fn download(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<PathQuery>,
+) -> Result<Response, ApiError> {
     check_path(&q.path)?;
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
     let user = q.user.as_deref().unwrap_or("user");
-    let uri = format!("{AGENT_BASE}/files?path={}&username={}", encode(&q.path), encode(user));
-    let req = http::Request::get(uri).body(Body::empty()).map_err(|e| ApiError::internal(e.to_string()))?;
-    let resp = conn.http.request(req).await.map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "unavailable", format!("agent: {e}")))?;
+    let uri = format!(
+        "{AGENT_BASE}/files?path={}&username={}",
+        encode(&q.path),
+        encode(user)
+    );
+    let req = http::Request::get(uri)
+        .body(Body::empty())
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let resp = conn.http.request(req).await.map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "unavailable",
+            format!("agent: {e}"),
+        )
+    })?;
     if !resp.status().is_success() {
         return Err(agent_error(resp).await);
     }
     let (parts, body) = resp.into_parts();
     let mut out = Response::new(Body::new(body));
-    for h in [http::header::CONTENT_TYPE, http::header::CONTENT_LENGTH, http::header::CONTENT_DISPOSITION] {
+    for h in [
+        http::header::CONTENT_TYPE,
+        http::header::CONTENT_LENGTH,
+        http::header::CONTENT_DISPOSITION,
+    ] {
         if let Some(v) = parts.headers.get(&h) {
             out.headers_mut().insert(h, v.clone());
         }
@@ -109,89 +141,209 @@ pub async fn download(State(state): State<AppState>, owner: Owner, Path(id): Pat
 /// Upload a file from the raw request body (streamed); parent directories are created.
 #[utoipa::path(put, path = "/v1/sandboxes/{id}/files", params(PathQuery), request_body(content = Vec<u8>, content_type = "application/octet-stream"),
     responses((status = 200, body = EntryInfo), (status = 403, body = ErrorBody), (status = 507, body = ErrorBody)))]
-pub async fn upload(State(state): State<AppState>, owner: Owner, Path(id): Path<String>, ApiQuery(q): ApiQuery<PathQuery>, request: Request) -> Result<Json<EntryInfo>, ApiError> {
+pub async fn upload(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<PathQuery>,
+    request: Request,
+) -> Result<Json<EntryInfo>, ApiError> {
     check_path(&q.path)?;
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
     let user = q.user.as_deref().unwrap_or("user");
-    let uri = format!("{AGENT_BASE}/files?path={}&username={}", encode(&q.path), encode(user));
+    let uri = format!(
+        "{AGENT_BASE}/files?path={}&username={}",
+        encode(&q.path),
+        encode(user)
+    );
     let req = http::Request::post(uri)
         .header(http::header::CONTENT_TYPE, "application/octet-stream")
         .body(request.into_body())
         .map_err(|e| ApiError::internal(e.to_string()))?;
-    let resp = conn.http.request(req).await.map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, "unavailable", format!("agent: {e}")))?;
+    let resp = conn.http.request(req).await.map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "unavailable",
+            format!("agent: {e}"),
+        )
+    })?;
     if !resp.status().is_success() {
         return Err(agent_error(resp).await);
     }
     let opts = as_user(q.user.as_deref())?;
-    let st = conn.fs.stat_with_options(pfs::StatRequest { path: q.path.clone(), ..Default::default() }, opts).await?.into_owned();
+    let st = conn
+        .fs
+        .stat_with_options(
+            pfs::StatRequest {
+                path: q.path.clone(),
+                ..Default::default()
+            },
+            opts,
+        )
+        .await?
+        .into_owned();
     Ok(Json(entry(&st.entry)))
 }
 
 /// List a directory.
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files/list", params(PathQuery), responses((status = 200, body = Vec<EntryInfo>), (status = 404, body = ErrorBody)))]
-pub async fn list(State(state): State<AppState>, owner: Owner, Path(id): Path<String>, ApiQuery(q): ApiQuery<PathQuery>) -> Result<Json<Vec<EntryInfo>>, ApiError> {
+pub async fn list(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<PathQuery>,
+) -> Result<Json<Vec<EntryInfo>>, ApiError> {
     check_path(&q.path)?;
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
     let depth = q.depth.unwrap_or(1).clamp(1, 32);
-    let req = pfs::ListDirRequest { path: q.path.clone(), depth, ..Default::default() };
-    let resp = conn.fs.list_dir_with_options(req, as_user(q.user.as_deref())?).await?.into_owned();
+    let req = pfs::ListDirRequest {
+        path: q.path.clone(),
+        depth,
+        ..Default::default()
+    };
+    let resp = conn
+        .fs
+        .list_dir_with_options(req, as_user(q.user.as_deref())?)
+        .await?
+        .into_owned();
     Ok(Json(resp.entries.iter().map(entry).collect()))
 }
 
 /// Describe one path.
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files/stat", params(PathQuery), responses((status = 200, body = EntryInfo), (status = 404, body = ErrorBody)))]
-pub async fn stat(State(state): State<AppState>, owner: Owner, Path(id): Path<String>, ApiQuery(q): ApiQuery<PathQuery>) -> Result<Json<EntryInfo>, ApiError> {
+pub async fn stat(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<PathQuery>,
+) -> Result<Json<EntryInfo>, ApiError> {
     check_path(&q.path)?;
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
-    let resp = conn.fs.stat_with_options(pfs::StatRequest { path: q.path.clone(), ..Default::default() }, as_user(q.user.as_deref())?).await?.into_owned();
+    let resp = conn
+        .fs
+        .stat_with_options(
+            pfs::StatRequest {
+                path: q.path.clone(),
+                ..Default::default()
+            },
+            as_user(q.user.as_deref())?,
+        )
+        .await?
+        .into_owned();
     Ok(Json(entry(&resp.entry)))
 }
 
 /// Create a directory and its parents.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/files/mkdir", request_body = PathRequest, responses((status = 200, body = EntryInfo), (status = 409, body = ErrorBody)))]
-pub async fn mkdir(State(state): State<AppState>, owner: Owner, Path(id): Path<String>, ApiJson(req): ApiJson<PathRequest>) -> Result<Json<EntryInfo>, ApiError> {
+pub async fn mkdir(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<PathRequest>,
+) -> Result<Json<EntryInfo>, ApiError> {
     check_path(&req.path)?;
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
-    let resp = conn.fs.make_dir(pfs::MakeDirRequest { path: req.path, ..Default::default() }).await?.into_owned();
+    let resp = conn
+        .fs
+        .make_dir(pfs::MakeDirRequest {
+            path: req.path,
+            ..Default::default()
+        })
+        .await?
+        .into_owned();
     Ok(Json(entry(&resp.entry)))
 }
 
 /// Move or rename.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/files/move", request_body = MoveRequest, responses((status = 200, body = EntryInfo), (status = 404, body = ErrorBody)))]
-pub async fn move_path(State(state): State<AppState>, owner: Owner, Path(id): Path<String>, ApiJson(req): ApiJson<MoveRequest>) -> Result<Json<EntryInfo>, ApiError> {
+pub async fn move_path(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<MoveRequest>,
+) -> Result<Json<EntryInfo>, ApiError> {
     check_path(&req.from)?;
     check_path(&req.to)?;
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
-    let resp = conn.fs.r#move(pfs::MoveRequest { source: req.from, destination: req.to, ..Default::default() }).await?.into_owned();
+    let resp = conn
+        .fs
+        .r#move(pfs::MoveRequest {
+            source: req.from,
+            destination: req.to,
+            ..Default::default()
+        })
+        .await?
+        .into_owned();
     Ok(Json(entry(&resp.entry)))
 }
 
 /// Copy a file or directory tree (as the sandbox user, with `cp -a` inside the sandbox).
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/files/copy", request_body = MoveRequest, responses((status = 200, body = EntryInfo), (status = 400, body = ErrorBody)))]
-pub async fn copy(State(state): State<AppState>, owner: Owner, Path(id): Path<String>, ApiJson(req): ApiJson<MoveRequest>) -> Result<Json<EntryInfo>, ApiError> {
+pub async fn copy(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<MoveRequest>,
+) -> Result<Json<EntryInfo>, ApiError> {
     check_path(&req.from)?;
     check_path(&req.to)?;
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
     // Resolve both through the agent first, so `..` escapes are refused the same way.
-    let src = conn.fs.stat(pfs::StatRequest { path: req.from.clone(), ..Default::default() }).await?.into_owned();
+    let src = conn
+        .fs
+        .stat(pfs::StatRequest {
+            path: req.from.clone(),
+            ..Default::default()
+        })
+        .await?
+        .into_owned();
     let run = sandpit_api::RunCommandRequest {
-        argv: vec!["cp".into(), "-a".into(), "--".into(), src.entry.path.clone(), req.to.clone()],
+        argv: vec![
+            "cp".into(),
+            "-a".into(),
+            "--".into(),
+            src.entry.path.clone(),
+            req.to.clone(),
+        ],
         timeout_ms: Some(600_000),
         ..Default::default()
     };
     let out = super::commands::run_to_end(&conn, &run).await?;
     if out.exit_code != 0 {
-        return Err(ApiError::bad_request(format!("copy failed: {}", out.stderr.trim())));
+        return Err(ApiError::bad_request(format!(
+            "copy failed: {}",
+            out.stderr.trim()
+        )));
     }
-    let st = conn.fs.stat(pfs::StatRequest { path: req.to, ..Default::default() }).await?.into_owned();
+    let st = conn
+        .fs
+        .stat(pfs::StatRequest {
+            path: req.to,
+            ..Default::default()
+        })
+        .await?
+        .into_owned();
     Ok(Json(entry(&st.entry)))
 }
 
 /// Remove a file, symlink or directory tree.
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}/files", params(PathQuery), responses((status = 204), (status = 404, body = ErrorBody)))]
-pub async fn remove(State(state): State<AppState>, owner: Owner, Path(id): Path<String>, ApiQuery(q): ApiQuery<PathQuery>) -> Result<StatusCode, ApiError> {
+pub async fn remove(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<PathQuery>,
+) -> Result<StatusCode, ApiError> {
     check_path(&q.path)?;
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
-    conn.fs.remove_with_options(pfs::RemoveRequest { path: q.path, ..Default::default() }, as_user(q.user.as_deref())?).await?;
+    conn.fs
+        .remove_with_options(
+            pfs::RemoveRequest {
+                path: q.path,
+                ..Default::default()
+            },
+            as_user(q.user.as_deref())?,
+        )
+        .await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -40,17 +40,24 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequest<S> for ApiJson<
         use axum::extract::rejection::JsonRejection;
         match axum::Json::<T>::from_request(req, state).await {
             Ok(axum::Json(v)) => Ok(ApiJson(v)),
-            Err(JsonRejection::BytesRejection(e)) if e.status() == http::StatusCode::PAYLOAD_TOO_LARGE => Err(ApiError::new(
-                http::StatusCode::PAYLOAD_TOO_LARGE,
-                "payload_too_large",
-                format!("request body exceeds {JSON_LIMIT} bytes"),
-            )),
+            Err(JsonRejection::BytesRejection(e))
+                if e.status() == http::StatusCode::PAYLOAD_TOO_LARGE =>
+            {
+                Err(ApiError::new(
+                    http::StatusCode::PAYLOAD_TOO_LARGE,
+                    "payload_too_large",
+                    format!("request body exceeds {JSON_LIMIT} bytes"),
+                ))
+            }
             Err(JsonRejection::MissingJsonContentType(_)) => Err(ApiError::new(
                 http::StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 "unsupported_media_type",
                 "expected Content-Type: application/json",
             )),
-            Err(e) => Err(ApiError::bad_request(format!("invalid JSON body: {}", e.body_text()))),
+            Err(e) => Err(ApiError::bad_request(format!(
+                "invalid JSON body: {}",
+                e.body_text()
+            ))),
         }
     }
 }
@@ -61,7 +68,10 @@ pub struct ApiQuery<T>(pub T);
 impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
     type Rejection = ApiError;
 
-    async fn from_request_parts(parts: &mut http::request::Parts, state: &S) -> Result<Self, Self::Rejection> {
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        state: &S,
+    ) -> Result<Self, Self::Rejection> {
         axum::extract::Query::<T>::from_request_parts(parts, state)
             .await
             .map(|q| ApiQuery(q.0))
@@ -72,8 +82,15 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequestParts<S> for Api
 impl<S: Send + Sync> FromRequestParts<S> for Owner {
     type Rejection = ApiError;
 
-    async fn from_request_parts(parts: &mut http::request::Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        parts.extensions.get::<Owner>().cloned().ok_or_else(|| ApiError::unauthenticated("missing API key"))
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<Owner>()
+            .cloned()
+            .ok_or_else(|| ApiError::unauthenticated("missing API key"))
     }
 }
 
@@ -86,13 +103,21 @@ fn presented_key(headers: &http::HeaderMap) -> Option<String> {
     auth.strip_prefix("Bearer ").map(|k| k.trim().to_string())
 }
 
-async fn authenticate(State(state): State<AppState>, mut req: Request, next: Next) -> Result<Response, ApiError> {
+async fn authenticate(
+    State(state): State<AppState>,
+    mut req: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
     let owner = match &state.no_auth_owner {
         Some(o) => o.clone(),
         None => {
-            let key = presented_key(req.headers()).ok_or_else(|| ApiError::unauthenticated("missing API key (Authorization: Bearer <key>)"))?;
+            let key = presented_key(req.headers()).ok_or_else(|| {
+                ApiError::unauthenticated("missing API key (Authorization: Bearer <key>)")
+            })?;
             let found = state.manager.store.authenticate(&key).await?;
-            found.ok_or_else(|| ApiError::unauthenticated("invalid API key"))?.owner
+            found
+                .ok_or_else(|| ApiError::unauthenticated("invalid API key"))?
+                .owner
         }
     };
     req.extensions_mut().insert(Owner(owner));
@@ -119,8 +144,14 @@ impl utoipa::Modify for BearerAuth {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
         use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
         let components = openapi.components.get_or_insert_with(Default::default);
-        components.add_security_scheme("bearer", SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()));
-        openapi.security = Some(vec![utoipa::openapi::security::SecurityRequirement::new("bearer", Vec::<String>::new())]);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+        openapi.security = Some(vec![utoipa::openapi::security::SecurityRequirement::new(
+            "bearer",
+            Vec::<String>::new(),
+        )]);
     }
 }
 
@@ -135,16 +166,34 @@ pub fn router(state: AppState) -> Router {
     let authed = Router::new()
         .route("/v1/info", get(sandboxes::info))
         .route("/v1/templates", get(sandboxes::templates))
-        .route("/v1/sandboxes", post(sandboxes::create).get(sandboxes::list))
-        .route("/v1/sandboxes/{id}", get(sandboxes::get).delete(sandboxes::delete))
+        .route(
+            "/v1/sandboxes",
+            post(sandboxes::create).get(sandboxes::list),
+        )
+        .route(
+            "/v1/sandboxes/{id}",
+            get(sandboxes::get).delete(sandboxes::delete),
+        )
         .route("/v1/sandboxes/{id}/timeout", post(sandboxes::set_timeout))
         .route("/v1/sandboxes/{id}/keepalive", post(sandboxes::keepalive))
         .route("/v1/sandboxes/{id}/stats", get(sandboxes::stats))
-        .route("/v1/sandboxes/{id}/commands", post(commands::run).get(commands::list))
+        .route(
+            "/v1/sandboxes/{id}/commands",
+            post(commands::run).get(commands::list),
+        )
         .route("/v1/sandboxes/{id}/commands/stream", get(commands::stream))
-        .route("/v1/sandboxes/{id}/commands/{pid}/stream", get(commands::attach))
-        .route("/v1/sandboxes/{id}/commands/{pid}/signal", post(commands::signal))
-        .route("/v1/sandboxes/{id}/commands/{pid}/stdin", post(commands::stdin))
+        .route(
+            "/v1/sandboxes/{id}/commands/{pid}/stream",
+            get(commands::attach),
+        )
+        .route(
+            "/v1/sandboxes/{id}/commands/{pid}/signal",
+            post(commands::signal),
+        )
+        .route(
+            "/v1/sandboxes/{id}/commands/{pid}/stdin",
+            post(commands::stdin),
+        )
         .route("/v1/sandboxes/{id}/files/list", get(files::list))
         .route("/v1/sandboxes/{id}/files/stat", get(files::stat))
         .route("/v1/sandboxes/{id}/files/mkdir", post(files::mkdir))
@@ -153,13 +202,29 @@ pub fn router(state: AppState) -> Router {
         .layer(axum::extract::DefaultBodyLimit::max(JSON_LIMIT))
         .route(
             "/v1/sandboxes/{id}/files",
-            get(files::download).put(files::upload).post(files::upload).delete(files::remove).layer(axum::extract::DefaultBodyLimit::disable()),
+            get(files::download)
+                .put(files::upload)
+                .post(files::upload)
+                .delete(files::remove)
+                .layer(axum::extract::DefaultBodyLimit::disable()),
         )
-        .route("/v1/sandboxes/{id}/agent/{*rest}", any(passthrough::forward).layer(axum::extract::DefaultBodyLimit::disable()))
-        .layer(axum::middleware::from_fn_with_state(state.clone(), authenticate));
+        .route(
+            "/v1/sandboxes/{id}/agent/{*rest}",
+            any(passthrough::forward).layer(axum::extract::DefaultBodyLimit::disable()),
+        )
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            authenticate,
+        ));
     Router::new()
-        .route("/v1/health", get(|| async { axum::Json(serde_json::json!({ "status": "ok" })) }))
-        .route("/v1/openapi.json", get(move || async move { axum::Json(doc.clone()) }))
+        .route(
+            "/v1/health",
+            get(|| async { axum::Json(serde_json::json!({ "status": "ok" })) }),
+        )
+        .route(
+            "/v1/openapi.json",
+            get(move || async move { axum::Json(doc.clone()) }),
+        )
         .merge(authed)
         .fallback(|| async { ApiError::not_found("no such route") })
         .with_state(state)

@@ -9,13 +9,28 @@ use axum::extract::{Path, Request, State};
 use axum::response::Response;
 
 /// Forward one request to the sandbox's agent and stream the answer back.
-pub async fn forward(State(state): State<AppState>, owner: Owner, Path((id, rest)): Path<(String, String)>, request: Request) -> Result<Response, ApiError> {
+pub async fn forward(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path((id, rest)): Path<(String, String)>,
+    request: Request,
+) -> Result<Response, ApiError> {
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
     let (mut parts, body) = request.into_parts();
-    let query = parts.uri.query().map(|q| format!("?{q}")).unwrap_or_default();
-    parts.uri = format!("{AGENT_BASE}/{rest}{query}").parse().map_err(|_| ApiError::bad_request("invalid agent path"))?;
+    let query = parts
+        .uri
+        .query()
+        .map(|q| format!("?{q}"))
+        .unwrap_or_default();
+    parts.uri = format!("{AGENT_BASE}/{rest}{query}")
+        .parse()
+        .map_err(|_| ApiError::bad_request("invalid agent path"))?;
     // The daemon's own credentials stop here; a Basic header naming the user goes through.
-    let bearer = parts.headers.get(http::header::AUTHORIZATION).and_then(|v| v.to_str().ok()).is_some_and(|v| v.starts_with("Bearer "));
+    let bearer = parts
+        .headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("Bearer "));
     if bearer {
         parts.headers.remove(http::header::AUTHORIZATION);
     }
@@ -25,7 +40,13 @@ pub async fn forward(State(state): State<AppState>, owner: Owner, Path((id, rest
         .http
         .request(http::Request::from_parts(parts, body))
         .await
-        .map_err(|e| ApiError::new(http::StatusCode::BAD_GATEWAY, "unavailable", format!("agent: {e}")))?;
+        .map_err(|e| {
+            ApiError::new(
+                http::StatusCode::BAD_GATEWAY,
+                "unavailable",
+                format!("agent: {e}"),
+            )
+        })?;
     let (parts, body) = resp.into_parts();
     Ok(Response::from_parts(parts, Body::new(body)))
 }

@@ -31,14 +31,22 @@ pub fn to_api(rec: &SandboxRecord, isolated: bool) -> Sandbox {
 }
 
 fn view(state: &AppState, rec: &SandboxRecord) -> Sandbox {
-    let isolated = state.manager.runtimes.get(&rec.runtime).is_some_and(|r| r.capabilities().isolated);
+    let isolated = state
+        .manager
+        .runtimes
+        .get(&rec.runtime)
+        .is_some_and(|r| r.capabilities().isolated);
     to_api(rec, isolated)
 }
 
 /// Create a sandbox and wait until it runs.
 #[utoipa::path(post, path = "/v1/sandboxes", request_body = CreateSandboxRequest,
     responses((status = 201, body = Sandbox), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody)))]
-pub async fn create(State(state): State<AppState>, owner: Owner, ApiJson(req): ApiJson<CreateSandboxRequest>) -> Result<(StatusCode, Json<Sandbox>), ApiError> {
+pub async fn create(
+    State(state): State<AppState>,
+    owner: Owner,
+    ApiJson(req): ApiJson<CreateSandboxRequest>,
+) -> Result<(StatusCode, Json<Sandbox>), ApiError> {
     let rec = state.manager.create(&owner.0, req).await?;
     Ok((StatusCode::CREATED, Json(view(&state, &rec))))
 }
@@ -57,30 +65,67 @@ pub struct ListQuery {
 
 /// List the caller's sandboxes, newest last, a page at a time.
 #[utoipa::path(get, path = "/v1/sandboxes", params(ListQuery), responses((status = 200, body = SandboxList), (status = 400, body = ErrorBody)))]
-pub async fn list(State(state): State<AppState>, owner: Owner, uri: http::Uri) -> Result<Json<SandboxList>, ApiError> {
+pub async fn list(
+    State(state): State<AppState>,
+    owner: Owner,
+    uri: http::Uri,
+) -> Result<Json<SandboxList>, ApiError> {
     // Repeated `metadata=` keys need a list-aware parser; serde_urlencoded takes only one.
-    let mut q = ListQuery { state: None, metadata: Vec::new(), limit: None, cursor: None };
+    let mut q = ListQuery {
+        state: None,
+        metadata: Vec::new(),
+        limit: None,
+        cursor: None,
+    };
     for (k, v) in form_pairs(uri.query().unwrap_or("")) {
         match k.as_str() {
             "state" => q.state = Some(v),
             "metadata" => q.metadata.push(v),
-            "limit" => q.limit = Some(v.parse().map_err(|_| ApiError::bad_request("limit must be a number"))?),
+            "limit" => {
+                q.limit = Some(
+                    v.parse()
+                        .map_err(|_| ApiError::bad_request("limit must be a number"))?,
+                )
+            }
             "cursor" => q.cursor = Some(v),
-            other => return Err(ApiError::bad_request(format!("unknown query parameter {other:?}"))),
+            other => {
+                return Err(ApiError::bad_request(format!(
+                    "unknown query parameter {other:?}"
+                )));
+            }
         }
     }
     let mut states = Vec::new();
-    for s in q.state.iter().flat_map(|s| s.split(',')).filter(|s| !s.is_empty()) {
-        states.push(s.parse::<SandboxState>().map_err(|_| ApiError::bad_request(format!("unknown state {s:?}")))?);
+    for s in q
+        .state
+        .iter()
+        .flat_map(|s| s.split(','))
+        .filter(|s| !s.is_empty())
+    {
+        states.push(
+            s.parse::<SandboxState>()
+                .map_err(|_| ApiError::bad_request(format!("unknown state {s:?}")))?,
+        );
     }
     let mut metadata = Vec::new();
     for m in &q.metadata {
-        let (k, v) = m.split_once('=').ok_or_else(|| ApiError::bad_request("metadata filters look like key=value"))?;
+        let (k, v) = m
+            .split_once('=')
+            .ok_or_else(|| ApiError::bad_request("metadata filters look like key=value"))?;
         metadata.push((k.to_string(), v.to_string()));
     }
-    let filter = SandboxFilter { owner: Some(owner.0), states, metadata, limit: q.limit.unwrap_or(0), cursor: q.cursor };
+    let filter = SandboxFilter {
+        owner: Some(owner.0),
+        states,
+        metadata,
+        limit: q.limit.unwrap_or(0),
+        cursor: q.cursor,
+    };
     let page = state.manager.store.list_sandboxes(&filter).await?;
-    Ok(Json(SandboxList { items: page.items.iter().map(|r| view(&state, r)).collect(), next_cursor: page.next_cursor }))
+    Ok(Json(SandboxList {
+        items: page.items.iter().map(|r| view(&state, r)).collect(),
+        next_cursor: page.next_cursor,
+    }))
 }
 
 fn form_pairs(query: &str) -> Vec<(String, String)> {
@@ -102,7 +147,10 @@ fn decode(s: &str) -> String {
         match bytes[i] {
             b'+' => out.push(b' '),
             b'%' if i + 2 < bytes.len() => {
-                match u8::from_str_radix(std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("zz"), 16) {
+                match u8::from_str_radix(
+                    std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("zz"),
+                    16,
+                ) {
                     Ok(b) => {
                         out.push(b);
                         i += 2;
@@ -119,14 +167,22 @@ fn decode(s: &str) -> String {
 
 /// Get one sandbox.
 #[utoipa::path(get, path = "/v1/sandboxes/{id}", responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody)))]
-pub async fn get(State(state): State<AppState>, owner: Owner, Path(id): Path<String>) -> Result<Json<Sandbox>, ApiError> {
+pub async fn get(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+) -> Result<Json<Sandbox>, ApiError> {
     let rec = state.manager.get(&owner.0, &id).await?;
     Ok(Json(view(&state, &rec)))
 }
 
 /// Destroy a sandbox: every process, mount, cgroup and directory goes.
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}", responses((status = 204), (status = 404, body = ErrorBody)))]
-pub async fn delete(State(state): State<AppState>, owner: Owner, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+pub async fn delete(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
     let rec = state.manager.get(&owner.0, &id).await?;
     state.manager.destroy(&rec).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -134,7 +190,12 @@ pub async fn delete(State(state): State<AppState>, owner: Owner, Path(id): Path<
 
 /// Expire the sandbox `timeout` seconds from now.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/timeout", request_body = SetTimeoutRequest, responses((status = 204), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
-pub async fn set_timeout(State(state): State<AppState>, owner: Owner, Path(id): Path<String>, ApiJson(req): ApiJson<SetTimeoutRequest>) -> Result<StatusCode, ApiError> {
+pub async fn set_timeout(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<SetTimeoutRequest>,
+) -> Result<StatusCode, ApiError> {
     let rec = state.manager.get(&owner.0, &id).await?;
     state.manager.set_timeout(&rec, req.timeout).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -142,18 +203,34 @@ pub async fn set_timeout(State(state): State<AppState>, owner: Owner, Path(id): 
 
 /// Restart the sandbox's default lifetime from now.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/keepalive", responses((status = 204), (status = 404, body = ErrorBody)))]
-pub async fn keepalive(State(state): State<AppState>, owner: Owner, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+pub async fn keepalive(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
     let rec = state.manager.get(&owner.0, &id).await?;
-    state.manager.set_timeout(&rec, crate::manager::DEFAULT_TIMEOUT.min(state.manager.cfg.max_timeout_secs)).await?;
+    state
+        .manager
+        .set_timeout(
+            &rec,
+            crate::manager::DEFAULT_TIMEOUT.min(state.manager.cfg.max_timeout_secs),
+        )
+        .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 /// Resource usage.
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/stats", responses((status = 200, body = SandboxStats), (status = 404, body = ErrorBody), (status = 501, body = ErrorBody)))]
-pub async fn stats(State(state): State<AppState>, owner: Owner, Path(id): Path<String>) -> Result<Json<SandboxStats>, ApiError> {
+pub async fn stats(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+) -> Result<Json<SandboxStats>, ApiError> {
     let rec = state.manager.get(&owner.0, &id).await?;
     let (rt, h) = state.manager.runtime_of(&rec)?;
-    let s = tokio::task::spawn_blocking(move || rt.stats(&h)).await.map_err(|e| ApiError::internal(e.to_string()))??;
+    let s = tokio::task::spawn_blocking(move || rt.stats(&h))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))??;
     Ok(Json(SandboxStats {
         cpu_usage_ns: s.cpu_usage_ns,
         memory_current_bytes: s.memory_current_bytes,
@@ -192,8 +269,25 @@ pub async fn info(State(state): State<AppState>, _owner: Owner) -> Json<DaemonIn
 
 /// Templates sandboxes can start from.
 #[utoipa::path(get, path = "/v1/templates", responses((status = 200, body = Vec<Template>)))]
-pub async fn templates(State(state): State<AppState>, _owner: Owner) -> Result<Json<Vec<Template>>, ApiError> {
-    let mut out = vec![Template { name: "host".into(), rootfs: "host".into() }];
-    out.extend(state.manager.store.list_templates().await?.into_iter().map(|t| Template { name: t.name, rootfs: t.rootfs }));
+pub async fn templates(
+    State(state): State<AppState>,
+    _owner: Owner,
+) -> Result<Json<Vec<Template>>, ApiError> {
+    let mut out = vec![Template {
+        name: "host".into(),
+        rootfs: "host".into(),
+    }];
+    out.extend(
+        state
+            .manager
+            .store
+            .list_templates()
+            .await?
+            .into_iter()
+            .map(|t| Template {
+                name: t.name,
+                rootfs: t.rootfs,
+            }),
+    );
     Ok(Json(out))
 }
