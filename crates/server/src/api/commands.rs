@@ -435,6 +435,8 @@ async fn pump(
 ) -> Result<(), ApiError> {
     use futures::StreamExt;
     let mut pid: Option<u32> = None;
+    // Messages that arrive before the start event wait for the pid.
+    let mut early: Vec<ClientMessage> = Vec::new();
     let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
     let mut killed = false;
     loop {
@@ -459,12 +461,16 @@ async fn pump(
                     if let Some(text) = initial_stdin.take() {
                         write_stdin(&conn, p, text.into_bytes(), false).await?;
                     }
+                    for m in std::mem::take(&mut early) {
+                        if let Err(e) = client_message(&conn, p, m).await {
+                            send_event(&mut tx, &CommandEvent::Error { message: e.message }).await?;
+                        }
+                    }
                 }
                 let end = matches!(ev, CommandEvent::End { .. });
                 send_event(&mut tx, &ev).await?;
                 if end {
-                    use futures::SinkExt;
-                    let _ = tx.send(Message::Close(None)).await;
+                    close_gracefully(&mut tx, &mut rx).await;
                     return Ok(());
                 }
             }
@@ -474,10 +480,10 @@ async fn pump(
                     return Ok(());
                 };
                 let Message::Text(t) = msg else { continue };
-                let Some(p) = pid else { continue };
                 match serde_json::from_str::<ClientMessage>(&t) {
-                    Ok(m) => {
-                        if let Err(e) = client_message(&conn, p, m).await {
+                    Ok(m) => match pid {
+                        None => early.push(m),
+                        Some(p) => if let Err(e) = client_message(&conn, p, m).await {
                             send_event(&mut tx, &CommandEvent::Error { message: e.message }).await?;
                         }
                     }
@@ -490,6 +496,22 @@ async fn pump(
             }
         }
     }
+}
+
+/// Completes the WebSocket closing handshake. Dropping the socket while the client still
+/// sends (late stdin, a close) would make the kernel answer with a reset, and a reset can
+/// discard output the client has not read yet.
+async fn close_gracefully(tx: &mut WsTx, rx: &mut WsRx) {
+    use futures::{SinkExt, StreamExt};
+    let _ = tx.send(Message::Close(None)).await;
+    let drain = async {
+        while let Some(Ok(msg)) = rx.next().await {
+            if matches!(msg, Message::Close(_)) {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(5), drain).await;
 }
 
 async fn client_message(conn: &AgentConn, pid: u32, m: ClientMessage) -> Result<(), ApiError> {

@@ -1,0 +1,394 @@
+//! End-to-end tests of the API surface around the core: the agent pass-through (Connect
+//! RPC in E2B's shape), watchers, streams with stdin and a pty, listing, TTL changes,
+//! custom root filesystem templates and the CLI.
+
+use sandpit_api::{CommandEvent, CreateSandboxRequest, LimitsSpec, PtySize, RunCommandRequest};
+use sandpit_tests::{Daemon, sandpit_bin, sh};
+use std::time::Duration;
+
+async fn connect_call(
+    d: &Daemon,
+    id: &str,
+    method: &str,
+    body: serde_json::Value,
+) -> (u16, serde_json::Value) {
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/sandboxes/{id}/agent/{method}", d.url))
+        .header("authorization", format!("Bearer {}", d.key))
+        .header("content-type", "application/json")
+        .header("connect-protocol-version", "1")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(serde_json::Value::Null))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_passthrough_speaks_connect_and_watchers_see_changes() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let id = d.sandbox(LimitsSpec::default()).await;
+    let (status, v) = connect_call(
+        &d,
+        &id,
+        "filesystem.Filesystem/Stat",
+        serde_json::json!({"path": "/etc/hostname"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["entry"]["name"], "hostname");
+    let (status, v) = connect_call(
+        &d,
+        &id,
+        "filesystem.Filesystem/Stat",
+        serde_json::json!({"path": "/nope"}),
+    )
+    .await;
+    assert_eq!((status, v["code"].as_str()), (404, Some("not_found")));
+    let (status, v) = connect_call(
+        &d,
+        &id,
+        "filesystem.Filesystem/CreateWatcher",
+        serde_json::json!({"path": "/home/user"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    let watcher = v["watcherId"].as_str().unwrap().to_string();
+    sh(
+        &c,
+        &id,
+        "touch /home/user/new-file && echo x >> /home/user/new-file && rm /home/user/new-file",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (_, v) = connect_call(
+        &d,
+        &id,
+        "filesystem.Filesystem/GetWatcherEvents",
+        serde_json::json!({"watcherId": watcher}),
+    )
+    .await;
+    let kinds: Vec<String> = v["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["name"] == "new-file")
+        .map(|e| e["type"].as_str().unwrap_or("").to_string())
+        .collect();
+    for k in ["EVENT_TYPE_CREATE", "EVENT_TYPE_WRITE", "EVENT_TYPE_REMOVE"] {
+        assert!(kinds.iter().any(|x| x == k), "{k} missing in {v}");
+    }
+    let (status, _) = connect_call(
+        &d,
+        &id,
+        "filesystem.Filesystem/RemoveWatcher",
+        serde_json::json!({"watcherId": watcher}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    // the process service lists what the REST API started, through the same agent
+    let bg = c
+        .run_background(
+            &id,
+            &RunCommandRequest {
+                argv: vec!["sleep".into(), "30".into()],
+                tag: Some("napper".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let (_, v) = connect_call(&d, &id, "process.Process/List", serde_json::json!({})).await;
+    assert!(
+        v["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["pid"] == bg.pid && p["tag"] == "napper"),
+        "{v}"
+    );
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn websocket_streams_take_stdin_signals_and_a_pty() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let id = d.sandbox(LimitsSpec::default()).await;
+    let mut s = c
+        .stream_command(
+            &id,
+            &RunCommandRequest {
+                argv: vec!["cat".into()],
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    s.write_stdin(b"piped through\n").await.unwrap();
+    s.close_stdin().await.unwrap();
+    let (out, _, code) = s.collect().await.unwrap();
+    assert_eq!((out.as_slice(), code), (&b"piped through\n"[..], 0));
+    let req = RunCommandRequest {
+        argv: vec!["bash".into(), "-c".into(), "stty size; tty".into()],
+        pty: Some(PtySize {
+            cols: 100,
+            rows: 30,
+        }),
+        ..Default::default()
+    };
+    let mut s = c.stream_command(&id, &req).await.unwrap();
+    let mut text = Vec::new();
+    while let Some(ev) = tokio::time::timeout(Duration::from_secs(10), s.next_event())
+        .await
+        .unwrap()
+        .unwrap()
+    {
+        match ev {
+            CommandEvent::Pty { data } => text.extend(sandpit_client::decode_data(&data).unwrap()),
+            CommandEvent::End { .. } => break,
+            _ => {}
+        }
+    }
+    let text = String::from_utf8_lossy(&text);
+    assert!(
+        text.contains("30 100") && text.contains("/dev/pts/"),
+        "{text}"
+    );
+    let mut s = c
+        .stream_command(
+            &id,
+            &RunCommandRequest {
+                argv: vec!["sleep".into(), "60".into()],
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    s.signal("SIGKILL").await.unwrap();
+    let (_, _, code) = tokio::time::timeout(Duration::from_secs(10), s.collect())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(code, 137);
+    // a command that cannot start is reported on the stream, not as a silent close
+    let mut s = c
+        .stream_command(
+            &id,
+            &RunCommandRequest {
+                argv: vec!["/does/not/exist".into()],
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let ev = tokio::time::timeout(Duration::from_secs(10), s.next_event())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(matches!(ev, Some(CommandEvent::Error { .. })), "{ev:?}");
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listing_filters_paginates_and_ttl_can_change() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let mut ids = Vec::new();
+    for i in 0..5 {
+        let req = CreateSandboxRequest {
+            metadata: [("parity".to_string(), (i % 2).to_string())].into(),
+            ..Default::default()
+        };
+        ids.push(c.create_sandbox(&req).await.unwrap().id);
+    }
+    let even = [("parity".to_string(), "0".to_string())];
+    let p1 = c
+        .list_sandboxes(Some("running"), &even, Some(2), None)
+        .await
+        .unwrap();
+    assert_eq!(p1.items.len(), 2);
+    let p2 = c
+        .list_sandboxes(Some("running"), &even, Some(2), p1.next_cursor.as_deref())
+        .await
+        .unwrap();
+    assert_eq!(p2.items.len(), 1);
+    assert!(p2.next_cursor.is_none());
+    let mut seen: Vec<String> = p1
+        .items
+        .iter()
+        .chain(&p2.items)
+        .map(|s| s.id.clone())
+        .collect();
+    seen.sort();
+    let mut want = vec![ids[0].clone(), ids[2].clone(), ids[4].clone()];
+    want.sort();
+    assert_eq!(seen, want);
+    assert_eq!(
+        c.list_sandboxes(Some("paused"), &[], None, None)
+            .await
+            .unwrap()
+            .items
+            .len(),
+        0
+    );
+    assert_eq!(
+        c.list_sandboxes(Some("bogus"), &[], None, None)
+            .await
+            .unwrap_err()
+            .status(),
+        Some(400)
+    );
+    assert_eq!(
+        c.list_sandboxes(None, &[], None, Some("not-a-cursor"))
+            .await
+            .unwrap_err()
+            .status(),
+        Some(400)
+    );
+    // TTL: shorten one to a second; keep-alive pushes another out again
+    let before = c.get_sandbox(&ids[1]).await.unwrap().expires_at_ms;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    c.keepalive(&ids[1]).await.unwrap();
+    assert!(c.get_sandbox(&ids[1]).await.unwrap().expires_at_ms > before);
+    assert_eq!(
+        c.set_timeout(&ids[1], 0).await.unwrap_err().status(),
+        Some(400)
+    );
+    c.set_timeout(&ids[3], 1).await.unwrap();
+    let mut gone = false;
+    for _ in 0..40 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if c.get_sandbox(&ids[3]).await.map(|_| false).unwrap_or(true) {
+            gone = true;
+            break;
+        }
+    }
+    assert!(gone);
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn custom_rootfs_templates_run_their_own_binaries() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    // A root filesystem with one static program in it: the sandpit binary itself.
+    let rootfs = tempfile::Builder::new()
+        .prefix("sandpit-rootfs-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    std::fs::create_dir_all(rootfs.path().join("usr/bin")).unwrap();
+    std::fs::copy(sandpit_bin(), rootfs.path().join("usr/bin/sandpit")).unwrap();
+    let out = std::process::Command::new(sandpit_bin())
+        .args(["template", "add", "tiny", "--rootfs"])
+        .arg(rootfs.path())
+        .arg("--data-dir")
+        .arg(d.data.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        c.list_templates()
+            .await
+            .unwrap()
+            .iter()
+            .any(|t| t.name == "tiny")
+    );
+    let sb = c
+        .create_sandbox(&CreateSandboxRequest {
+            template: Some("tiny".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let r = c
+        .run(
+            &sb.id,
+            &RunCommandRequest {
+                argv: vec!["/usr/bin/sandpit".into(), "--version".into()],
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.exit_code, 0, "{r:?}");
+    assert!(r.stdout.starts_with("sandpit"), "{r:?}");
+    // the host's /usr is not there: only the template's
+    assert_eq!(
+        c.stat(&sb.id, "/usr/bin/python3")
+            .await
+            .unwrap_err()
+            .status(),
+        Some(404)
+    );
+    // writes land in the sandbox's own layer, never in the template directory
+    c.write_file(&sb.id, "/home/user/new", "x").await.unwrap();
+    assert_eq!(
+        c.read_file(&sb.id, "/home/user/new")
+            .await
+            .unwrap()
+            .as_ref(),
+        b"x"
+    );
+    assert!(!rootfs.path().join("home/user/new").exists() && !rootfs.path().join("home").exists());
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_run_prints_42_and_serve_refuses_unsafe_flags() {
+    let d = Daemon::start().await;
+    let out = std::process::Command::new(sandpit_bin())
+        .args(["run", "--", "python3", "-c", "print(6*7)"])
+        .env("SANDPIT_URL", &d.url)
+        .env("SANDPIT_DATA_DIR", d.data.path())
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "42\n",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success());
+    let out = std::process::Command::new(sandpit_bin())
+        .args(["run", "--", "bash", "-c", "exit 9"])
+        .env("SANDPIT_URL", &d.url)
+        .env("SANDPIT_DATA_DIR", d.data.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(9));
+    assert!(
+        d.client()
+            .list_sandboxes(None, &[], None, None)
+            .await
+            .unwrap()
+            .items
+            .is_empty(),
+        "run must delete its sandbox"
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(sandpit_bin())
+        .args([
+            "serve",
+            "--listen",
+            "0.0.0.0:0",
+            "--insecure-no-auth",
+            "--data-dir",
+        ])
+        .arg(tmp.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("loopback"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    d.shutdown().await;
+}
