@@ -5,4 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 cargo build --release -p sandpit
-exec ./target/x86_64-unknown-linux-gnu/release/sandpit serve "$@"
+bin="$PWD/target/x86_64-unknown-linux-gnu/release/sandpit"
+# Put the CLI on PATH for the second terminal (root only; otherwise use the path above).
+if [ "$(id -u)" -eq 0 ] && [ -d /usr/local/bin ]; then ln -sf "$bin" /usr/local/bin/sandpit; fi
+exec "$bin" serve "$@"

@@ -2,9 +2,10 @@
 # Installs what sandpit needs on Debian/Ubuntu; safe to run again.
 #   protobuf-compiler: builds the agent protocol
 #   crun, bubblewrap:  baselines of `sandpit bench`
+#   python3, procps:   what the quickstart and the tests run inside host-template sandboxes
 set -euo pipefail
 need=()
-for pkg in protobuf-compiler crun bubblewrap; do
+for pkg in protobuf-compiler crun bubblewrap python3 procps; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then

@@ -682,3 +682,108 @@ pub fn watch_target(root: &FsRoot, p: &SandboxPath) -> Result<(OwnedFd, PathBuf)
 pub fn lossy(name: &OsString) -> String {
     String::from_utf8_lossy(name.as_bytes()).into_owned()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::AgentConfig;
+
+    fn root_at(dir: &Path) -> FsRoot {
+        let cfg = AgentConfig {
+            mode: IsolationMode::Process,
+            root: dir.to_path_buf(),
+            workdir: "/home/user".into(),
+            env: Default::default(),
+            listen_fd: None,
+            listen_path: None,
+        };
+        FsRoot::open(Arc::new(cfg)).unwrap()
+    }
+
+    fn user() -> User {
+        crate::users::resolve(
+            &AgentConfig {
+                mode: IsolationMode::Process,
+                root: "/".into(),
+                workdir: "/".into(),
+                env: Default::default(),
+                listen_fd: None,
+                listen_path: None,
+            },
+            None,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn lexical_checks_refuse_escapes_and_garbage() {
+        let t = tempfile::tempdir().unwrap();
+        let r = root_at(t.path());
+        let u = user();
+        assert_eq!(r.check("/a/./b/../c", &u).unwrap().abs, "/a/c");
+        assert_eq!(r.check("notes.txt", &u).unwrap().abs, "/home/user/notes.txt");
+        assert!(matches!(r.check("/../etc/passwd", &u), Err(FsError::Escape(_))));
+        assert!(matches!(r.check("../../../../x", &u), Err(FsError::Escape(_))));
+        assert!(matches!(r.check("", &u), Err(FsError::InvalidPath(_))));
+        assert!(matches!(r.check("/a\0b", &u), Err(FsError::InvalidPath(_))));
+    }
+
+    #[test]
+    fn symlinks_out_of_the_root_are_refused() {
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path().join("root");
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::write(t.path().join("secret"), "host").unwrap();
+        std::os::unix::fs::symlink(t.path().join("secret"), root.join("abs")).unwrap();
+        std::os::unix::fs::symlink("../secret", root.join("rel")).unwrap();
+        std::os::unix::fs::symlink("/", root.join("slash")).unwrap();
+        let r = root_at(&root);
+        let u = user();
+        for p in ["/abs", "/rel", "/slash/etc/passwd"] {
+            let sp = r.check(p, &u).unwrap();
+            assert!(matches!(r.open_read(&sp), Err(FsError::Escape(_))), "{p} must be refused");
+            assert!(matches!(r.create_file(&sp, &u), Err(FsError::Escape(_))), "{p} must not be writable");
+        }
+        // Listing shows the link itself without following it out.
+        let list = r.list_dir(&r.check("/", &u).unwrap(), 1).unwrap();
+        assert!(list.iter().any(|e| e.name == "abs" && e.is_symlink));
+        assert_eq!(std::fs::read_to_string(t.path().join("secret")).unwrap(), "host");
+    }
+
+    #[test]
+    fn a_symlink_swapped_in_mid_flight_never_leads_outside() {
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path().join("root");
+        let outside = t.path().join("outside");
+        std::fs::create_dir_all(root.join("d")).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        std::fs::write(root.join("d/f"), "inside").unwrap();
+        std::fs::write(outside.join("f"), "outside").unwrap();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (stop2, root2, outside2) = (stop.clone(), root.clone(), outside.clone());
+        // Flip /d between the real directory and a symlink to the outside as fast as possible.
+        let flipper = std::thread::spawn(move || {
+            while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = std::fs::rename(root2.join("d"), root2.join("real"));
+                let _ = std::os::unix::fs::symlink(&outside2, root2.join("d"));
+                let _ = std::fs::remove_file(root2.join("d"));
+                let _ = std::fs::rename(root2.join("real"), root2.join("d"));
+            }
+        });
+        let r = root_at(&root);
+        let u = user();
+        let p = r.check("/d/f", &u).unwrap();
+        let mut inside_reads = 0;
+        for _ in 0..3000 {
+            if let Ok((mut f, _)) = r.open_read(&p) {
+                let mut s = String::new();
+                std::io::Read::read_to_string(&mut f, &mut s).unwrap();
+                assert_eq!(s, "inside", "a read escaped the root");
+                inside_reads += 1;
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        flipper.join().unwrap();
+        assert!(inside_reads > 0);
+    }
+}

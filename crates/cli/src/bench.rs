@@ -886,6 +886,7 @@ impl Bench {
         for key in [
             "idle.per_sandbox_mb",
             "idle.agent_rss_mb",
+            "idle.agent_pss_mb",
             "idle.cgroup_memory_mb",
             "idle.create_total_s",
             "idle.delete_total_s",
@@ -965,15 +966,20 @@ impl Bench {
         );
 
         let wanted: BTreeSet<&str> = ids.iter().map(String::as_str).collect();
-        let agents = agent_rss_kb(&wanted);
+        let agents = agent_memory_kb(&wanted);
         if agents.is_empty() {
             report.note(
                 "idle.agent_rss_mb",
                 "found no sandpit-agent process in the sandboxes' cgroups",
             );
         } else {
-            let mean = agents.iter().sum::<u64>() as f64 / agents.len() as f64;
-            report.set("idle.agent_rss_mb", Some(mean / 1024.0));
+            let count = agents.len() as f64;
+            let rss = agents.iter().map(|a| a.0).sum::<u64>() as f64 / count;
+            let pss = agents.iter().map(|a| a.1).sum::<u64>() as f64 / count;
+            report.set("idle.agent_rss_mb", Some(rss / 1024.0));
+            // RSS counts the shared pages of the sandpit binary in full in every agent;
+            // PSS splits them, which is what N agents really add up to.
+            report.set("idle.agent_pss_mb", Some(pss / 1024.0));
             if agents.len() != ids.len() {
                 report.note(
                     "idle.agent_rss_mb",
@@ -1420,8 +1426,19 @@ fn pids() -> Vec<i32> {
         .unwrap_or_default()
 }
 
-/// RSS (KiB) of every sandpit-agent process whose cgroup is one of the sandboxes `ids`.
-fn agent_rss_kb(ids: &BTreeSet<&str>) -> Vec<u64> {
+/// Proportional set size of a process (shared pages split among their users), in KiB.
+fn pss_kb(pid: i32) -> Option<u64> {
+    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    rollup
+        .lines()
+        .find_map(|l| l.strip_prefix("Pss:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// (RSS, PSS) in KiB of every sandpit-agent process whose cgroup is one of the sandboxes
+/// `ids` (PSS is 0 where the kernel does not tell).
+fn agent_memory_kb(ids: &BTreeSet<&str>) -> Vec<(u64, u64)> {
     let mut out = Vec::new();
     for pid in pids() {
         let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
@@ -1440,8 +1457,8 @@ fn agent_rss_kb(ids: &BTreeSet<&str>) -> Vec<u64> {
         let ours = cgroup
             .lines()
             .any(|l| l.rsplit('/').next().is_some_and(|last| ids.contains(last)));
-        if ours && let Some(kb) = vm_rss_kb(pid) {
-            out.push(kb);
+        if ours && let Some(rss) = vm_rss_kb(pid) {
+            out.push((rss, pss_kb(pid).unwrap_or_default()));
         }
     }
     out
