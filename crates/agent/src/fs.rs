@@ -721,9 +721,18 @@ mod tests {
         let r = root_at(t.path());
         let u = user();
         assert_eq!(r.check("/a/./b/../c", &u).unwrap().abs, "/a/c");
-        assert_eq!(r.check("notes.txt", &u).unwrap().abs, "/home/user/notes.txt");
-        assert!(matches!(r.check("/../etc/passwd", &u), Err(FsError::Escape(_))));
-        assert!(matches!(r.check("../../../../x", &u), Err(FsError::Escape(_))));
+        assert_eq!(
+            r.check("notes.txt", &u).unwrap().abs,
+            "/home/user/notes.txt"
+        );
+        assert!(matches!(
+            r.check("/../etc/passwd", &u),
+            Err(FsError::Escape(_))
+        ));
+        assert!(matches!(
+            r.check("../../../../x", &u),
+            Err(FsError::Escape(_))
+        ));
         assert!(matches!(r.check("", &u), Err(FsError::InvalidPath(_))));
         assert!(matches!(r.check("/a\0b", &u), Err(FsError::InvalidPath(_))));
     }
@@ -741,13 +750,22 @@ mod tests {
         let u = user();
         for p in ["/abs", "/rel", "/slash/etc/passwd"] {
             let sp = r.check(p, &u).unwrap();
-            assert!(matches!(r.open_read(&sp), Err(FsError::Escape(_))), "{p} must be refused");
-            assert!(matches!(r.create_file(&sp, &u), Err(FsError::Escape(_))), "{p} must not be writable");
+            assert!(
+                matches!(r.open_read(&sp), Err(FsError::Escape(_))),
+                "{p} must be refused"
+            );
+            assert!(
+                matches!(r.create_file(&sp, &u), Err(FsError::Escape(_))),
+                "{p} must not be writable"
+            );
         }
         // Listing shows the link itself without following it out.
         let list = r.list_dir(&r.check("/", &u).unwrap(), 1).unwrap();
         assert!(list.iter().any(|e| e.name == "abs" && e.is_symlink));
-        assert_eq!(std::fs::read_to_string(t.path().join("secret")).unwrap(), "host");
+        assert_eq!(
+            std::fs::read_to_string(t.path().join("secret")).unwrap(),
+            "host"
+        );
     }
 
     #[test]

@@ -427,6 +427,8 @@ impl Report {
             };
             let unit = if key.ends_with("_mb") { "MB" } else { "ms" };
             let verdict = match self.get(key) {
+                // Only the host-wide memory growth can come out negative: noise.
+                Some(v) if v <= 0.0 => "unreliable",
                 Some(v) if v <= *t => "met",
                 Some(_) => "missed",
                 None => "n/a",
@@ -545,8 +547,22 @@ impl Report {
         );
         single(
             &mut out,
+            "  noise (sample spread / N)",
+            "idle.per_sandbox_noise_mb",
+            "MB",
+            "",
+        );
+        single(
+            &mut out,
             "  agent RSS (mean)",
             "idle.agent_rss_mb",
+            "MB",
+            "",
+        );
+        single(
+            &mut out,
+            "  agent PSS (mean)",
+            "idle.agent_pss_mb",
             "MB",
             "",
         );
@@ -662,6 +678,10 @@ impl Bench {
             .context("the baseline thread failed")?;
         self.cancel.check()?;
         for (prefix, samples) in baselines.dists {
+            if let Err(reason) = &samples {
+                // Visible also with --json, where the notes go to stdout only.
+                eprintln!("warning: {prefix} not measured: {reason}");
+            }
             report.set_dist(prefix, samples);
         }
         for (key, text) in baselines.notes {
@@ -885,6 +905,7 @@ impl Bench {
     async fn idle(&self, report: &mut Report, daemon: Option<i32>) -> anyhow::Result<()> {
         for key in [
             "idle.per_sandbox_mb",
+            "idle.per_sandbox_noise_mb",
             "idle.agent_rss_mb",
             "idle.agent_pss_mb",
             "idle.cgroup_memory_mb",
@@ -901,7 +922,7 @@ impl Bench {
         }
         let req = self.request(LimitsSpec::default());
         let daemon_before = daemon.and_then(vm_rss_kb);
-        let used_before = host_used_kb()?;
+        let used_before = sample_used_kb().await?;
         let progress = Progress::new("idle sandboxes", self.idle);
         let mut ids = Vec::with_capacity(self.idle);
         let t = Instant::now();
@@ -950,20 +971,29 @@ impl Bench {
         ids: &[String],
         daemon: Option<i32>,
         daemon_before: Option<u64>,
-        used_before: u64,
+        used_before: UsedSample,
     ) -> anyhow::Result<()> {
         let n = ids.len() as f64;
         // Let lazily faulted pages and the agents' start-up settle before looking.
         tokio::time::sleep(Duration::from_secs(2)).await;
         self.cancel.check()?;
-        let used_after = host_used_kb()?;
-        let growth_kb = used_after as f64 - used_before as f64;
-        report.set("idle.per_sandbox_mb", Some(growth_kb / 1024.0 / n));
-        report.note(
-            "idle.per_sandbox_mb",
-            "host-wide (MemTotal - MemAvailable) growth / N: includes the daemon's growth and \
-             anything else the machine did meanwhile",
-        );
+        let used_after = sample_used_kb().await?;
+        let per_sandbox = (used_after.median - used_before.median) / 1024.0 / n;
+        let noise = used_before.spread.max(used_after.spread) / 1024.0 / n;
+        report.set("idle.per_sandbox_mb", Some(per_sandbox));
+        report.set("idle.per_sandbox_noise_mb", Some(noise));
+        let mut note = "host-wide (MemTotal - MemAvailable) growth / N, medians of 3 samples \
+                        0.5 s apart: includes the daemon's growth and anything else the \
+                        machine did meanwhile"
+            .to_string();
+        if per_sandbox <= 0.0 || noise > per_sandbox.abs() / 4.0 {
+            note.push_str(&format!(
+                "; UNRELIABLE in this run: host memory moved by up to {noise:.1} MB per sandbox \
+                 while it was sampled (other activity on the machine); see \
+                 idle.cgroup_memory_mb and idle.agent_pss_mb, or run with more --idle"
+            ));
+        }
+        report.note("idle.per_sandbox_mb", note);
 
         let wanted: BTreeSet<&str> = ids.iter().map(String::as_str).collect();
         let agents = agent_memory_kb(&wanted);
@@ -1163,7 +1193,7 @@ fn measure_baselines(n: usize, cancel: &Cancel) -> Baselines {
             if let Some(wrapper) = wrapper {
                 out.dists.push(("baseline.unshare_wrapper", wrapper));
                 out.notes.push((
-                    "baseline.crun_run",
+                    "baseline.unshare_wrapper",
                     format!(
                         "cgroups are hybrid here and crun refuses them, so each run is \
                          `unshare -m sh -c 'umount {HYBRID_UNIFIED}; exec crun run ...'`: the \
@@ -1230,11 +1260,20 @@ fn time_command(
 type CrunResult = (Result<Vec<f64>, String>, Option<Result<Vec<f64>, String>>);
 
 fn crun_baseline(n: usize, cancel: &Cancel) -> Result<CrunResult, String> {
+    let hybrid = is_mountpoint(HYBRID_UNIFIED);
+    if !in_path("crun") {
+        return Err("crun is not installed".into());
+    }
+    if hybrid && !in_path("unshare") {
+        return Err(
+            "unshare (util-linux) is not installed, and crun needs it on this hybrid cgroup host"
+                .into(),
+        );
+    }
     let bundle = TempDir::new("crun").map_err(|e| format!("{e:#}"))?;
     let parent = format!("sandpit-bench-crun-{}", std::process::id());
     let prefix = format!("sandpit-bench-{}-{}", std::process::id(), unix_ms());
     write_bundle(bundle.path(), &parent).map_err(|e| format!("cannot write the bundle: {e:#}"))?;
-    let hybrid = is_mountpoint(HYBRID_UNIFIED);
     let dir = bundle.path().to_path_buf();
     let crun = |args: &[&str]| {
         if hybrid {
@@ -1281,13 +1320,7 @@ fn crun_baseline(n: usize, cancel: &Cancel) -> Result<CrunResult, String> {
     }
     remove_cgroups(&parent);
 
-    let run = run.map_err(|e| {
-        if e.starts_with("unshare is not installed") {
-            e
-        } else {
-            format!("crun run: {e}")
-        }
-    });
+    let run = run.map_err(|e| format!("crun run: {e}"));
     let wrapper = hybrid.then(|| {
         let progress = Progress::new("baseline unshare wrapper", n);
         time_command(n, cancel, &progress, |_| {
@@ -1383,6 +1416,12 @@ fn remove_cgroups(parent: &str) {
     }
 }
 
+/// True if an executable file named `program` is in one of the `PATH` directories.
+fn in_path(program: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(program).is_file()))
+}
+
 /// True if `path` is a mount point of this mount namespace.
 fn is_mountpoint(path: &str) -> bool {
     std::fs::read_to_string("/proc/self/mountinfo")
@@ -1399,6 +1438,29 @@ fn vm_rss_kb(pid: i32) -> Option<u64> {
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.split_whitespace().next())
         .and_then(|v| v.parse().ok())
+}
+
+/// Host memory in use, sampled a few times: the median, and how far the samples spread
+/// (a rough measure of what the rest of the machine was doing meanwhile), both in KiB.
+#[derive(Debug, Clone, Copy)]
+struct UsedSample {
+    median: f64,
+    spread: f64,
+}
+
+async fn sample_used_kb() -> anyhow::Result<UsedSample> {
+    let mut samples = Vec::with_capacity(3);
+    for i in 0..3 {
+        if i > 0 {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        samples.push(host_used_kb()? as f64);
+    }
+    samples.sort_by(f64::total_cmp);
+    Ok(UsedSample {
+        median: samples[1],
+        spread: samples[2] - samples[0],
+    })
 }
 
 /// MemTotal - MemAvailable, in KiB.

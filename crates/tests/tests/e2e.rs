@@ -640,3 +640,40 @@ async fn bad_input_gets_a_clear_4xx_and_leaves_nothing() {
     assert!(doc["paths"]["/v1/sandboxes"].is_object());
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_create_leaves_no_half_made_sandbox() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    // A template whose directory vanished after it was registered: the runtime refuses it.
+    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
+        .await
+        .unwrap();
+    let t = sandpit_store::TemplateRecord {
+        name: "gone".into(),
+        rootfs: "/var/tmp/sandpit-no-such-rootfs".into(),
+        created_at_ms: 0,
+    };
+    db.upsert_template(&t).await.unwrap();
+    db.close().await;
+    let e = c
+        .create_sandbox(&CreateSandboxRequest {
+            template: Some("gone".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.status(), Some(400), "{e}");
+    assert!(
+        c.list_sandboxes(None, &[], None, None)
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    );
+    let dirs: Vec<_> = std::fs::read_dir(d.data.path().join("sandboxes"))
+        .unwrap()
+        .collect();
+    assert!(dirs.is_empty(), "{dirs:?}");
+    d.shutdown().await;
+}
