@@ -81,14 +81,19 @@ fn start_request(req: &RunCommandRequest, keep_stdin: bool) -> Result<StartReque
     })
 }
 
-async fn kill(conn: &AgentConn, pid: u32) {
+async fn send_signal(conn: &AgentConn, pid: u32, sig: Signal) -> Result<(), ApiError> {
     let req = SendSignalRequest {
         process: selector(pid).into(),
-        signal: Signal::SIGNAL_SIGKILL.into(),
+        signal: sig.into(),
         ..Default::default()
     };
-    if let Err(e) = conn.process.send_signal(req).await {
-        tracing::debug!(pid, error = %e, "kill after timeout");
+    conn.process.send_signal(req).await?;
+    Ok(())
+}
+
+async fn kill(conn: &AgentConn, pid: u32) {
+    if let Err(e) = send_signal(conn, pid, Signal::SIGNAL_SIGKILL).await {
+        tracing::debug!(pid, error = %e.message, "kill after timeout");
     }
 }
 
@@ -299,13 +304,7 @@ pub async fn signal(
 ) -> Result<StatusCode, ApiError> {
     let sig = parse_signal(&req.signal)?;
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
-    conn.process
-        .send_signal(SendSignalRequest {
-            process: selector(pid).into(),
-            signal: sig.into(),
-            ..Default::default()
-        })
-        .await?;
+    send_signal(&conn, pid, sig).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -521,36 +520,10 @@ async fn client_message(conn: &AgentConn, pid: u32, m: ClientMessage) -> Result<
                 .decode(data)
                 .map_err(|e| ApiError::bad_request(format!("stdin is not base64: {e}")))?;
             // A pty process takes its input through the terminal; the agent routes stdin there.
-            let input = ProcessInput {
-                input: Some(Input::Stdin(bytes)),
-                ..Default::default()
-            };
-            conn.process
-                .send_input(SendInputRequest {
-                    process: selector(pid).into(),
-                    input: input.into(),
-                    ..Default::default()
-                })
-                .await?;
+            write_stdin(conn, pid, bytes, false).await?;
         }
-        ClientMessage::CloseStdin => {
-            conn.process
-                .close_stdin(CloseStdinRequest {
-                    process: selector(pid).into(),
-                    ..Default::default()
-                })
-                .await?;
-        }
-        ClientMessage::Signal { signal } => {
-            let sig = parse_signal(&signal)?;
-            conn.process
-                .send_signal(SendSignalRequest {
-                    process: selector(pid).into(),
-                    signal: sig.into(),
-                    ..Default::default()
-                })
-                .await?;
-        }
+        ClientMessage::CloseStdin => write_stdin(conn, pid, Vec::new(), true).await?,
+        ClientMessage::Signal { signal } => send_signal(conn, pid, parse_signal(&signal)?).await?,
         ClientMessage::Resize { cols, rows } => {
             let pty = PTY {
                 size: pty::Size {
