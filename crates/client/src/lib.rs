@@ -181,6 +181,20 @@ impl Client {
             .map(drop)
     }
 
+    /// `POST /v1/sandboxes/{id}/pause`: freezes every process of the sandbox.
+    pub async fn pause(&self, id: &str) -> Result<(), ClientError> {
+        self.send(self.req(Method::POST, &["sandboxes", id, "pause"])?)
+            .await
+            .map(drop)
+    }
+
+    /// `POST /v1/sandboxes/{id}/resume`: thaws a paused sandbox.
+    pub async fn resume(&self, id: &str) -> Result<(), ClientError> {
+        self.send(self.req(Method::POST, &["sandboxes", id, "resume"])?)
+            .await
+            .map(drop)
+    }
+
     /// `GET /v1/sandboxes/{id}/stats`: current resource usage.
     pub async fn stats(&self, id: &str) -> Result<SandboxStats, ClientError> {
         self.json(self.req(Method::GET, &["sandboxes", id, "stats"])?)

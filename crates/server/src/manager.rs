@@ -370,6 +370,64 @@ impl Manager {
         Ok(())
     }
 
+    /// Freezes every process of a running sandbox (memory stays in RAM).
+    pub async fn pause(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
+        if rec.state != SandboxState::Running {
+            return Err(ApiError::conflict(format!(
+                "sandbox {} is {}, not running",
+                rec.id,
+                rec.state.as_str()
+            )));
+        }
+        let (rt, h) = self.runtime_of(rec)?;
+        tokio::task::spawn_blocking(move || rt.freeze(&h))
+            .await
+            .map_err(|e| ApiError::internal(e.to_string()))??;
+        if self
+            .store
+            .transition(
+                &rec.id,
+                &[SandboxState::Running],
+                SandboxState::Paused,
+                None,
+            )
+            .await?
+            .is_none()
+        {
+            return Err(ApiError::conflict("sandbox changed state while pausing"));
+        }
+        Ok(())
+    }
+
+    /// Thaws a paused sandbox.
+    pub async fn resume(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
+        if rec.state != SandboxState::Paused {
+            return Err(ApiError::conflict(format!(
+                "sandbox {} is {}, not paused",
+                rec.id,
+                rec.state.as_str()
+            )));
+        }
+        let (rt, h) = self.runtime_of(rec)?;
+        tokio::task::spawn_blocking(move || rt.thaw(&h))
+            .await
+            .map_err(|e| ApiError::internal(e.to_string()))??;
+        if self
+            .store
+            .transition(
+                &rec.id,
+                &[SandboxState::Paused],
+                SandboxState::Running,
+                None,
+            )
+            .await?
+            .is_none()
+        {
+            return Err(ApiError::conflict("sandbox changed state while resuming"));
+        }
+        Ok(())
+    }
+
     /// Sets the sandbox to expire `secs` from now.
     pub async fn set_timeout(&self, rec: &SandboxRecord, secs: u64) -> Result<(), ApiError> {
         let secs = self.timeout(Some(secs))?;

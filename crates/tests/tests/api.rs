@@ -392,3 +392,74 @@ async fn cli_run_prints_42_and_serve_refuses_unsafe_flags() {
     );
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_freezes_processes_and_resume_keeps_them() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let id = d.sandbox(LimitsSpec::default()).await;
+    let bg = c
+        .run_background(
+            &id,
+            &RunCommandRequest {
+                argv: vec![
+                    "bash".into(),
+                    "-c".into(),
+                    "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done".into(),
+                ],
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for round in 0..2 {
+        c.pause(&id).await.unwrap();
+        assert_eq!(c.get_sandbox(&id).await.unwrap().state, "paused");
+        assert_eq!(
+            c.pause(&id).await.unwrap_err().status(),
+            Some(409),
+            "round {round}"
+        );
+        assert_eq!(
+            sh_status(&c, &id).await,
+            Some(409),
+            "a paused sandbox runs nothing"
+        );
+        let frozen_at = d.client().stats(&id).await.unwrap().cpu_usage_ns;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            d.client().stats(&id).await.unwrap().cpu_usage_ns,
+            frozen_at,
+            "no CPU while frozen"
+        );
+        c.resume(&id).await.unwrap();
+        assert_eq!(c.resume(&id).await.unwrap_err().status(), Some(409));
+        let a = sh(&c, &id, "cat /tmp/count").await.stdout;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let b = sh(&c, &id, "cat /tmp/count").await.stdout;
+        assert!(
+            b.trim().parse::<u32>().unwrap() > a.trim().parse::<u32>().unwrap(),
+            "the loop runs again after resume"
+        );
+    }
+    assert!(
+        c.list_commands(&id)
+            .await
+            .unwrap()
+            .iter()
+            .any(|p| p.pid == bg.pid)
+    );
+    // a paused sandbox can still be deleted outright
+    c.pause(&id).await.unwrap();
+    c.delete_sandbox(&id).await.unwrap();
+    d.shutdown().await;
+}
+
+async fn sh_status(c: &sandpit_client::Client, id: &str) -> Option<u16> {
+    let req = RunCommandRequest {
+        argv: vec!["true".into()],
+        ..Default::default()
+    };
+    c.run(id, &req).await.err().and_then(|e| e.status())
+}

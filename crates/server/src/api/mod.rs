@@ -129,7 +129,9 @@ async fn authenticate(
     info(title = "sandpit", description = "Self-hosted sandboxes for AI agents."),
     paths(
         sandboxes::create, sandboxes::list, sandboxes::get, sandboxes::delete, sandboxes::set_timeout,
-        sandboxes::keepalive, sandboxes::stats, sandboxes::info, sandboxes::templates,
+        sandboxes::keepalive,
+        sandboxes::pause,
+        sandboxes::resume, sandboxes::stats, sandboxes::info, sandboxes::templates,
         commands::run, commands::list, commands::signal, commands::stdin, commands::stream, commands::attach,
         files::download, files::upload, files::list, files::stat, files::mkdir, files::move_path, files::copy, files::remove,
     ),
@@ -176,6 +178,8 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/v1/sandboxes/{id}/timeout", post(sandboxes::set_timeout))
         .route("/v1/sandboxes/{id}/keepalive", post(sandboxes::keepalive))
+        .route("/v1/sandboxes/{id}/pause", post(sandboxes::pause))
+        .route("/v1/sandboxes/{id}/resume", post(sandboxes::resume))
         .route("/v1/sandboxes/{id}/stats", get(sandboxes::stats))
         .route(
             "/v1/sandboxes/{id}/commands",

@@ -201,6 +201,30 @@ pub async fn set_timeout(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// Freeze every process of the sandbox; commands and files answer 409 until it resumes.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/pause", responses((status = 204), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 501, body = ErrorBody)))]
+pub async fn pause(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let rec = state.manager.get(&owner.0, &id).await?;
+    state.manager.pause(&rec).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Thaw a paused sandbox.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", responses((status = 204), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+pub async fn resume(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let rec = state.manager.get(&owner.0, &id).await?;
+    state.manager.resume(&rec).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
 /// Restart the sandbox's default lifetime from now.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/keepalive", responses((status = 204), (status = 404, body = ErrorBody)))]
 pub async fn keepalive(
