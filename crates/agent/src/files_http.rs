@@ -95,7 +95,9 @@ where
     let file = tokio::task::spawn_blocking(move || r2.create_file(&p2, &u2))
         .await
         .map_err(|e| FsError::Io(p.abs.clone(), std::io::Error::other(e)))??;
-    let mut file = tokio::fs::File::from_std(file);
+    // Each tokio file write is a trip to the blocking pool; batching body chunks into 1 MiB
+    // writes is what makes uploads run at memory speed rather than per-chunk overhead.
+    let mut file = tokio::io::BufWriter::with_capacity(1 << 20, tokio::fs::File::from_std(file));
     while let Some(chunk) = body.next().await {
         let chunk = chunk.map_err(|e| FsError::InvalidPath(format!("upload interrupted: {e}")))?;
         file.write_all(&chunk)

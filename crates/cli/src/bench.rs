@@ -57,20 +57,15 @@ const TARGETS: [(&str, f64); 3] = [
 /// Mount point of the cgroup2 hierarchy of a "hybrid" cgroup layout.
 const HYBRID_UNIFIED: &str = "/sys/fs/cgroup/unified";
 const MIB: f64 = (1u64 << 20) as f64;
+/// Host memory counts as settled when it moves less than this (KiB) ...
+const QUIET_KB: u64 = 2048;
+/// ... across this many samples taken 0.5 s apart (2 s) ...
+const QUIET_WINDOW: usize = 5;
+/// ... and the wait for that gives up after this long.
+const QUIET_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Runs the benchmark against the daemon at the global `--url`.
-pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
-    // main.rs hands over only this subcommand's options. The global ones (URL, API key, data
-    // directory) are read again from the same command line, so environment variables and
-    // defaults apply exactly as they do for every other subcommand.
-    let cli =
-        <crate::Cli as clap::Parser>::try_parse().context("cannot read the global options")?;
-    let ctx = crate::Ctx {
-        url: cli.url,
-        api_key: cli.api_key,
-        json: cli.json,
-        data_dir: cli.data_dir.unwrap_or_else(crate::default_data_dir),
-    };
+pub async fn run(ctx: &crate::Ctx, args: BenchArgs) -> anyhow::Result<()> {
     let json_out = args.json || ctx.json;
     let client = ctx.client()?;
     let info = client
@@ -471,7 +466,7 @@ impl Report {
                 &target("create_first_exec.p50_ms"),
             ],
         );
-        if self.figures.contains_key("baseline.crun_run_net.p50_ms") {
+        if self.get("baseline.crun_run_net.p50_ms").is_some() {
             line(
                 &mut out,
                 [
@@ -547,6 +542,14 @@ impl Report {
         );
         single(
             &mut out,
+            "  released on delete / sandbox",
+            "idle.per_sandbox_released_mb",
+            "MB",
+            "",
+        );
+
+        single(
+            &mut out,
             "  noise (sample spread / N)",
             "idle.per_sandbox_noise_mb",
             "MB",
@@ -610,7 +613,8 @@ impl Report {
             ("  crun run net of wrapper", "baseline.crun_run_net"),
         ] {
             let (p50, p95) = (format!("{prefix}.p50_ms"), format!("{prefix}.p95_ms"));
-            if !self.figures.contains_key(&p50) {
+            // The wrapper rows exist only where the cgroup layout needs the wrapper.
+            if label.starts_with(' ') && self.get(&p50).is_none() {
                 continue;
             }
             let p95 = if self.figures.contains_key(&p95) {
@@ -650,6 +654,26 @@ impl Bench {
     async fn run_all(&self) -> anyhow::Result<(Report, usize)> {
         let mut report = Report::default();
         let mut failed = 0usize;
+        // Every name is in the JSON document, null until (unless) it is measured.
+        for prefix in [
+            "create_first_exec",
+            "delete",
+            "exec_rtt",
+            "baseline.fork_exec",
+            "baseline.bwrap",
+            "baseline.crun_run",
+            "baseline.unshare_wrapper",
+        ] {
+            report.set(&format!("{prefix}.p50_ms"), None);
+            report.set(&format!("{prefix}.p95_ms"), None);
+        }
+        for key in [
+            "baseline.crun_run_net.p50_ms",
+            "file_write.mb_per_s",
+            "file_read.mb_per_s",
+        ] {
+            report.set(key, None);
+        }
 
         let url = self.client.base_url();
         let daemon = match (url.host_str(), url.port_or_known_default()) {
@@ -709,10 +733,12 @@ impl Bench {
         phase(&mut report, "create_first_exec", r)?;
         let r = self.exec_rtt(&mut report).await;
         phase(&mut report, "exec_rtt", r)?;
-        let r = self.file_io(&mut report).await;
-        phase(&mut report, "file_io", r)?;
+        // Density before the file test, whose 100 MiB through a tmpfs and the page cache
+        // would disturb the host-wide memory figures.
         let r = self.idle(&mut report, daemon.ok()).await;
         phase(&mut report, "idle", r)?;
+        let r = self.file_io(&mut report).await;
+        phase(&mut report, "file_io", r)?;
 
         report.set_ratio(
             "create_vs_crun_run",
@@ -905,6 +931,7 @@ impl Bench {
     async fn idle(&self, report: &mut Report, daemon: Option<i32>) -> anyhow::Result<()> {
         for key in [
             "idle.per_sandbox_mb",
+            "idle.per_sandbox_released_mb",
             "idle.per_sandbox_noise_mb",
             "idle.agent_rss_mb",
             "idle.agent_pss_mb",
@@ -921,6 +948,13 @@ impl Bench {
             return Ok(());
         }
         let req = self.request(LimitsSpec::default());
+        // The sandboxes of the earlier measurements were just deleted, and the kernel hands
+        // back what they held over several seconds (tens of MB here): a baseline taken during
+        // that would make the sandboxes look free or even negative.
+        let mut unsettled = Vec::new();
+        if !self.wait_for_quiet_memory().await? {
+            unsettled.push("before creating them");
+        }
         let daemon_before = daemon.and_then(vm_rss_kb);
         let used_before = sample_used_kb().await?;
         let progress = Progress::new("idle sandboxes", self.idle);
@@ -939,10 +973,7 @@ impl Bench {
         drop(progress);
 
         let measured = match created {
-            Ok(()) => {
-                self.measure_idle(report, &ids, daemon, daemon_before, used_before)
-                    .await
-            }
+            Ok(()) => self.measure_idle(report, &ids, daemon, daemon_before).await,
             Err(e) => Err(e),
         };
 
@@ -958,11 +989,81 @@ impl Bench {
         }
         drop(progress);
         let delete_s = t.elapsed().as_secs_f64();
-        measured?;
+        let (used_with, settled_with) = measured?;
         deleted?;
         report.set("idle.create_total_s", Some(create_s));
         report.set("idle.delete_total_s", Some(delete_s));
+        if !settled_with {
+            unsettled.push("with them");
+        }
+
+        // The host-wide figure sees everything else the machine does, so it is taken twice:
+        // as the growth when the sandboxes came and as the release once they were gone (after
+        // the kernel's deferred freeing). Agreement makes it credible.
+        if !self.wait_for_quiet_memory().await? {
+            unsettled.push("after deleting them");
+        }
+        let used_after = sample_used_kb().await?;
+        let n = ids.len() as f64;
+        let grown = (used_with.median - used_before.median) / 1024.0 / n;
+        let released = (used_with.median - used_after.median) / 1024.0 / n;
+        let noise = used_before
+            .spread
+            .max(used_with.spread)
+            .max(used_after.spread)
+            / 1024.0
+            / n;
+        report.set("idle.per_sandbox_mb", Some(grown));
+        report.set("idle.per_sandbox_released_mb", Some(released));
+        report.set("idle.per_sandbox_noise_mb", Some(noise));
+        let mut note = "growth of (MemTotal - MemAvailable) / N, each level the median of 3 \
+                        samples 0.5 s apart taken once host memory had stopped moving; \
+                        includes the daemon's growth; per_sandbox_released_mb is the same \
+                        measured on deletion"
+            .to_string();
+        if !unsettled.is_empty() {
+            note.push_str(&format!(
+                "; host memory did not settle within {}s {}",
+                QUIET_TIMEOUT.as_secs(),
+                unsettled.join(", ")
+            ));
+        }
+        let disagree = (grown - released).abs() > grown.abs().max(released.abs()) / 4.0 + 0.5;
+        if grown <= 0.0 || disagree || noise > grown.abs() / 2.0 || !unsettled.is_empty() {
+            note.push_str(&format!(
+                "; UNRELIABLE in this run (growth {grown:.1} MB vs release {released:.1} MB per \
+                 sandbox, sample spread {noise:.1} MB): other activity on the machine; trust \
+                 idle.cgroup_memory_mb + idle.agent_pss_mb instead, or rerun on a quiet machine"
+            ));
+        }
+        report.note("idle.per_sandbox_mb", note);
         Ok(())
+    }
+
+    /// Waits until host memory in use stops moving (less than [`QUIET_KB`] over
+    /// [`QUIET_WINDOW`] samples 0.5 s apart); false if it kept moving for [`QUIET_TIMEOUT`].
+    async fn wait_for_quiet_memory(&self) -> anyhow::Result<bool> {
+        let start = Instant::now();
+        let mut window = std::collections::VecDeque::with_capacity(QUIET_WINDOW);
+        loop {
+            self.cancel.check()?;
+            if window.len() == QUIET_WINDOW {
+                window.pop_front();
+            }
+            window.push_back(host_used_kb()?);
+            if window.len() == QUIET_WINDOW {
+                let (lo, hi) = window
+                    .iter()
+                    .fold((u64::MAX, 0), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+                if hi - lo < QUIET_KB {
+                    return Ok(true);
+                }
+            }
+            if start.elapsed() >= QUIET_TIMEOUT {
+                return Ok(false);
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
     }
 
     async fn measure_idle(
@@ -971,29 +1072,10 @@ impl Bench {
         ids: &[String],
         daemon: Option<i32>,
         daemon_before: Option<u64>,
-        used_before: UsedSample,
-    ) -> anyhow::Result<()> {
+    ) -> anyhow::Result<(UsedSample, bool)> {
         let n = ids.len() as f64;
-        // Let lazily faulted pages and the agents' start-up settle before looking.
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        self.cancel.check()?;
-        let used_after = sample_used_kb().await?;
-        let per_sandbox = (used_after.median - used_before.median) / 1024.0 / n;
-        let noise = used_before.spread.max(used_after.spread) / 1024.0 / n;
-        report.set("idle.per_sandbox_mb", Some(per_sandbox));
-        report.set("idle.per_sandbox_noise_mb", Some(noise));
-        let mut note = "host-wide (MemTotal - MemAvailable) growth / N, medians of 3 samples \
-                        0.5 s apart: includes the daemon's growth and anything else the \
-                        machine did meanwhile"
-            .to_string();
-        if per_sandbox <= 0.0 || noise > per_sandbox.abs() / 4.0 {
-            note.push_str(&format!(
-                "; UNRELIABLE in this run: host memory moved by up to {noise:.1} MB per sandbox \
-                 while it was sampled (other activity on the machine); see \
-                 idle.cgroup_memory_mb and idle.agent_pss_mb, or run with more --idle"
-            ));
-        }
-        report.note("idle.per_sandbox_mb", note);
+        let settled = self.wait_for_quiet_memory().await?;
+        let used_with = sample_used_kb().await?;
 
         let wanted: BTreeSet<&str> = ids.iter().map(String::as_str).collect();
         let agents = agent_memory_kb(&wanted);
@@ -1046,7 +1128,7 @@ impl Bench {
                 );
             }
         }
-        Ok(())
+        Ok((used_with, settled))
     }
 
     /// Deletes whatever the run left: the sandboxes it knows of, then any carrying its label

@@ -391,7 +391,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Template(TemplateCommand::Add { name, rootfs }) => {
             admin::template_add(&ctx, &name, &rootfs).await.map(|()| 0)
         }
-        Command::Bench(args) => bench::run(args).await.map(|()| 0),
+        Command::Bench(args) => bench::run(&ctx, args).await.map(|()| 0),
     }
 }
 
