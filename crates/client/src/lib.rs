@@ -497,7 +497,10 @@ where
 {
     // The default 4 KiB chunks cost a syscall and a body frame each; 256 KiB chunks let an
     // upload run at the speed of the daemon rather than of the chunking.
-    reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::with_capacity(reader, 256 << 10))
+    reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::with_capacity(
+        reader,
+        256 << 10,
+    ))
 }
 
 fn decode_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ClientError> {

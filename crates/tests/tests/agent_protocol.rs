@@ -1,0 +1,255 @@
+//! The agent's Connect services spoken directly over its socket, as E2B-style clients do
+//! through the pass-through: client-streamed stdin, pty resize, WatchDir streams, and a
+//! multipart upload to `/files`.
+
+use base64::Engine;
+use sandpit_api::LimitsSpec;
+use sandpit_proto::filesystem::__buffa::oneof::watch_dir_response::Event as WatchEvent;
+use sandpit_proto::filesystem::{EventType, WatchDirRequest, WatchDirResponse};
+use sandpit_proto::process::__buffa::oneof::process_event::Event;
+use sandpit_proto::process::__buffa::oneof::process_event::data_event::Output;
+use sandpit_proto::process::__buffa::oneof::process_input::Input;
+use sandpit_proto::process::__buffa::oneof::process_selector::Selector;
+use sandpit_proto::process::__buffa::oneof::stream_input_request::Event as InputEvent;
+use sandpit_proto::process::*;
+use sandpit_server::agent_client::AgentConn;
+use sandpit_tests::{Daemon, sh};
+use std::time::Duration;
+
+fn user_header() -> sandpit_proto::connectrpc::client::CallOptions {
+    let v = format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode("user:")
+    );
+    sandpit_proto::connectrpc::client::CallOptions::default()
+        .try_with_header("authorization", v)
+        .unwrap()
+}
+
+fn selector(pid: u32) -> ProcessSelector {
+    ProcessSelector {
+        selector: Some(Selector::Pid(pid)),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_streamed_stdin_pty_resize_watchdir_and_multipart() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let id = d.sandbox(LimitsSpec::default()).await;
+    let agent = AgentConn::new(d.data.path().join("sandboxes").join(&id).join("agent.sock"));
+
+    // StreamInput: stdin delivered over a client stream.
+    let start = StartRequest {
+        process: ProcessConfig {
+            cmd: "cat".into(),
+            ..Default::default()
+        }
+        .into(),
+        stdin: Some(true),
+        ..Default::default()
+    };
+    let mut events = agent
+        .process
+        .start_with_options(start, user_header())
+        .await
+        .unwrap();
+    let first = events
+        .message::<StartResponse>()
+        .await
+        .unwrap()
+        .unwrap()
+        .to_owned_message();
+    let Some(Event::Start(s)) = first.event.event.clone() else {
+        panic!("no start event")
+    };
+    let pid = s.pid;
+    let msgs = vec![
+        StreamInputRequest {
+            event: Some(InputEvent::Start(Box::new(
+                stream_input_request::StartEvent {
+                    process: selector(pid).into(),
+                    ..Default::default()
+                },
+            ))),
+            ..Default::default()
+        },
+        StreamInputRequest {
+            event: Some(InputEvent::Data(Box::new(
+                stream_input_request::DataEvent {
+                    input: ProcessInput {
+                        input: Some(Input::Stdin(b"streamed\n".to_vec())),
+                        ..Default::default()
+                    }
+                    .into(),
+                    ..Default::default()
+                },
+            ))),
+            ..Default::default()
+        },
+    ];
+    agent
+        .process
+        .stream_input(futures::stream::iter(msgs))
+        .await
+        .unwrap();
+    agent
+        .process
+        .close_stdin(CloseStdinRequest {
+            process: selector(pid).into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let (mut out, mut code) = (Vec::new(), None);
+    while let Some(m) = events.message::<StartResponse>().await.unwrap() {
+        match m.to_owned_message().event.event.clone() {
+            Some(Event::Data(d)) => {
+                if let Some(Output::Stdout(b)) = d.output {
+                    out.extend(b);
+                }
+            }
+            Some(Event::End(e)) => {
+                code = Some(e.exit_code);
+                break;
+            }
+            _ => {}
+        }
+    }
+    assert_eq!((out.as_slice(), code), (&b"streamed\n"[..], Some(0)));
+
+    // Update: a pty resized while the command waits.
+    let start = StartRequest {
+        process: ProcessConfig {
+            cmd: "bash".into(),
+            args: vec!["-c".into(), "sleep 0.5; stty size".into()],
+            ..Default::default()
+        }
+        .into(),
+        pty: PTY {
+            size: pty::Size {
+                cols: 80,
+                rows: 24,
+                ..Default::default()
+            }
+            .into(),
+            ..Default::default()
+        }
+        .into(),
+        ..Default::default()
+    };
+    let mut events = agent
+        .process
+        .start_with_options(start, user_header())
+        .await
+        .unwrap();
+    let first = events
+        .message::<StartResponse>()
+        .await
+        .unwrap()
+        .unwrap()
+        .to_owned_message();
+    let Some(Event::Start(s)) = first.event.event.clone() else {
+        panic!("no start event")
+    };
+    let resize = UpdateRequest {
+        process: selector(s.pid).into(),
+        pty: PTY {
+            size: pty::Size {
+                cols: 132,
+                rows: 43,
+                ..Default::default()
+            }
+            .into(),
+            ..Default::default()
+        }
+        .into(),
+        ..Default::default()
+    };
+    agent.process.update(resize).await.unwrap();
+    let mut text = Vec::new();
+    while let Some(m) = events.message::<StartResponse>().await.unwrap() {
+        match m.to_owned_message().event.event.clone() {
+            Some(Event::Data(d)) => {
+                if let Some(Output::Pty(b)) = d.output {
+                    text.extend(b);
+                }
+            }
+            Some(Event::End(_)) => break,
+            _ => {}
+        }
+    }
+    assert!(
+        String::from_utf8_lossy(&text).contains("43 132"),
+        "{}",
+        String::from_utf8_lossy(&text)
+    );
+
+    // WatchDir: a stream that opens with a start event and then reports changes.
+    let req = WatchDirRequest {
+        path: "/workspace".into(),
+        recursive: true,
+        ..Default::default()
+    };
+    let mut watch = agent
+        .fs
+        .watch_dir_with_options(req, user_header())
+        .await
+        .unwrap();
+    let first = watch
+        .message::<WatchDirResponse>()
+        .await
+        .unwrap()
+        .unwrap()
+        .to_owned_message();
+    assert!(matches!(first.event, Some(WatchEvent::Start(_))));
+    sh(
+        &c,
+        &id,
+        "mkdir -p /workspace/sub && touch /workspace/sub/created",
+    )
+    .await;
+    let mut seen = false;
+    for _ in 0..10 {
+        let Ok(Ok(Some(m))) =
+            tokio::time::timeout(Duration::from_secs(5), watch.message::<WatchDirResponse>()).await
+        else {
+            break;
+        };
+        if let Some(WatchEvent::Filesystem(fe)) = m.to_owned_message().event {
+            if fe.name == "sub/created"
+                && fe.r#type.as_known() == Some(EventType::EVENT_TYPE_CREATE)
+            {
+                seen = true;
+                break;
+            }
+        }
+    }
+    assert!(seen, "no CREATE event for sub/created");
+    drop(watch);
+
+    // Multipart upload through the daemon's pass-through, as E2B's SDKs send it.
+    let form = reqwest::multipart::Form::new().part(
+        "file",
+        reqwest::multipart::Part::bytes(b"multi\x00part".to_vec()).file_name("m.bin"),
+    );
+    let r = reqwest::Client::new()
+        .post(format!(
+            "{}/v1/sandboxes/{id}/agent/files?path=/home/user/m.bin",
+            d.url
+        ))
+        .header("authorization", format!("Bearer {}", d.key))
+        .multipart(form)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let written: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(written[0]["path"], "/home/user/m.bin");
+    assert_eq!(
+        c.read_file(&id, "/home/user/m.bin").await.unwrap().as_ref(),
+        b"multi\x00part"
+    );
+    d.shutdown().await;
+}
