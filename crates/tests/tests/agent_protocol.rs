@@ -217,13 +217,12 @@ async fn client_streamed_stdin_pty_resize_watchdir_and_multipart() {
         else {
             break;
         };
-        if let Some(WatchEvent::Filesystem(fe)) = m.to_owned_message().event {
-            if fe.name == "sub/created"
-                && fe.r#type.as_known() == Some(EventType::EVENT_TYPE_CREATE)
-            {
-                seen = true;
-                break;
-            }
+        if let Some(WatchEvent::Filesystem(fe)) = m.to_owned_message().event
+            && fe.name == "sub/created"
+            && fe.r#type.as_known() == Some(EventType::EVENT_TYPE_CREATE)
+        {
+            seen = true;
+            break;
         }
     }
     assert!(seen, "no CREATE event for sub/created");
