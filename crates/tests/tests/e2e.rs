@@ -478,6 +478,16 @@ async fn sigkill_of_the_daemon_then_restart_reconciles() {
     )
     .unwrap();
     db.close().await;
+    // Leftovers of a sandbox the store never heard of (a create cut short by the crash).
+    let orphan = "orphan0000000000000";
+    std::fs::create_dir_all(d.data.path().join("sandboxes").join(orphan).join("rootfs")).unwrap();
+    let parent = std::fs::read_dir("/sys/fs/cgroup/memory")
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.join(&alive).exists())
+        .expect("the live sandbox's memory cgroup");
+    std::fs::create_dir(parent.join(orphan)).unwrap();
     let port = d.port;
     let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
     drop(d);
@@ -487,6 +497,11 @@ async fn sigkill_of_the_daemon_then_restart_reconciles() {
     let dead = c.get_sandbox(&doomed).await.unwrap();
     assert_eq!(dead.state, "stopped");
     assert_eq!(leftovers(&d, &doomed), Vec::<String>::new());
+    assert_eq!(
+        leftovers(&d, orphan),
+        Vec::<String>::new(),
+        "orphans are swept on start"
+    );
     d.shutdown().await;
 }
 
