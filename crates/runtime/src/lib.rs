@@ -119,8 +119,12 @@ pub struct Capabilities {
 pub trait Runtime: Send + Sync {
     /// Name and features of the runtime.
     fn capabilities(&self) -> Capabilities;
-    /// Prepares and starts a sandbox; returns once its agent is listening.
+    /// Prepares a sandbox (directories, cgroup, uid range, the agent's socket); nothing
+    /// runs yet and the handle's pid is 0. A failed create leaves nothing behind.
     fn create(&self, spec: &SandboxSpec) -> Result<SandboxHandle, RuntimeError>;
+    /// Launches a created sandbox's agent and fills in its pid; the agent accepts
+    /// connections on the socket from then on. After a failure, call `destroy`.
+    fn start(&self, spec: &SandboxSpec, h: &mut SandboxHandle) -> Result<(), RuntimeError>;
     /// Kills every process of the sandbox (its resources stay until `destroy`).
     fn kill(&self, h: &SandboxHandle) -> Result<(), RuntimeError>;
     /// Freezes every process of the sandbox.

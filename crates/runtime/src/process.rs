@@ -52,6 +52,8 @@ pub fn sandbox_env(
 pub struct ProcessRuntime {
     sandboxes_dir: PathBuf,
     self_exe: PathBuf,
+    /// Agent sockets of sandboxes created but not started yet.
+    pending: std::sync::Mutex<std::collections::HashMap<String, std::os::unix::net::UnixListener>>,
 }
 
 impl ProcessRuntime {
@@ -63,10 +65,11 @@ impl ProcessRuntime {
         Ok(Self {
             sandboxes_dir,
             self_exe,
+            pending: Default::default(),
         })
     }
 
-    fn start(&self, spec: &SandboxSpec, dir: &Path) -> Result<SandboxHandle, RuntimeError> {
+    fn prepare(&self, spec: &SandboxSpec, dir: &Path) -> Result<SandboxHandle, RuntimeError> {
         let root = dir.join("root");
         for d in ["home/user", "tmp", "workspace", "root"] {
             std::fs::create_dir_all(root.join(d))
@@ -75,6 +78,33 @@ impl ProcessRuntime {
         let socket = dir.join("agent.sock");
         let listener = std::os::unix::net::UnixListener::bind(&socket)
             .map_err(|e| RuntimeError::io("bind agent socket", e))?;
+        self.pending
+            .lock()
+            .map_err(|_| RuntimeError::Setup("pending table poisoned".into()))?
+            .insert(spec.id.clone(), listener);
+        Ok(SandboxHandle {
+            id: spec.id.clone(),
+            pid: 0,
+            pid_start: 0,
+            socket,
+            dir: dir.to_path_buf(),
+            uid_base: None,
+        })
+    }
+
+    fn launch(&self, spec: &SandboxSpec, h: &mut SandboxHandle) -> Result<(), RuntimeError> {
+        let listener = self
+            .pending
+            .lock()
+            .map_err(|_| RuntimeError::Setup("pending table poisoned".into()))?
+            .remove(&spec.id)
+            .ok_or_else(|| {
+                RuntimeError::Setup(format!(
+                    "sandbox {} was not created or already started",
+                    spec.id
+                ))
+            })?;
+        let root = h.dir.join("root");
         let env = sandbox_env(std::env::vars(), &spec.env);
         let agent = AgentConfig {
             mode: IsolationMode::Process,
@@ -122,16 +152,10 @@ impl ProcessRuntime {
         let pid = child.id() as i32;
         // The daemon is the parent; `destroy` reaps it.
         drop(child);
-        let pid_start = crate::pid_start_time(pid)
+        h.pid = pid;
+        h.pid_start = crate::pid_start_time(pid)
             .ok_or_else(|| RuntimeError::Setup("agent exited at once".into()))?;
-        Ok(SandboxHandle {
-            id: spec.id.clone(),
-            pid,
-            pid_start,
-            socket,
-            dir: dir.to_path_buf(),
-            uid_base: None,
-        })
+        Ok(())
     }
 }
 
@@ -158,16 +182,22 @@ impl Runtime for ProcessRuntime {
         let dir = self.sandboxes_dir.join(&spec.id);
         std::fs::create_dir(&dir)
             .map_err(|e| RuntimeError::io(format!("create {}", dir.display()), e))?;
-        self.start(spec, &dir).inspect_err(|_| {
+        self.prepare(spec, &dir).inspect_err(|_| {
             let _ = std::fs::remove_dir_all(&dir);
         })
     }
 
+    fn start(&self, spec: &SandboxSpec, h: &mut SandboxHandle) -> Result<(), RuntimeError> {
+        self.launch(spec, h)
+    }
+
     fn kill(&self, h: &SandboxHandle) -> Result<(), RuntimeError> {
-        if crate::same_process(h.pid, h.pid_start) {
+        if h.pid > 0 && crate::same_process(h.pid, h.pid_start) {
             sandpit_agent::process::kill_tree(h.pid as u32, nix::sys::signal::Signal::SIGKILL);
         }
-        let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(h.pid), None);
+        if h.pid > 0 {
+            let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(h.pid), None);
+        }
         Ok(())
     }
 
@@ -195,6 +225,9 @@ impl Runtime for ProcessRuntime {
 
     fn destroy(&self, h: &SandboxHandle) -> Result<(), RuntimeError> {
         crate::check_id(&h.id)?;
+        if let Ok(mut pending) = self.pending.lock() {
+            pending.remove(&h.id);
+        }
         self.kill(h)?;
         let dir = self.sandboxes_dir.join(&h.id);
         match std::fs::remove_dir_all(&dir) {

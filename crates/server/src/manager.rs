@@ -226,7 +226,17 @@ impl Manager {
             workdir,
         };
         let rt = runtime.clone();
-        let created = tokio::task::spawn_blocking(move || rt.create(&spec)).await;
+        let created = tokio::task::spawn_blocking(move || {
+            let mut h = rt.create(&spec)?;
+            if let Err(e) = rt.start(&spec, &mut h) {
+                if let Err(c) = rt.destroy(&h) {
+                    tracing::error!(id = %spec.id, error = %c, "cleanup after a failed start");
+                }
+                return Err(e);
+            }
+            Ok(h)
+        })
+        .await;
         let handle = match created {
             Ok(Ok(h)) => h,
             Ok(Err(e)) => {

@@ -10,7 +10,7 @@ use crate::{
     Capabilities, Runtime, RuntimeError, SandboxHandle, SandboxSpec, Stats, TemplateSource,
 };
 use sandpit_agent::{AgentConfig, IsolationMode};
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::ffi::CString;
 use std::io::{BufRead, Write};
 use std::os::fd::AsRawFd;
@@ -33,6 +33,8 @@ pub struct ContainerRuntime {
     self_exe: PathBuf,
     cgroups: Cgroups,
     slots: Mutex<BTreeSet<u32>>,
+    /// Agent sockets of sandboxes created but not started yet.
+    pending: Mutex<HashMap<String, std::os::unix::net::UnixListener>>,
 }
 
 impl ContainerRuntime {
@@ -58,6 +60,7 @@ impl ContainerRuntime {
             self_exe,
             cgroups,
             slots: Mutex::default(),
+            pending: Mutex::default(),
         })
     }
 
@@ -83,7 +86,8 @@ impl ContainerRuntime {
         self.sandboxes_dir.join(id)
     }
 
-    fn start(
+    /// Directories, cgroup and the agent's listening socket; nothing runs yet.
+    fn prepare(
         &self,
         spec: &SandboxSpec,
         dir: &Path,
@@ -97,6 +101,38 @@ impl ContainerRuntime {
         let socket = dir.join("agent.sock");
         let listener = std::os::unix::net::UnixListener::bind(&socket)
             .map_err(|e| RuntimeError::io("bind agent socket", e))?;
+        self.pending
+            .lock()
+            .map_err(|_| RuntimeError::Setup("pending table poisoned".into()))?
+            .insert(spec.id.clone(), listener);
+        Ok(SandboxHandle {
+            id: spec.id.clone(),
+            pid: 0,
+            pid_start: 0,
+            socket,
+            dir: dir.to_path_buf(),
+            uid_base: Some(uid_base),
+        })
+    }
+
+    /// Builds the sandbox in its namespaces and execs the agent.
+    fn launch(&self, spec: &SandboxSpec, h: &mut SandboxHandle) -> Result<(), RuntimeError> {
+        let listener = self
+            .pending
+            .lock()
+            .map_err(|_| RuntimeError::Setup("pending table poisoned".into()))?
+            .remove(&spec.id)
+            .ok_or_else(|| {
+                RuntimeError::Setup(format!(
+                    "sandbox {} was not created or already started",
+                    spec.id
+                ))
+            })?;
+        let (dir, uid_base) = (
+            h.dir.clone(),
+            h.uid_base
+                .ok_or_else(|| RuntimeError::Setup("no uid range".into()))?,
+        );
         let (lower, host_template) = match &spec.template {
             TemplateSource::Host => (self.host_skeleton.clone(), true),
             TemplateSource::Rootfs { path } => (path.clone(), false),
@@ -110,7 +146,7 @@ impl ContainerRuntime {
             listen_path: None,
         };
         let init = InitConfig {
-            dir: dir.to_path_buf(),
+            dir: dir.clone(),
             lower,
             host_binds: if host_template {
                 self.host_binds.clone()
@@ -182,20 +218,10 @@ impl ContainerRuntime {
         let mut parts = line.split_whitespace();
         match (parts.next(), parts.next(), parts.next()) {
             (Some("OK"), Some(pid), Some(start)) => {
-                let pid = pid
-                    .parse()
-                    .map_err(|_| RuntimeError::Setup(format!("bad init reply {line:?}")))?;
-                let pid_start = start
-                    .parse()
-                    .map_err(|_| RuntimeError::Setup(format!("bad init reply {line:?}")))?;
-                Ok(SandboxHandle {
-                    id: spec.id.clone(),
-                    pid,
-                    pid_start,
-                    socket,
-                    dir: dir.to_path_buf(),
-                    uid_base: Some(uid_base),
-                })
+                let bad = || RuntimeError::Setup(format!("bad init reply {line:?}"));
+                h.pid = pid.parse().map_err(|_| bad())?;
+                h.pid_start = start.parse().map_err(|_| bad())?;
+                Ok(())
             }
             _ => Err(RuntimeError::Setup(
                 line.strip_prefix("ERR ").unwrap_or(line).to_string(),
@@ -232,6 +258,10 @@ fn cgroup_parent(data_dir: &Path) -> String {
 
 /// Collects the exit status of a sandbox's PID 1 if this daemon is its (sub)reaper.
 fn reap(pid: i32) {
+    // pid 0 (created, never started) would mean "any child of our group".
+    if pid <= 0 {
+        return;
+    }
     let _ = nix::sys::wait::waitpid(
         nix::unistd::Pid::from_raw(pid),
         Some(nix::sys::wait::WaitPidFlag::WNOHANG),
@@ -266,7 +296,7 @@ impl Runtime for ContainerRuntime {
                 spec.id
             )));
         }
-        match self.start(spec, &dir, uid_base) {
+        match self.prepare(spec, &dir, uid_base) {
             Ok(h) => Ok(h),
             Err(e) => {
                 if let Err(c) = self.cleanup(&spec.id) {
@@ -276,6 +306,10 @@ impl Runtime for ContainerRuntime {
                 Err(e)
             }
         }
+    }
+
+    fn start(&self, spec: &SandboxSpec, h: &mut SandboxHandle) -> Result<(), RuntimeError> {
+        self.launch(spec, h)
     }
 
     fn kill(&self, h: &SandboxHandle) -> Result<(), RuntimeError> {
@@ -306,6 +340,9 @@ impl Runtime for ContainerRuntime {
 
     fn destroy(&self, h: &SandboxHandle) -> Result<(), RuntimeError> {
         crate::check_id(&h.id)?;
+        if let Ok(mut pending) = self.pending.lock() {
+            pending.remove(&h.id);
+        }
         self.cgroups.kill_all(&h.id)?;
         reap(h.pid);
         self.cleanup(&h.id)?;
