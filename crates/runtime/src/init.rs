@@ -1,9 +1,9 @@
 //! `sandpit __sandbox-init`: the short-lived process that builds a container sandbox.
 //!
-//! The daemon starts it already inside new uts, ipc, net and pid namespaces and in
-//! the sandbox's cgroup. It forks PID 1 of the new pid namespace, which (still real root,
-//! in a mount namespace of its own,
-//! in namespaces owned by the host's user namespace) mounts the root filesystem, pivots
+//! The daemon starts it already inside new uts, ipc and net namespaces and in the
+//! sandbox's cgroup. It enters a new pid namespace and forks its PID 1, which (still real
+//! root, in a mount namespace of its own, in namespaces owned by the host's user
+//! namespace) mounts the root filesystem, pivots
 //! into it, then enters a fresh user namespace whose uid 0 is an unprivileged host uid.
 //! Because the mount and network namespaces stay owned by the host's user namespace,
 //! root inside the sandbox can never mount, unmount or reconfigure the network. Last
@@ -15,7 +15,7 @@ use nix::sys::stat::{Mode, SFlag, makedev, mknod};
 use nix::unistd::{ForkResult, Gid, Pid, Uid, fork};
 use serde::{Deserialize, Serialize};
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::{PermissionsExt, chown};
 use std::path::{Path, PathBuf};
 
@@ -38,6 +38,11 @@ pub struct InitConfig {
     pub uid_base: u32,
     pub agent_exe: PathBuf,
     pub agent_config: String,
+    /// Show the lower layer through an idmapped mount, so that files the host's root owns
+    /// belong to the sandbox's root (custom root filesystems, where root must be able to
+    /// change its own copy of /etc or install packages).
+    #[serde(default)]
+    pub idmap_lower: bool,
 }
 
 type R<T> = Result<T, String>;
@@ -79,6 +84,17 @@ fn pipe() -> R<(OwnedFd, OwnedFd)> {
 }
 
 fn run(cfg: &InitConfig) -> R<(i32, u64)> {
+    // Made here, in the host's pid namespace, where /proc/PID names the helper correctly.
+    let userns = if cfg.idmap_lower {
+        Some(id_mapped_userns(cfg.uid_base)?)
+    } else {
+        None
+    };
+    // Only now the pid namespace: the next fork is its PID 1 (the helper above must not
+    // be, or the namespace would die with it).
+    ctx(unshare(CloneFlags::CLONE_NEWPID), || {
+        "unshare pid namespace".into()
+    })?;
     let (to_parent_r, to_parent_w) = pipe()?;
     let (to_child_r, to_child_w) = pipe()?;
     // SAFETY: this process is single-threaded (a fresh exec that started no threads).
@@ -88,7 +104,7 @@ fn run(cfg: &InitConfig) -> R<(i32, u64)> {
             drop(to_child_w);
             let mut report = std::fs::File::from(to_parent_w);
             let mut wait = std::fs::File::from(to_child_r);
-            let err = child(cfg, &mut report, &mut wait)
+            let err = child(cfg, userns.as_ref(), &mut report, &mut wait)
                 .err()
                 .unwrap_or_else(|| "exec returned".into());
             let _ = report.write_all(format!("E{err}").as_bytes());
@@ -153,8 +169,13 @@ fn parent(
     Ok((child.as_raw(), start))
 }
 
-fn child(cfg: &InitConfig, report: &mut std::fs::File, wait: &mut std::fs::File) -> R<()> {
-    setup_root(cfg)?;
+fn child(
+    cfg: &InitConfig,
+    userns: Option<&OwnedFd>,
+    report: &mut std::fs::File,
+    wait: &mut std::fs::File,
+) -> R<()> {
+    setup_root(cfg, userns)?;
     ctx(unshare(CloneFlags::CLONE_NEWUSER), || {
         "unshare user namespace".into()
     })?;
@@ -273,7 +294,7 @@ fn write_owned(p: &Path, content: &str, uid: u32) -> R<()> {
     })
 }
 
-fn setup_root(cfg: &InitConfig) -> R<()> {
+fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
     // A mount namespace of PID 1's own: pivot_root must not move the init helper, which
     // still needs the host's /proc to write the id maps.
     ctx(
@@ -303,9 +324,13 @@ fn setup_root(cfg: &InitConfig) -> R<()> {
     let work = layer.join("work");
     mkdir_owned(&upper, 0o755, cfg.uid_base)?;
     mkdir_owned(&work, 0o700, 0)?;
+    let lower = match userns {
+        Some(ns) => idmapped_copy(&cfg.lower, &cfg.dir.join("lower"), ns)?,
+        None => cfg.lower.clone(),
+    };
     let ovl = format!(
         "lowerdir={},upperdir={},workdir={}",
-        cfg.lower.display(),
+        lower.display(),
         upper.display(),
         work.display()
     );
@@ -372,6 +397,140 @@ fn setup_root(cfg: &InitConfig) -> R<()> {
     })?;
     ctx(nix::unistd::chdir("/"), || "chdir /".into())?;
     Ok(())
+}
+
+/// A user namespace whose uid/gid 0..65536 map to the sandbox's host range, held open by
+/// fd after the short-lived process that created it has gone.
+fn id_mapped_userns(uid_base: u32) -> R<OwnedFd> {
+    let (ready_r, ready_w) = pipe()?;
+    let (hold_r, hold_w) = pipe()?;
+    // SAFETY: single-threaded process; the child only makes raw syscalls and exits.
+    match ctx(unsafe { fork() }, || "fork".into())? {
+        ForkResult::Child => {
+            drop(ready_r);
+            drop(hold_w);
+            // SAFETY: raw syscalls, then _exit.
+            unsafe {
+                let ok = libc::unshare(libc::CLONE_NEWUSER) == 0;
+                libc::write(
+                    ready_w.as_raw_fd(),
+                    if ok { b"U".as_ptr() } else { b"E".as_ptr() }.cast(),
+                    1,
+                );
+                let mut b = [0u8; 1];
+                libc::read(hold_r.as_raw_fd(), b.as_mut_ptr().cast(), 1);
+                libc::_exit(0)
+            }
+        }
+        ForkResult::Parent { child } => {
+            drop(ready_w);
+            drop(hold_r);
+            let result = (|| {
+                let mut b = [0u8; 1];
+                ctx(std::fs::File::from(ready_r).read_exact(&mut b), || {
+                    "userns helper".into()
+                })?;
+                if b[0] != b'U' {
+                    return Err("userns helper could not unshare".to_string());
+                }
+                let map = format!("0 {uid_base} {ID_RANGE}\n");
+                ctx(
+                    std::fs::write(format!("/proc/{child}/uid_map"), &map),
+                    || "helper uid_map".into(),
+                )?;
+                ctx(
+                    std::fs::write(format!("/proc/{child}/gid_map"), &map),
+                    || "helper gid_map".into(),
+                )?;
+                ctx(
+                    nix::fcntl::open(
+                        format!("/proc/{child}/ns/user").as_str(),
+                        nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_CLOEXEC,
+                        Mode::empty(),
+                    ),
+                    || "open helper userns".into(),
+                )
+            })();
+            drop(hold_w);
+            let _ = nix::sys::wait::waitpid(child, None);
+            result
+        }
+    }
+}
+
+/// Attaches an idmapped clone of `src` at `target` (a plain directory it creates).
+fn idmapped_copy(src: &Path, target: &Path, userns: &OwnedFd) -> R<PathBuf> {
+    use std::ffi::CString;
+    #[repr(C)]
+    struct MountAttr {
+        attr_set: u64,
+        attr_clr: u64,
+        propagation: u64,
+        userns_fd: u64,
+    }
+    const OPEN_TREE_CLONE: libc::c_uint = 1;
+    const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
+    const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 4;
+    ctx(std::fs::create_dir_all(target), || {
+        format!("mkdir {}", target.display())
+    })?;
+    let csrc = CString::new(src.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+    let ctarget = CString::new(target.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+    let empty = c"";
+    // SAFETY: the new mount API with valid C strings and a correctly sized attr struct.
+    unsafe {
+        let tree = libc::syscall(
+            libc::SYS_open_tree,
+            libc::AT_FDCWD,
+            csrc.as_ptr(),
+            OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
+        ) as libc::c_int;
+        if tree < 0 {
+            return Err(format!(
+                "open_tree {}: {}",
+                src.display(),
+                std::io::Error::last_os_error()
+            ));
+        }
+        let tree = OwnedFd::from_raw_fd(tree);
+        let attr = MountAttr {
+            attr_set: MOUNT_ATTR_IDMAP,
+            attr_clr: 0,
+            propagation: 0,
+            userns_fd: userns.as_raw_fd() as u64,
+        };
+        let r = libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            libc::AT_EMPTY_PATH as libc::c_uint,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        );
+        if r < 0 {
+            return Err(format!(
+                "idmap {}: {}",
+                src.display(),
+                std::io::Error::last_os_error()
+            ));
+        }
+        let r = libc::syscall(
+            libc::SYS_move_mount,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            libc::AT_FDCWD,
+            ctarget.as_ptr(),
+            MOVE_MOUNT_F_EMPTY_PATH,
+        );
+        if r < 0 {
+            return Err(format!(
+                "attach idmapped {}: {}",
+                src.display(),
+                std::io::Error::last_os_error()
+            ));
+        }
+    }
+    Ok(target.to_path_buf())
 }
 
 fn ro_flags() -> MsFlags {

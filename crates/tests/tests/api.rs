@@ -327,6 +327,49 @@ async fn custom_rootfs_templates_run_their_own_binaries() {
             .status(),
         Some(404)
     );
+    // the template's files (owned by the host's root) belong to the sandbox's root, who
+    // can change its own copy of them; the template directory itself never changes
+    let st = c.stat(&sb.id, "/usr/bin/sandpit").await.unwrap();
+    assert_eq!(
+        (st.owner.as_str(), st.group.as_str()),
+        ("root", "root"),
+        "{st:?}"
+    );
+    let req = RunCommandRequest {
+        argv: vec!["/usr/bin/sandpit".into(), "cp".into(), "--help".into()],
+        user: Some("root".into()),
+        ..Default::default()
+    };
+    assert_eq!(c.run(&sb.id, &req).await.unwrap().exit_code, 0);
+    // As root, replace the binary in place (the API writes through the agent, which is root).
+    let up = reqwest::Client::new()
+        .put(format!(
+            "{}/v1/sandboxes/{}/files?path=/usr/bin/sandpit&user=root",
+            d.url, sb.id
+        ))
+        .header("authorization", format!("Bearer {}", d.key))
+        .body("replaced")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        up.status(),
+        200,
+        "root must be able to modify its own copy of the template"
+    );
+    assert_eq!(
+        c.read_file(&sb.id, "/usr/bin/sandpit")
+            .await
+            .unwrap()
+            .as_ref(),
+        b"replaced"
+    );
+    assert!(
+        std::fs::metadata(rootfs.path().join("usr/bin/sandpit"))
+            .unwrap()
+            .len()
+            > 1000
+    );
     // writes land in the sandbox's own layer, never in the template directory
     c.write_file(&sb.id, "/home/user/new", "x").await.unwrap();
     assert_eq!(

@@ -157,6 +157,7 @@ impl ContainerRuntime {
             disk_bytes: spec.limits.disk_bytes,
             uid_base,
             agent_exe: self.self_exe.clone(),
+            idmap_lower: !host_template,
             agent_config: serde_json::to_string(&agent)
                 .map_err(|e| RuntimeError::Setup(e.to_string()))?,
         };
@@ -185,10 +186,7 @@ impl ContainerRuntime {
                     }
                     libc::close(fd);
                 }
-                let flags = libc::CLONE_NEWUTS
-                    | libc::CLONE_NEWIPC
-                    | libc::CLONE_NEWNET
-                    | libc::CLONE_NEWPID;
+                let flags = libc::CLONE_NEWUTS | libc::CLONE_NEWIPC | libc::CLONE_NEWNET;
                 if libc::unshare(flags) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
