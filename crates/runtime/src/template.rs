@@ -67,7 +67,89 @@ const DIRS: &[&str] = &[
 pub const HOST_BINDS: &[&str] = &["/usr"];
 const MERGED_LINKS: &[&str] = &["bin", "sbin", "lib", "lib32", "lib64", "libx32"];
 
-/// Builds (or rebuilds) the skeleton under `dir` and returns the host paths to bind in.
+/// The skeleton for the host as it is now, under `templates_dir`, and the host paths to
+/// bind in. The directory is named after a fingerprint of what it copies: running
+/// sandboxes keep their lower layer (deleting it would pull their root from under them),
+/// and a new one appears only when the host's files changed.
+pub fn host_skeleton(templates_dir: &Path) -> Result<(PathBuf, Vec<PathBuf>), RuntimeError> {
+    let dir = templates_dir.join(format!("host-{:016x}", host_fingerprint()));
+    let binds = if dir.is_dir() {
+        host_binds()
+    } else {
+        build_host_skeleton(&dir)?
+    };
+    Ok((dir, binds))
+}
+
+/// Removes skeletons other than `current` (only call when no sandbox can be using them).
+pub fn remove_old_skeletons(templates_dir: &Path, current: &Path) {
+    let Ok(rd) = std::fs::read_dir(templates_dir) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let p = e.path();
+        let name = e.file_name();
+        if p != current && name.to_string_lossy().starts_with("host") {
+            let _ = std::fs::remove_dir_all(&p);
+        }
+    }
+}
+
+/// FNV-1a over names, sizes, mtimes and link targets of everything the skeleton copies.
+fn host_fingerprint() -> u64 {
+    fn feed(h: &mut u64, bytes: &[u8]) {
+        for b in bytes {
+            *h = (*h ^ *b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    fn walk(h: &mut u64, p: &Path, depth: u32) {
+        use std::os::unix::fs::MetadataExt;
+        let Ok(m) = std::fs::symlink_metadata(p) else {
+            return;
+        };
+        feed(h, p.as_os_str().as_encoded_bytes());
+        feed(h, &m.size().to_le_bytes());
+        feed(h, &m.mtime().to_le_bytes());
+        feed(h, &m.mode().to_le_bytes());
+        if m.file_type().is_symlink() {
+            if let Ok(t) = std::fs::read_link(p) {
+                feed(h, t.as_os_str().as_encoded_bytes());
+            }
+        } else if m.is_dir()
+            && depth < 16
+            && let Ok(rd) = std::fs::read_dir(p)
+        {
+            let mut names: Vec<PathBuf> = rd.flatten().map(|e| e.path()).collect();
+            names.sort();
+            for n in names {
+                walk(h, &n, depth + 1);
+            }
+        }
+    }
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    feed(&mut h, env!("CARGO_PKG_VERSION").as_bytes());
+    for name in MERGED_LINKS {
+        walk(&mut h, &Path::new("/").join(name), 15);
+    }
+    for name in ETC_COPY {
+        walk(&mut h, &Path::new("/etc").join(name), 0);
+    }
+    h
+}
+
+/// Host directories to bind into a `host` sandbox (more than /usr without merged /usr).
+fn host_binds() -> Vec<PathBuf> {
+    let mut binds: Vec<PathBuf> = HOST_BINDS.iter().map(PathBuf::from).collect();
+    for name in MERGED_LINKS {
+        let host = Path::new("/").join(name);
+        if std::fs::symlink_metadata(&host).is_ok_and(|m| m.is_dir()) {
+            binds.push(host);
+        }
+    }
+    binds
+}
+
+/// Builds the skeleton under `dir` (replacing any) and returns the host paths to bind in.
 pub fn build_host_skeleton(dir: &Path) -> Result<Vec<PathBuf>, RuntimeError> {
     let tmp = dir.with_extension("new");
     let _ = std::fs::remove_dir_all(&tmp);
@@ -201,5 +283,11 @@ mod tests {
         // Rebuilding replaces the old skeleton in place.
         build_host_skeleton(&dir).unwrap();
         assert!(!dir.with_extension("new").exists());
+        // The fingerprinted skeleton is reused while the host is unchanged.
+        let (a, _) = host_skeleton(t.path()).unwrap();
+        let (b, _) = host_skeleton(t.path()).unwrap();
+        assert_eq!(a, b);
+        remove_old_skeletons(t.path(), &a);
+        assert!(a.is_dir() && !dir.exists());
     }
 }

@@ -65,6 +65,9 @@ impl AgentConn {
         else {
             return false;
         };
-        matches!(self.http.request(req).await, Ok(r) if r.status().is_success())
+        // Bounded: a frozen or wedged agent must not stall whoever asks.
+        let answer =
+            tokio::time::timeout(std::time::Duration::from_secs(2), self.http.request(req)).await;
+        matches!(answer, Ok(Ok(r)) if r.status().is_success())
     }
 }

@@ -517,10 +517,11 @@ impl Manager {
                     let alive = tokio::task::spawn_blocking(move || rt2.is_alive(&h2))
                         .await
                         .unwrap_or(false);
-                    if alive
-                        && rec.state != SandboxState::Creating
-                        && self.conn_for(&rec.id, &h).healthy().await
-                    {
+                    // A paused sandbox's agent is frozen and cannot answer; it is adopted
+                    // on the strength of its process alone.
+                    let answers = rec.state == SandboxState::Paused
+                        || self.conn_for(&rec.id, &h).healthy().await;
+                    if alive && rec.state != SandboxState::Creating && answers {
                         rt.adopt(&h);
                         true
                     } else {

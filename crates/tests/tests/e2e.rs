@@ -462,7 +462,9 @@ async fn sigkill_of_the_daemon_then_restart_reconciles() {
     let c = d.client();
     let alive = d.sandbox(small()).await;
     let doomed = d.sandbox(small()).await;
+    let paused = d.sandbox(small()).await;
     sh(&c, &alive, "echo kept > /tmp/mark").await;
+    c.pause(&paused).await.unwrap();
     d.kill9();
     // kill one sandbox while the daemon is down
     let pid_file = std::fs::read_to_string("/proc/mounts").unwrap();
@@ -502,6 +504,13 @@ async fn sigkill_of_the_daemon_then_restart_reconciles() {
         Vec::<String>::new(),
         "orphans are swept on start"
     );
+    assert_eq!(
+        c.get_sandbox(&paused).await.unwrap().state,
+        "paused",
+        "a paused sandbox survives a restart"
+    );
+    c.resume(&paused).await.unwrap();
+    assert_eq!(sh(&c, &paused, "echo back").await.stdout, "back\n");
     d.shutdown().await;
 }
 

@@ -48,10 +48,10 @@ impl ContainerRuntime {
         let sandboxes_dir = data_dir.join("sandboxes");
         std::fs::create_dir_all(&sandboxes_dir)
             .map_err(|e| RuntimeError::io("create sandboxes dir", e))?;
-        let host_skeleton = data_dir.join("templates").join("host");
+        let templates_dir = data_dir.join("templates");
         std::fs::create_dir_all(data_dir.join("templates"))
             .map_err(|e| RuntimeError::io("create templates dir", e))?;
-        let host_binds = crate::template::build_host_skeleton(&host_skeleton)?;
+        let (host_skeleton, host_binds) = crate::template::host_skeleton(&templates_dir)?;
         let cgroups = Cgroups::detect(cgroup_root, &cgroup_parent(data_dir))?;
         Ok(Self {
             sandboxes_dir,
@@ -363,6 +363,12 @@ impl Runtime for ContainerRuntime {
             }
             self.cleanup(&id)?;
             removed.push(id);
+        }
+        if keep.is_empty() {
+            // No sandbox can be using an older host skeleton any more.
+            if let Some(templates) = self.host_skeleton.parent() {
+                crate::template::remove_old_skeletons(templates, &self.host_skeleton);
+            }
         }
         Ok(removed)
     }
