@@ -146,6 +146,45 @@ pub trait Runtime: Send + Sync {
     fn release(&self) {}
 }
 
+/// Agent sockets of sandboxes that were created but not started yet: the listener is bound
+/// by `create` and handed to the agent by `start`.
+#[derive(Default)]
+pub struct PendingSockets(
+    std::sync::Mutex<std::collections::HashMap<String, std::os::unix::net::UnixListener>>,
+);
+
+impl PendingSockets {
+    /// Binds `dir/agent.sock` for sandbox `id` and returns its path.
+    pub fn bind(&self, id: &str, dir: &std::path::Path) -> Result<PathBuf, RuntimeError> {
+        let socket = dir.join("agent.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&socket)
+            .map_err(|e| RuntimeError::io("bind agent socket", e))?;
+        self.0
+            .lock()
+            .map_err(|_| RuntimeError::Setup("pending table poisoned".into()))?
+            .insert(id.to_string(), listener);
+        Ok(socket)
+    }
+
+    /// Takes the listener of a created sandbox.
+    pub fn take(&self, id: &str) -> Result<std::os::unix::net::UnixListener, RuntimeError> {
+        self.0
+            .lock()
+            .map_err(|_| RuntimeError::Setup("pending table poisoned".into()))?
+            .remove(id)
+            .ok_or_else(|| {
+                RuntimeError::Setup(format!("sandbox {id} was not created or already started"))
+            })
+    }
+
+    /// Drops the listener of a sandbox that will never start.
+    pub fn forget(&self, id: &str) {
+        if let Ok(mut m) = self.0.lock() {
+            m.remove(id);
+        }
+    }
+}
+
 /// Start time of a process in clock ticks since boot, from /proc/PID/stat.
 pub fn pid_start_time(pid: i32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;

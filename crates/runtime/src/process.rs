@@ -53,7 +53,7 @@ pub struct ProcessRuntime {
     sandboxes_dir: PathBuf,
     self_exe: PathBuf,
     /// Agent sockets of sandboxes created but not started yet.
-    pending: std::sync::Mutex<std::collections::HashMap<String, std::os::unix::net::UnixListener>>,
+    pending: crate::PendingSockets,
 }
 
 impl ProcessRuntime {
@@ -75,13 +75,7 @@ impl ProcessRuntime {
             std::fs::create_dir_all(root.join(d))
                 .map_err(|e| RuntimeError::io(format!("create {d}"), e))?;
         }
-        let socket = dir.join("agent.sock");
-        let listener = std::os::unix::net::UnixListener::bind(&socket)
-            .map_err(|e| RuntimeError::io("bind agent socket", e))?;
-        self.pending
-            .lock()
-            .map_err(|_| RuntimeError::Setup("pending table poisoned".into()))?
-            .insert(spec.id.clone(), listener);
+        let socket = self.pending.bind(&spec.id, dir)?;
         Ok(SandboxHandle {
             id: spec.id.clone(),
             pid: 0,
@@ -93,17 +87,7 @@ impl ProcessRuntime {
     }
 
     fn launch(&self, spec: &SandboxSpec, h: &mut SandboxHandle) -> Result<(), RuntimeError> {
-        let listener = self
-            .pending
-            .lock()
-            .map_err(|_| RuntimeError::Setup("pending table poisoned".into()))?
-            .remove(&spec.id)
-            .ok_or_else(|| {
-                RuntimeError::Setup(format!(
-                    "sandbox {} was not created or already started",
-                    spec.id
-                ))
-            })?;
+        let listener = self.pending.take(&spec.id)?;
         let root = h.dir.join("root");
         let env = sandbox_env(std::env::vars(), &spec.env);
         let agent = AgentConfig {
@@ -225,9 +209,7 @@ impl Runtime for ProcessRuntime {
 
     fn destroy(&self, h: &SandboxHandle) -> Result<(), RuntimeError> {
         crate::check_id(&h.id)?;
-        if let Ok(mut pending) = self.pending.lock() {
-            pending.remove(&h.id);
-        }
+        self.pending.forget(&h.id);
         self.kill(h)?;
         let dir = self.sandboxes_dir.join(&h.id);
         match std::fs::remove_dir_all(&dir) {

@@ -382,60 +382,38 @@ impl Manager {
 
     /// Freezes every process of a running sandbox (memory stays in RAM).
     pub async fn pause(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
-        if rec.state != SandboxState::Running {
-            return Err(ApiError::conflict(format!(
-                "sandbox {} is {}, not running",
-                rec.id,
-                rec.state.as_str()
-            )));
-        }
-        let (rt, h) = self.runtime_of(rec)?;
-        tokio::task::spawn_blocking(move || rt.freeze(&h))
-            .await
-            .map_err(|e| ApiError::internal(e.to_string()))??;
-        if self
-            .store
-            .transition(
-                &rec.id,
-                &[SandboxState::Running],
-                SandboxState::Paused,
-                None,
-            )
-            .await?
-            .is_none()
-        {
-            return Err(ApiError::conflict("sandbox changed state while pausing"));
-        }
-        Ok(())
+        self.set_frozen(rec, true).await
     }
 
     /// Thaws a paused sandbox.
     pub async fn resume(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
-        if rec.state != SandboxState::Paused {
+        self.set_frozen(rec, false).await
+    }
+
+    async fn set_frozen(&self, rec: &SandboxRecord, freeze: bool) -> Result<(), ApiError> {
+        let (from, to, verb) = if freeze {
+            (SandboxState::Running, SandboxState::Paused, "pausing")
+        } else {
+            (SandboxState::Paused, SandboxState::Running, "resuming")
+        };
+        if rec.state != from {
             return Err(ApiError::conflict(format!(
-                "sandbox {} is {}, not paused",
+                "sandbox {} is {}, not {}",
                 rec.id,
-                rec.state.as_str()
+                rec.state.as_str(),
+                from.as_str()
             )));
         }
         let (rt, h) = self.runtime_of(rec)?;
-        tokio::task::spawn_blocking(move || rt.thaw(&h))
+        tokio::task::spawn_blocking(move || if freeze { rt.freeze(&h) } else { rt.thaw(&h) })
             .await
             .map_err(|e| ApiError::internal(e.to_string()))??;
-        if self
-            .store
-            .transition(
-                &rec.id,
-                &[SandboxState::Paused],
-                SandboxState::Running,
-                None,
-            )
-            .await?
-            .is_none()
-        {
-            return Err(ApiError::conflict("sandbox changed state while resuming"));
+        match self.store.transition(&rec.id, &[from], to, None).await? {
+            Some(_) => Ok(()),
+            None => Err(ApiError::conflict(format!(
+                "sandbox changed state while {verb}"
+            ))),
         }
-        Ok(())
     }
 
     /// Sets the sandbox to expire `secs` from now.

@@ -10,7 +10,7 @@ use crate::{
     Capabilities, Runtime, RuntimeError, SandboxHandle, SandboxSpec, Stats, TemplateSource,
 };
 use sandpit_agent::{AgentConfig, IsolationMode};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::ffi::CString;
 use std::io::{BufRead, Write};
 use std::os::fd::AsRawFd;
@@ -34,7 +34,7 @@ pub struct ContainerRuntime {
     cgroups: Cgroups,
     slots: Mutex<BTreeSet<u32>>,
     /// Agent sockets of sandboxes created but not started yet.
-    pending: Mutex<HashMap<String, std::os::unix::net::UnixListener>>,
+    pending: crate::PendingSockets,
 }
 
 impl ContainerRuntime {
@@ -60,7 +60,7 @@ impl ContainerRuntime {
             self_exe,
             cgroups,
             slots: Mutex::default(),
-            pending: Mutex::default(),
+            pending: Default::default(),
         })
     }
 
@@ -98,13 +98,7 @@ impl ContainerRuntime {
                 .map_err(|e| RuntimeError::io(format!("create {}", d.display()), e))?;
         }
         self.cgroups.create(&spec.id, &spec.limits)?;
-        let socket = dir.join("agent.sock");
-        let listener = std::os::unix::net::UnixListener::bind(&socket)
-            .map_err(|e| RuntimeError::io("bind agent socket", e))?;
-        self.pending
-            .lock()
-            .map_err(|_| RuntimeError::Setup("pending table poisoned".into()))?
-            .insert(spec.id.clone(), listener);
+        let socket = self.pending.bind(&spec.id, dir)?;
         Ok(SandboxHandle {
             id: spec.id.clone(),
             pid: 0,
@@ -117,17 +111,7 @@ impl ContainerRuntime {
 
     /// Builds the sandbox in its namespaces and execs the agent.
     fn launch(&self, spec: &SandboxSpec, h: &mut SandboxHandle) -> Result<(), RuntimeError> {
-        let listener = self
-            .pending
-            .lock()
-            .map_err(|_| RuntimeError::Setup("pending table poisoned".into()))?
-            .remove(&spec.id)
-            .ok_or_else(|| {
-                RuntimeError::Setup(format!(
-                    "sandbox {} was not created or already started",
-                    spec.id
-                ))
-            })?;
+        let listener = self.pending.take(&spec.id)?;
         let (dir, uid_base) = (
             h.dir.clone(),
             h.uid_base
@@ -338,9 +322,7 @@ impl Runtime for ContainerRuntime {
 
     fn destroy(&self, h: &SandboxHandle) -> Result<(), RuntimeError> {
         crate::check_id(&h.id)?;
-        if let Ok(mut pending) = self.pending.lock() {
-            pending.remove(&h.id);
-        }
+        self.pending.forget(&h.id);
         self.cgroups.kill_all(&h.id)?;
         reap(h.pid);
         self.cleanup(&h.id)?;
