@@ -171,6 +171,29 @@ async fn isolation_holds() {
         "ptrace(ATTACH) of a host pid must fail with ESRCH: {}",
         r.stdout
     );
+    // the network is loopback only: no other interface, and the daemon's port on the
+    // host's loopback is not reachable from the sandbox's own loopback
+    let r = sh(&c, &id, "ls /sys/class/net").await;
+    assert_eq!(r.stdout.split_whitespace().collect::<Vec<_>>(), vec!["lo"]);
+    let probe = format!(
+        "import socket; s=socket.socket(); s.settimeout(2); print(s.connect_ex(('127.0.0.1', {})))",
+        d.port
+    );
+    let r = c
+        .run(
+            &id,
+            &RunCommandRequest {
+                argv: vec!["python3".into(), "-c".into(), probe],
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        r.stdout.trim(),
+        "111",
+        "connecting to the daemon's port must be refused: {r:?}"
+    );
     // the host's /etc secrets are not there
     assert_ne!(sh_root(&c, &id, "test -e /etc/shadow").await.exit_code, 0);
     d.shutdown().await;
@@ -652,6 +675,62 @@ async fn bad_input_gets_a_clear_4xx_and_leaves_nothing() {
             .unwrap()
             .items
             .is_empty()
+    );
+    // paths and users that must never reach the agent as given
+    let id = d.sandbox(LimitsSpec::default()).await;
+    let long = format!("/{}", "x".repeat(5000));
+    for path in ["/tmp/a\0b", long.as_str(), ""] {
+        let e = c.read_file(&id, path).await.unwrap_err();
+        assert_eq!(e.status(), Some(400), "{path:?}: {e}");
+    }
+    let r = http
+        .get(format!(
+            "{}/v1/sandboxes/{id}/files?path=/etc/hostname&user=mallory",
+            d.url
+        ))
+        .header("authorization", &auth)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let e = c
+        .run(
+            &id,
+            &RunCommandRequest {
+                argv: vec![],
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e.status(), Some(400));
+    let e = c
+        .run(
+            &id,
+            &RunCommandRequest {
+                argv: vec!["true".into()],
+                user: Some("nobody".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e.status(), Some(400));
+    let e = c
+        .run(
+            &id,
+            &RunCommandRequest {
+                argv: vec!["true".into()],
+                env: [("BAD=NAME".to_string(), "x".to_string())].into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e.status(), Some(400));
+    assert_eq!(
+        c.get_sandbox("../../etc").await.unwrap_err().status(),
+        Some(404)
     );
     let doc: serde_json::Value = http
         .get(format!("{}/v1/openapi.json", d.url))
