@@ -16,7 +16,7 @@ use sandpit_proto::filesystem::*;
 use std::ffi::OsString;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// Why a file operation failed; each maps onto a Connect code and an HTTP status.
@@ -164,42 +164,12 @@ impl FsRoot {
     /// a `..` that would climb above `/` is refused rather than clamped, so that a caller
     /// never silently gets a different file than the one it named.
     pub fn check(&self, path: &str, user: &User) -> Result<SandboxPath, FsError> {
-        if path.is_empty() {
-            return Err(FsError::InvalidPath("empty path".into()));
+        use sandpit_api::paths::{PathError, normalize};
+        match normalize(path, user.home) {
+            Ok(abs) => Ok(SandboxPath { abs }),
+            Err(PathError::Escape) => Err(FsError::Escape(path.to_string())),
+            Err(PathError::Invalid(why)) => Err(FsError::InvalidPath(why.to_string())),
         }
-        if path.contains('\0') {
-            return Err(FsError::InvalidPath("path contains a NUL byte".into()));
-        }
-        if path.len() > 4096 {
-            return Err(FsError::InvalidPath("path longer than 4096 bytes".into()));
-        }
-        let joined = if path.starts_with('/') {
-            PathBuf::from(path)
-        } else {
-            Path::new(user.home).join(path)
-        };
-        let mut parts: Vec<&std::ffi::OsStr> = Vec::new();
-        for c in joined.components() {
-            match c {
-                Component::RootDir | Component::CurDir => {}
-                Component::ParentDir => {
-                    if parts.pop().is_none() {
-                        return Err(FsError::Escape(path.to_string()));
-                    }
-                }
-                Component::Normal(n) => parts.push(n),
-                Component::Prefix(_) => return Err(FsError::InvalidPath(path.to_string())),
-            }
-        }
-        let mut abs = String::from("/");
-        abs.push_str(
-            &parts
-                .iter()
-                .map(|p| p.to_string_lossy())
-                .collect::<Vec<_>>()
-                .join("/"),
-        );
-        Ok(SandboxPath { abs })
     }
 
     /// Opens a path with the root's confinement.

@@ -1,5 +1,7 @@
 //! Request and response bodies of the REST API under `/v1`, shared by server and client.
 
+pub mod paths;
+
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use utoipa::ToSchema;

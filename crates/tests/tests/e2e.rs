@@ -424,6 +424,26 @@ async fn process_runtime_strips_secrets_and_refuses_symlink_escapes() {
             .status(),
         Some(403)
     );
+    // files written by the API and by commands meet in the same place; copy works there too
+    c.write_file(&sb.id, "/workspace/in.txt", "hello")
+        .await
+        .unwrap();
+    assert_eq!(
+        sh(&c, &sb.id, "cat $HOME/../../workspace/in.txt")
+            .await
+            .stdout,
+        "hello"
+    );
+    c.copy_path(&sb.id, "/workspace/in.txt", "/workspace/out.txt")
+        .await
+        .unwrap();
+    assert_eq!(
+        c.read_file(&sb.id, "/workspace/out.txt")
+            .await
+            .unwrap()
+            .as_ref(),
+        b"hello"
+    );
     d.shutdown().await;
 }
 

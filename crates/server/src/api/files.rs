@@ -24,13 +24,19 @@ pub struct PathQuery {
     pub depth: Option<u32>,
 }
 
+/// Refuses malformed paths and `..` escapes before anything reaches the agent.
 fn check_path(p: &str) -> Result<(), ApiError> {
-    if p.is_empty() || p.contains('\0') || p.len() > 4096 {
-        return Err(ApiError::bad_request(
-            "path must be 1..=4096 bytes without NUL",
-        ));
+    use sandpit_api::paths::{PathError, normalize};
+    // The agent re-checks against the acting user's home; this is only the early refusal.
+    match normalize(p, "/home/user") {
+        Ok(_) => Ok(()),
+        Err(PathError::Invalid(why)) => Err(ApiError::bad_request(why)),
+        Err(PathError::Escape) => Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "permission_denied",
+            format!("path escapes the sandbox root: {p}"),
+        )),
     }
-    Ok(())
 }
 
 fn encode(s: &str) -> String {
@@ -287,7 +293,7 @@ pub async fn copy(
 ) -> Result<Json<EntryInfo>, ApiError> {
     check_path(&req.from)?;
     check_path(&req.to)?;
-    let (_, conn) = state.manager.agent(&owner.0, &id).await?;
+    let (rec, conn) = state.manager.agent(&owner.0, &id).await?;
     // Resolve both through the agent first, so `..` escapes are refused the same way.
     let src = conn
         .fs
@@ -297,14 +303,29 @@ pub async fn copy(
         })
         .await?
         .into_owned();
+    let (from, to) = (src.entry.path.clone(), req.to.clone());
+    let isolated = state
+        .manager
+        .runtimes
+        .get(&rec.runtime)
+        .is_some_and(|r| r.capabilities().isolated);
+    // Commands of the unisolated process runtime see host paths; map both under its root.
+    let (from, to) = if isolated {
+        (from, to)
+    } else {
+        let (_, h) = state.manager.runtime_of(&rec)?;
+        let root = h.dir.join("root");
+        let to = sandpit_api::paths::normalize(&to, "/home/user")
+            .map_err(|_| ApiError::bad_request("invalid destination"))?;
+        let host = |p: &str| {
+            root.join(p.trim_start_matches('/'))
+                .to_string_lossy()
+                .into_owned()
+        };
+        (host(&from), host(&to))
+    };
     let run = sandpit_api::RunCommandRequest {
-        argv: vec![
-            "cp".into(),
-            "-a".into(),
-            "--".into(),
-            src.entry.path.clone(),
-            req.to.clone(),
-        ],
+        argv: vec!["cp".into(), "-a".into(), "--".into(), from, to],
         timeout_ms: Some(600_000),
         ..Default::default()
     };
