@@ -1,8 +1,10 @@
-//! Reaching a sandbox's agent: Connect RPC clients and a raw HTTP client, both over the
-//! agent's unix socket (the transport a vsock one would later replace).
+//! Reaching a sandbox's agent: Connect RPC clients and a raw HTTP client over a byte
+//! stream that an [`AgentTransport`] opens. Unix sockets are the transport today; a vsock
+//! or virtio-console transport for microVMs implements the same trait.
 
 use connectrpc::client::{ClientBody, ClientConfig, ServiceTransport};
 use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use sandpit_proto::filesystem::FilesystemClient;
 use sandpit_proto::process::ProcessClient;
@@ -11,13 +13,75 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use tokio::io::{AsyncRead, AsyncWrite};
 
-/// Connects to one agent socket for every request of a pooled client.
+/// A bidirectional byte stream to an agent.
+pub trait AgentStream: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> AgentStream for T {}
+
+/// Future of a new connection to an agent.
+pub type Connecting = Pin<Box<dyn Future<Output = std::io::Result<Box<dyn AgentStream>>> + Send>>;
+
+/// Opens connections to one sandbox's agent.
+pub trait AgentTransport: Send + Sync + 'static {
+    /// A fresh connection (HTTP/1.1 is spoken over it).
+    fn connect(&self) -> Connecting;
+}
+
+/// The agent's unix socket on the host, as the container and process runtimes provide it.
+pub struct UnixTransport(pub PathBuf);
+
+impl AgentTransport for UnixTransport {
+    fn connect(&self) -> Connecting {
+        let path = self.0.clone();
+        Box::pin(async move {
+            let s = tokio::net::UnixStream::connect(path).await?;
+            Ok(Box::new(s) as Box<dyn AgentStream>)
+        })
+    }
+}
+
+/// A connection as hyper wants it.
+pub struct AgentIo(TokioIo<Box<dyn AgentStream>>);
+
+impl Connection for AgentIo {
+    fn connected(&self) -> Connected {
+        Connected::new()
+    }
+}
+
+impl hyper::rt::Read for AgentIo {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: hyper::rt::ReadBufCursor<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().0).poll_read(cx, buf)
+    }
+}
+
+impl hyper::rt::Write for AgentIo {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().0).poll_write(cx, buf)
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().0).poll_flush(cx)
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().0).poll_shutdown(cx)
+    }
+}
+
+/// Adapts a transport to the connector interface of hyper's pooled client.
 #[derive(Clone)]
-pub struct UnixConnector(Arc<PathBuf>);
+pub struct Connector(Arc<dyn AgentTransport>);
 
-impl tower::Service<http::Uri> for UnixConnector {
-    type Response = TokioIo<tokio::net::UnixStream>;
+impl tower::Service<http::Uri> for Connector {
+    type Response = AgentIo;
     type Error = std::io::Error;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
 
@@ -26,27 +90,32 @@ impl tower::Service<http::Uri> for UnixConnector {
     }
 
     fn call(&mut self, _uri: http::Uri) -> Self::Future {
-        let path = self.0.clone();
-        Box::pin(async move { Ok(TokioIo::new(tokio::net::UnixStream::connect(&*path).await?)) })
+        let connecting = self.0.connect();
+        Box::pin(async move { Ok(AgentIo(TokioIo::new(connecting.await?))) })
     }
 }
 
-type RpcTransport = ServiceTransport<Client<UnixConnector, ClientBody>>;
+type RpcTransport = ServiceTransport<Client<Connector, ClientBody>>;
 
 /// Clients for one sandbox's agent.
 pub struct AgentConn {
     pub process: ProcessClient<RpcTransport>,
     pub fs: FilesystemClient<RpcTransport>,
-    pub http: Client<UnixConnector, axum::body::Body>,
+    pub http: Client<Connector, axum::body::Body>,
 }
 
 /// The authority used in requests to the agent; the socket decides where they go.
 pub const AGENT_BASE: &str = "http://sandbox-agent";
 
 impl AgentConn {
-    /// Clients that connect to `socket` on demand.
+    /// Clients that connect to the agent's unix socket on demand.
     pub fn new(socket: PathBuf) -> Self {
-        let connector = UnixConnector(Arc::new(socket));
+        Self::over(Arc::new(UnixTransport(socket)))
+    }
+
+    /// Clients over any transport.
+    pub fn over(transport: Arc<dyn AgentTransport>) -> Self {
+        let connector = Connector(transport);
         let rpc = Client::builder(TokioExecutor::new()).build(connector.clone());
         let http = Client::builder(TokioExecutor::new()).build(connector);
         let base: http::Uri = http::Uri::from_static(AGENT_BASE);
