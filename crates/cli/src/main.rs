@@ -177,6 +177,10 @@ struct ServeArgs {
     /// Longest timeout a sandbox may be given, in seconds.
     #[arg(long, value_name = "SECS", default_value_t = 86_400)]
     max_timeout: u64,
+    /// Offer the unisolated `process` runtime (development only: its commands run on the
+    /// host as the daemon's user).
+    #[arg(long)]
+    allow_process_runtime: bool,
 }
 
 /// Options a sandbox is created with (shared by `create` and `run`).
@@ -403,6 +407,7 @@ async fn serve(ctx: &Ctx, args: ServeArgs) -> anyhow::Result<()> {
         data_dir: ctx.data_dir.clone(),
         insecure_no_auth: args.insecure_no_auth,
         max_timeout_secs: args.max_timeout,
+        allow_process_runtime: args.allow_process_runtime,
         self_exe,
     })
     .await?;

@@ -21,6 +21,9 @@ pub struct ServeConfig {
     /// Accept requests without an API key; refused unless `listen` is loopback.
     pub insecure_no_auth: bool,
     pub max_timeout_secs: u64,
+    /// Offer the unisolated `process` runtime; off by default because its commands run on
+    /// the host with the daemon's privileges.
+    pub allow_process_runtime: bool,
     /// The sandpit binary, which is also the agent and the init helper.
     pub self_exe: PathBuf,
 }
@@ -100,6 +103,7 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
         std::path::Path::new("/sys/fs/cgroup"),
     )?;
     runtimes.insert("container".into(), Arc::new(container));
+    // Registered even when not offered, so that reconcile can clean up its sandboxes.
     let process =
         sandpit_runtime::process::ProcessRuntime::new(&cfg.data_dir, cfg.self_exe.clone())?;
     runtimes.insert("process".into(), Arc::new(process));
@@ -109,6 +113,7 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
         ManagerConfig {
             max_timeout_secs: cfg.max_timeout_secs,
             default_runtime: "container".into(),
+            allow_process_runtime: cfg.allow_process_runtime,
         },
     );
     if let Err(e) = manager.reconcile().await {

@@ -31,6 +31,8 @@ pub const DEFAULT_TIMEOUT: u64 = 300;
 pub struct ManagerConfig {
     pub max_timeout_secs: u64,
     pub default_runtime: String,
+    /// Whether clients may ask for the unisolated `process` runtime.
+    pub allow_process_runtime: bool,
 }
 
 /// Owns sandbox lifecycles.
@@ -167,6 +169,13 @@ impl Manager {
             .runtime
             .clone()
             .unwrap_or_else(|| self.cfg.default_runtime.clone());
+        if runtime_name == "process" && !self.cfg.allow_process_runtime {
+            return Err(ApiError::new(
+                http::StatusCode::FORBIDDEN,
+                "permission_denied",
+                "the unisolated process runtime is disabled; start the daemon with --allow-process-runtime (development only)",
+            ));
+        }
         let runtime = self.runtime(&runtime_name)?.clone();
         let template_name = req.template.clone().unwrap_or_else(|| "host".into());
         let template = self.template(&template_name).await?;

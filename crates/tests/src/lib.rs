@@ -38,15 +38,24 @@ fn free_port() -> u16 {
 impl Daemon {
     /// Starts a daemon with a fresh data directory.
     pub async fn start() -> Daemon {
+        Self::start_with(&[]).await
+    }
+
+    /// Starts a daemon with extra `serve` flags.
+    pub async fn start_with(extra: &[&str]) -> Daemon {
         let data = tempfile::Builder::new()
             .prefix("sandpit-test-")
             .tempdir_in("/var/tmp")
             .expect("tempdir");
-        Self::start_in(data, free_port()).await
+        Self::launch(data, free_port(), extra).await
     }
 
     /// Starts a daemon on an existing data directory (for restart tests).
     pub async fn start_in(data: tempfile::TempDir, port: u16) -> Daemon {
+        Self::launch(data, port, &[]).await
+    }
+
+    async fn launch(data: tempfile::TempDir, port: u16, extra: &[&str]) -> Daemon {
         let child = Command::new(sandpit_bin())
             .args([
                 "serve",
@@ -55,6 +64,7 @@ impl Daemon {
                 "--data-dir",
             ])
             .arg(data.path())
+            .args(extra)
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())

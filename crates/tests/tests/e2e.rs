@@ -401,7 +401,27 @@ async fn files_round_trip_and_escapes_are_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn process_runtime_strips_secrets_and_refuses_symlink_escapes() {
+    // Off unless the daemon opts in: its commands run on the host.
     let d = Daemon::start().await;
+    let req = CreateSandboxRequest {
+        runtime: Some("process".into()),
+        ..Default::default()
+    };
+    assert_eq!(
+        d.client().create_sandbox(&req).await.unwrap_err().status(),
+        Some(403)
+    );
+    assert!(
+        d.client()
+            .info()
+            .await
+            .unwrap()
+            .runtimes
+            .iter()
+            .all(|r| r.isolated)
+    );
+    d.shutdown().await;
+    let d = Daemon::start_with(&["--allow-process-runtime"]).await;
     let c = d.client();
     let req = CreateSandboxRequest {
         runtime: Some("process".into()),

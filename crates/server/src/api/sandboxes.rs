@@ -266,10 +266,12 @@ pub async fn stats(
 /// Daemon version and runtimes.
 #[utoipa::path(get, path = "/v1/info", responses((status = 200, body = DaemonInfo)))]
 pub async fn info(State(state): State<AppState>, _owner: Owner) -> Json<DaemonInfo> {
+    let allow_process = state.manager.cfg.allow_process_runtime;
     let runtimes = state
         .manager
         .runtimes
         .values()
+        .filter(|r| allow_process || r.capabilities().isolated)
         .map(|r| {
             let c = r.capabilities();
             RuntimeInfo {
