@@ -81,6 +81,13 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         (Some(fd), _) => {
             // SAFETY: the daemon passed this descriptor for our exclusive use.
             let std_listener = unsafe { std::os::unix::net::UnixListener::from_raw_fd(fd) };
+            // dup2 cleared close-on-exec; without it every command would inherit the
+            // listener and could accept the daemon's connections in the agent's place.
+            nix::fcntl::fcntl(
+                &std_listener,
+                nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+            )
+            .map_err(std::io::Error::from)?;
             std_listener.set_nonblocking(true)?;
             tokio::net::UnixListener::from_std(std_listener)?
         }

@@ -16,7 +16,7 @@ use nix::unistd::{ForkResult, Gid, Pid, Uid, fork};
 use serde::{Deserialize, Serialize};
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::fs::{PermissionsExt, chown};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 /// Name under which the sandpit binary runs as the in-sandbox agent.
@@ -270,28 +270,46 @@ fn bind_ro(src: &Path, target: &Path, extra: MsFlags) -> R<()> {
     )
 }
 
+/// A real directory with this owner and mode; a template's symlink or file in its place
+/// is replaced rather than followed.
 fn mkdir_owned(p: &Path, mode: u32, uid: u32) -> R<()> {
-    match std::fs::create_dir(p) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(format!("mkdir {}: {e}", p.display())),
-    }
-    ctx(chown(p, Some(uid), Some(uid)), || {
-        format!("chown {}", p.display())
-    })?;
+    real_dir(p)?;
+    ctx(
+        nix::unistd::fchownat(
+            nix::fcntl::AT_FDCWD,
+            p,
+            Some(Uid::from_raw(uid)),
+            Some(Gid::from_raw(uid)),
+            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+        ),
+        || format!("chown {}", p.display()),
+    )?;
     ctx(
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)),
         || format!("chmod {}", p.display()),
     )
 }
 
+/// A regular file with this content and owner; a symlink in its place is replaced.
 fn write_owned(p: &Path, content: &str, uid: u32) -> R<()> {
+    if std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_symlink()) {
+        ctx(std::fs::remove_file(p), || {
+            format!("replace {}", p.display())
+        })?;
+    }
     ctx(std::fs::write(p, content), || {
         format!("write {}", p.display())
     })?;
-    ctx(chown(p, Some(uid), Some(uid)), || {
-        format!("chown {}", p.display())
-    })
+    ctx(
+        nix::unistd::fchownat(
+            nix::fcntl::AT_FDCWD,
+            p,
+            Some(Uid::from_raw(uid)),
+            Some(Gid::from_raw(uid)),
+            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+        ),
+        || format!("chown {}", p.display()),
+    )
 }
 
 fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
@@ -334,11 +352,12 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
         upper.display(),
         work.display()
     );
+    // nodev: a device node shipped in a template must not open the host's devices.
     mnt(
         Some("overlay"),
         &root,
         Some("overlay"),
-        MsFlags::MS_NOSUID,
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
         Some(&ovl),
     )?;
     for b in &cfg.host_binds {
@@ -346,28 +365,25 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
         bind_ro(b, &target, MsFlags::MS_NOSUID | MsFlags::MS_NODEV)?;
     }
 
-    let uroot = cfg.uid_base;
-    let uuser = cfg.uid_base + sandpit_agent::USER_UID;
-    mkdir_owned(&root.join("tmp"), 0o1777, uroot)?;
-    mkdir_owned(&root.join("root"), 0o700, uroot)?;
-    mkdir_owned(&root.join("home"), 0o755, uroot)?;
-    mkdir_owned(&root.join("home/user"), 0o755, uuser)?;
-    mkdir_owned(&root.join("workspace"), 0o755, uuser)?;
-    for d in ["proc", "sys", "dev", ".sandpit", "etc"] {
-        mkdir_owned(&root.join(d), 0o755, uroot)?;
+    // Until pivot_root the host is visible and this process is the host's root, so only
+    // mount targets are touched here, each made a real directory of the overlay first: a
+    // template's `proc -> /somewhere` symlink must not lead a mount onto a host path.
+    for d in ["proc", "sys", "dev", ".sandpit"] {
+        real_dir(&root.join(d))?;
     }
-    if cfg.host_template {
-        write_owned(&root.join("etc/passwd"), crate::template::PASSWD, uroot)?;
-        write_owned(&root.join("etc/group"), crate::template::GROUP, uroot)?;
-    } else {
-        ensure_user_account(&root, uroot)?;
-    }
-    write_owned(&root.join("etc/hostname"), "sandpit\n", uroot)?;
-    write_owned(&root.join("etc/hosts"), crate::template::HOSTS, uroot)?;
-    write_owned(&root.join("etc/resolv.conf"), "", uroot)?;
-
     let agent = root.join(AGENT_PATH.trim_start_matches('/'));
-    write_owned(&agent, "", uroot)?;
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        let _ = std::fs::remove_file(&agent);
+        ctx(
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&agent),
+            || "create the agent mount point".into(),
+        )?;
+    }
     bind_ro(
         &cfg.agent_exe,
         &agent,
@@ -387,8 +403,10 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
 
     ctx(nix::unistd::sethostname("sandpit"), || "sethostname".into())?;
     loopback_up()?;
-    // SAFETY: writing our own oom_score_adj; the agent must outlive an OOM of its commands.
-    let _ = std::fs::write("/proc/self/oom_score_adj", "-1000");
+    // The agent must outlive an OOM of its commands. The legacy oom_adj interface lowers
+    // the score without setting the floor that oom_score_adj would set for every
+    // descendant, so commands cannot shield themselves again.
+    let _ = std::fs::write("/proc/self/oom_adj", "-17");
 
     ctx(nix::unistd::chdir(&root), || "chdir rootfs".into())?;
     ctx(nix::unistd::pivot_root(".", "."), || "pivot_root".into())?;
@@ -396,7 +414,40 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
         "detach old root".into()
     })?;
     ctx(nix::unistd::chdir("/"), || "chdir /".into())?;
+
+    // From here on only the sandbox's own tree is visible: whatever symlinks a template
+    // holds resolve inside it.
+    let root = Path::new("/");
+    let uroot = cfg.uid_base;
+    let uuser = cfg.uid_base + sandpit_agent::USER_UID;
+    mkdir_owned(&root.join("tmp"), 0o1777, uroot)?;
+    mkdir_owned(&root.join("root"), 0o700, uroot)?;
+    mkdir_owned(&root.join("home"), 0o755, uroot)?;
+    mkdir_owned(&root.join("home/user"), 0o755, uuser)?;
+    mkdir_owned(&root.join("workspace"), 0o755, uuser)?;
+    mkdir_owned(&root.join("etc"), 0o755, uroot)?;
+    if cfg.host_template {
+        write_owned(&root.join("etc/passwd"), crate::template::PASSWD, uroot)?;
+        write_owned(&root.join("etc/group"), crate::template::GROUP, uroot)?;
+    } else {
+        ensure_user_account(root, uroot)?;
+    }
+    write_owned(&root.join("etc/hostname"), "sandpit\n", uroot)?;
+    write_owned(&root.join("etc/hosts"), crate::template::HOSTS, uroot)?;
+    write_owned(&root.join("etc/resolv.conf"), "", uroot)?;
     Ok(())
+}
+
+/// Makes `p` a real directory: a symlink or file of the template is whited out first.
+fn real_dir(p: &Path) -> R<()> {
+    match std::fs::symlink_metadata(p) {
+        Ok(m) if m.is_dir() => return Ok(()),
+        Ok(_) => ctx(std::fs::remove_file(p), || {
+            format!("replace {}", p.display())
+        })?,
+        Err(_) => {}
+    }
+    ctx(std::fs::create_dir(p), || format!("mkdir {}", p.display()))
 }
 
 /// A user namespace whose uid/gid 0..65536 map to the sandbox's host range, held open by

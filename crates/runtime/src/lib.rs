@@ -185,6 +185,24 @@ impl PendingSockets {
     }
 }
 
+/// Puts `fd` on `target` for the next exec (between fork and exec: raw syscalls only).
+/// dup2 onto itself would keep close-on-exec set, so that case clears the flag instead.
+pub fn pass_fd(fd: i32, target: i32) -> std::io::Result<()> {
+    // SAFETY: async-signal-safe descriptor syscalls.
+    let r = unsafe {
+        if fd == target {
+            libc::fcntl(fd, libc::F_SETFD, 0)
+        } else {
+            libc::dup2(fd, target)
+        }
+    };
+    if r < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
 /// Start time of a process in clock ticks since boot, from /proc/PID/stat.
 pub fn pid_start_time(pid: i32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;

@@ -62,6 +62,12 @@ impl ProcessRuntime {
         let sandboxes_dir = data_dir.join("sandboxes");
         std::fs::create_dir_all(&sandboxes_dir)
             .map_err(|e| RuntimeError::io("create sandboxes dir", e))?;
+        // Agent sockets live below: no one but the daemon's user may reach them.
+        std::fs::set_permissions(
+            &sandboxes_dir,
+            std::os::unix::fs::PermissionsExt::from_mode(0o700),
+        )
+        .map_err(|e| RuntimeError::io("chmod sandboxes dir", e))?;
         Ok(Self {
             sandboxes_dir,
             self_exe,
@@ -124,9 +130,7 @@ impl ProcessRuntime {
                 set(libc::RLIMIT_FSIZE, limits.disk_bytes);
                 set(libc::RLIMIT_NPROC, limits.max_processes);
                 set(libc::RLIMIT_CORE, 0);
-                if libc::dup2(listen_raw, crate::container::LISTEN_FD) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
+                crate::pass_fd(listen_raw, crate::container::LISTEN_FD)?;
                 Ok(())
             });
         }

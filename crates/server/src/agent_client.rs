@@ -104,6 +104,9 @@ pub struct AgentConn {
     pub http: Client<Connector, axum::body::Body>,
 }
 
+/// Largest single Connect message accepted from an agent (a directory listing, say).
+pub const MAX_AGENT_MESSAGE: usize = 16 << 20;
+
 /// The authority used in requests to the agent; the socket decides where they go.
 pub const AGENT_BASE: &str = "http://sandbox-agent";
 
@@ -119,10 +122,12 @@ impl AgentConn {
         let rpc = Client::builder(TokioExecutor::new()).build(connector.clone());
         let http = Client::builder(TokioExecutor::new()).build(connector);
         let base: http::Uri = http::Uri::from_static(AGENT_BASE);
+        // What a compromised agent may send back in one message is bounded.
+        let config = ClientConfig::new(base).with_default_max_message_size(MAX_AGENT_MESSAGE);
         let transport = ServiceTransport::new(rpc);
         Self {
-            process: ProcessClient::new(transport.clone(), ClientConfig::new(base.clone())),
-            fs: FilesystemClient::new(transport, ClientConfig::new(base)),
+            process: ProcessClient::new(transport.clone(), config.clone()),
+            fs: FilesystemClient::new(transport, config),
             http,
         }
     }

@@ -281,6 +281,35 @@ async fn custom_rootfs_templates_run_their_own_binaries() {
         .unwrap();
     std::fs::create_dir_all(rootfs.path().join("usr/bin")).unwrap();
     std::fs::copy(sandpit_bin(), rootfs.path().join("usr/bin/sandpit")).unwrap();
+    // A hostile template: symlinks where sandpit sets things up, pointing at host paths,
+    // and a device node.
+    let victim = tempfile::Builder::new()
+        .prefix("sandpit-victim-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    for (name, target) in [
+        ("tmp", "t"),
+        ("etc", "e"),
+        ("proc", "p"),
+        (".sandpit", "s"),
+        ("workspace", "w"),
+    ] {
+        std::fs::create_dir(victim.path().join(target)).unwrap();
+        std::os::unix::fs::symlink(victim.path().join(target), rootfs.path().join(name)).unwrap();
+    }
+    let zero = std::ffi::CString::new(
+        rootfs
+            .path()
+            .join("usr/bin/zero")
+            .to_string_lossy()
+            .as_bytes(),
+    )
+    .unwrap();
+    // SAFETY: mknod with a valid path; the test runs as root.
+    assert_eq!(
+        unsafe { libc::mknod(zero.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 5)) },
+        0
+    );
     let out = std::process::Command::new(sandpit_bin())
         .args(["template", "add", "tiny", "--rootfs"])
         .arg(rootfs.path())
@@ -370,6 +399,21 @@ async fn custom_rootfs_templates_run_their_own_binaries() {
             .len()
             > 1000
     );
+    // nothing of the hostile template's symlinks reached the host, and its device is dead
+    for t in ["t", "e", "p", "s", "w"] {
+        let dir = victim.path().join(t);
+        assert_eq!(
+            std::fs::read_dir(&dir).unwrap().count(),
+            0,
+            "{t} was written through a symlink"
+        );
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!(std::fs::metadata(&dir).unwrap().uid(), 0);
+    }
+    // the device node is there but cannot be opened (the root filesystem is nodev)
+    assert_eq!(c.stat(&sb.id, "/usr/bin/zero").await.unwrap().name, "zero");
+    let e = c.read_file(&sb.id, "/usr/bin/zero").await.unwrap_err();
+    assert_eq!(e.status(), Some(403), "{e}");
     // writes land in the sandbox's own layer, never in the template directory
     c.write_file(&sb.id, "/home/user/new", "x").await.unwrap();
     assert_eq!(

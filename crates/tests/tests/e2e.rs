@@ -194,6 +194,21 @@ async fn isolation_holds() {
         "111",
         "connecting to the daemon's port must be refused: {r:?}"
     );
+    // the agent's listening socket (fd 3) is not inherited by commands, and no command
+    // can shield itself from the OOM killer
+    let r = sh(&c, &id, "ls /proc/$$/fd | tr '\\n' ' '").await;
+    assert!(
+        !r.stdout.split_whitespace().any(|f| f == "3"),
+        "fd 3 leaked: {}",
+        r.stdout
+    );
+    let r = sh_root(
+        &c,
+        &id,
+        "cat /proc/self/oom_score_adj; echo -1000 > /proc/self/oom_score_adj && echo lowered",
+    )
+    .await;
+    assert_eq!(r.stdout.trim(), "0", "{r:?}");
     // the host's /etc secrets are not there
     assert_ne!(sh_root(&c, &id, "test -e /etc/shadow").await.exit_code, 0);
     d.shutdown().await;

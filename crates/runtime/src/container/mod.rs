@@ -48,6 +48,12 @@ impl ContainerRuntime {
         let sandboxes_dir = data_dir.join("sandboxes");
         std::fs::create_dir_all(&sandboxes_dir)
             .map_err(|e| RuntimeError::io("create sandboxes dir", e))?;
+        // Agent sockets live below: no one but the daemon's user may reach them.
+        std::fs::set_permissions(
+            &sandboxes_dir,
+            std::os::unix::fs::PermissionsExt::from_mode(0o700),
+        )
+        .map_err(|e| RuntimeError::io("chmod sandboxes dir", e))?;
         let templates_dir = data_dir.join("templates");
         std::fs::create_dir_all(data_dir.join("templates"))
             .map_err(|e| RuntimeError::io("create templates dir", e))?;
@@ -174,9 +180,7 @@ impl ContainerRuntime {
                 if libc::unshare(flags) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
-                if libc::dup2(listen_raw, LISTEN_FD) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
+                crate::pass_fd(listen_raw, LISTEN_FD)?;
                 libc::setsid();
                 Ok(())
             });

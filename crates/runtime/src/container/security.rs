@@ -96,6 +96,9 @@ const DENIED: &[i64] = &[
     libc::SYS_nfsservctl,
 ];
 
+/// Marks x32-ABI syscall numbers on x86_64.
+const X32_SYSCALL_BIT: i64 = 0x4000_0000;
+
 /// clone(2) flags that would create namespaces.
 const NS_FLAGS: &[u64] = &[
     libc::CLONE_NEWUSER as u64,
@@ -114,7 +117,15 @@ fn arch() -> Result<TargetArch, String> {
 /// The compiled filters: EPERM for the denied list and namespace-creating clones, ENOSYS
 /// for clone3 (whose flags live in memory a filter cannot read; libc falls back to clone).
 pub fn filters() -> Result<Vec<BpfProgram>, String> {
-    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = DENIED.iter().map(|s| (*s, vec![])).collect();
+    // The x32 ABI reaches the same calls with bit 30 set in the number while the filter sees
+    // the x86_64 architecture; deny those numbers too (harmless where x32 is compiled out).
+    let x32 = DENIED.iter().map(|s| s | X32_SYSCALL_BIT);
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = DENIED
+        .iter()
+        .copied()
+        .chain(x32)
+        .map(|s| (s, vec![]))
+        .collect();
     let mut clone_rules = Vec::new();
     for flag in NS_FLAGS {
         let cond = SeccompCondition::new(
@@ -202,6 +213,6 @@ mod tests {
     fn filters_compile_for_this_arch() {
         let f = super::filters().unwrap();
         assert_eq!(f.len(), 2);
-        assert!(f[0].len() > super::DENIED.len());
+        assert!(f[0].len() > 2 * super::DENIED.len());
     }
 }

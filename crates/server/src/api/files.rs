@@ -75,8 +75,9 @@ fn entry(e: &pfs::EntryInfo) -> EntryInfo {
 async fn agent_error(resp: http::Response<hyper::body::Incoming>) -> ApiError {
     use http_body_util::BodyExt;
     let status = resp.status();
-    let body = resp
-        .into_body()
+    // The agent is not trusted to keep its error short.
+    let limited = http_body_util::Limited::new(resp.into_body(), 64 << 10);
+    let body = limited
         .collect()
         .await
         .map(|b| b.to_bytes())
