@@ -58,9 +58,11 @@ pub async fn download(
     let p = root.check(path, &user)?;
     let r2 = root.clone();
     let p2 = p.clone();
-    let (file, size) = tokio::task::spawn_blocking(move || r2.open_read(&p2))
-        .await
-        .map_err(|e| FsError::Io(p.abs.clone(), std::io::Error::other(e)))??;
+    let u2 = user.clone();
+    let (file, size) =
+        tokio::task::spawn_blocking(move || users::as_fs_user(&u2, || r2.open_read(&p2)))
+            .await
+            .map_err(|e| FsError::Io(p.abs.clone(), std::io::Error::other(e)))??;
     let stream =
         tokio_util::io::ReaderStream::with_capacity(tokio::fs::File::from_std(file), 256 * 1024);
     let name = std::path::Path::new(&p.abs)
@@ -92,9 +94,10 @@ where
 {
     let p = root.check(path, user)?;
     let (r2, p2, u2) = (root.clone(), p.clone(), user.clone());
-    let file = tokio::task::spawn_blocking(move || r2.create_file(&p2, &u2))
-        .await
-        .map_err(|e| FsError::Io(p.abs.clone(), std::io::Error::other(e)))??;
+    let file =
+        tokio::task::spawn_blocking(move || users::as_fs_user(&u2, || r2.create_file(&p2, &u2)))
+            .await
+            .map_err(|e| FsError::Io(p.abs.clone(), std::io::Error::other(e)))??;
     // Each tokio file write is a trip to the blocking pool; batching body chunks into 1 MiB
     // writes is what makes uploads run at memory speed rather than per-chunk overhead.
     let mut file = tokio::io::BufWriter::with_capacity(1 << 20, tokio::fs::File::from_std(file));

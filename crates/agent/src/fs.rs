@@ -496,9 +496,11 @@ impl FilesystemService {
 
 /// Runs blocking filesystem work off the async thread.
 async fn blocking<T: Send + 'static>(
+    user: &User,
     f: impl FnOnce() -> Result<T, FsError> + Send + 'static,
 ) -> Result<T, ConnectError> {
-    match tokio::task::spawn_blocking(f).await {
+    let user = user.clone();
+    match tokio::task::spawn_blocking(move || users::as_fs_user(&user, f)).await {
         Ok(r) => r.map_err(ConnectError::from),
         Err(e) => Err(ConnectError::internal(format!("worker failed: {e}"))),
     }
@@ -513,7 +515,7 @@ impl Filesystem for FilesystemService {
         let user = self.user(&ctx)?;
         let p = self.root.check(request.path, &user)?;
         let root = self.root.clone();
-        let entry = blocking(move || root.entry_info(&p)).await?;
+        let entry = blocking(&user, move || root.entry_info(&p)).await?;
         Response::ok(StatResponse {
             entry: entry.into(),
             ..Default::default()
@@ -528,7 +530,8 @@ impl Filesystem for FilesystemService {
         let user = self.user(&ctx)?;
         let p = self.root.check(request.path, &user)?;
         let root = self.root.clone();
-        let entry = blocking(move || {
+        let acting = user.clone();
+        let entry = blocking(&acting, move || {
             if !root.mkdir_all(&p, &user)? {
                 return Err(FsError::Exists(p.abs.clone()));
             }
@@ -550,7 +553,8 @@ impl Filesystem for FilesystemService {
         let from = self.root.check(request.source, &user)?;
         let to = self.root.check(request.destination, &user)?;
         let root = self.root.clone();
-        let entry = blocking(move || {
+        let acting = user.clone();
+        let entry = blocking(&acting, move || {
             root.rename(&from, &to, &user)?;
             root.entry_info(&to)
         })
@@ -570,7 +574,7 @@ impl Filesystem for FilesystemService {
         let p = self.root.check(request.path, &user)?;
         let depth = request.depth;
         let root = self.root.clone();
-        let entries = blocking(move || root.list_dir(&p, depth)).await?;
+        let entries = blocking(&user, move || root.list_dir(&p, depth)).await?;
         Response::ok(ListDirResponse {
             entries,
             ..Default::default()
@@ -585,7 +589,7 @@ impl Filesystem for FilesystemService {
         let user = self.user(&ctx)?;
         let p = self.root.check(request.path, &user)?;
         let root = self.root.clone();
-        blocking(move || root.remove(&p)).await?;
+        blocking(&user, move || root.remove(&p)).await?;
         Response::ok(RemoveResponse::default())
     }
 

@@ -89,3 +89,23 @@ pub fn host_path(cfg: &AgentConfig, inside: &str) -> PathBuf {
         IsolationMode::Process => cfg.root.join(inside.trim_start_matches('/')),
     }
 }
+
+/// Runs filesystem work with `user`'s file-system identity on this thread, so the kernel
+/// checks permissions as that user (setfsuid is per thread and is restored afterwards).
+pub fn as_fs_user<T>(user: &User, f: impl FnOnce() -> T) -> T {
+    if !user.switch || user.uid == 0 {
+        return f();
+    }
+    // SAFETY: setfsgid/setfsuid only change this thread's file-system credentials.
+    unsafe {
+        libc::setfsgid(user.gid);
+        libc::setfsuid(user.uid);
+    }
+    let out = f();
+    // SAFETY: as above; back to the agent's own identity for the next task on this thread.
+    unsafe {
+        libc::setfsuid(0);
+        libc::setfsgid(0);
+    }
+    out
+}

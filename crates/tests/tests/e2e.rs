@@ -383,6 +383,36 @@ async fn files_round_trip_and_escapes_are_refused() {
             .iter()
             .any(|e| e.path == "/workspace/a/b" && e.r#type == "dir")
     );
+    // file operations are checked as the acting user: `user` cannot read root's files or
+    // write where it may not; `root` can
+    sh_root(&c, &id, "echo s > /root/secret && chmod 600 /root/secret").await;
+    assert_eq!(
+        c.read_file(&id, "/root/secret").await.unwrap_err().status(),
+        Some(403)
+    );
+    assert_eq!(
+        c.write_file(&id, "/etc/x", "x").await.unwrap_err().status(),
+        Some(403)
+    );
+    assert_eq!(
+        c.mkdir(&id, "/usr/local/newdir")
+            .await
+            .unwrap_err()
+            .status(),
+        Some(403)
+    );
+    let http = reqwest::Client::new();
+    let as_root = http
+        .get(format!(
+            "{}/v1/sandboxes/{id}/files?path=/root/secret&user=root",
+            d.url
+        ))
+        .header("authorization", format!("Bearer {}", d.key))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(as_root.status(), 200);
+    assert_eq!(as_root.text().await.unwrap(), "s\n");
     // escapes: `..` above the root is refused; symlinks resolve inside the sandbox only
     assert_eq!(
         c.read_file(&id, "/../../etc/passwd")
