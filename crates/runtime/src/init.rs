@@ -274,16 +274,7 @@ fn bind_ro(src: &Path, target: &Path, extra: MsFlags) -> R<()> {
 /// is replaced rather than followed.
 fn mkdir_owned(p: &Path, mode: u32, uid: u32) -> R<()> {
     real_dir(p)?;
-    ctx(
-        nix::unistd::fchownat(
-            nix::fcntl::AT_FDCWD,
-            p,
-            Some(Uid::from_raw(uid)),
-            Some(Gid::from_raw(uid)),
-            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
-        ),
-        || format!("chown {}", p.display()),
-    )?;
+    chown_nofollow(p, uid)?;
     ctx(
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)),
         || format!("chmod {}", p.display()),
@@ -300,14 +291,15 @@ fn write_owned(p: &Path, content: &str, uid: u32) -> R<()> {
     ctx(std::fs::write(p, content), || {
         format!("write {}", p.display())
     })?;
+    chown_nofollow(p, uid)
+}
+
+/// Gives `p` (never a symlink's target) to `uid`, group the same number.
+fn chown_nofollow(p: &Path, uid: u32) -> R<()> {
+    let flags = nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW;
+    let (u, g) = (Some(Uid::from_raw(uid)), Some(Gid::from_raw(uid)));
     ctx(
-        nix::unistd::fchownat(
-            nix::fcntl::AT_FDCWD,
-            p,
-            Some(Uid::from_raw(uid)),
-            Some(Gid::from_raw(uid)),
-            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
-        ),
+        nix::unistd::fchownat(nix::fcntl::AT_FDCWD, p, u, g, flags),
         || format!("chown {}", p.display()),
     )
 }

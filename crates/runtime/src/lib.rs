@@ -185,6 +185,15 @@ impl PendingSockets {
     }
 }
 
+/// Creates `dir` (and parents) readable by its owner only: agent sockets live below it.
+pub fn private_dir(dir: &std::path::Path) -> Result<(), RuntimeError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir)
+        .map_err(|e| RuntimeError::io(format!("create {}", dir.display()), e))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+        .map_err(|e| RuntimeError::io(format!("chmod {}", dir.display()), e))
+}
+
 /// Puts `fd` on `target` for the next exec (between fork and exec: raw syscalls only).
 /// dup2 onto itself would keep close-on-exec set, so that case clears the flag instead.
 pub fn pass_fd(fd: i32, target: i32) -> std::io::Result<()> {

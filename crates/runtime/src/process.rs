@@ -60,14 +60,7 @@ impl ProcessRuntime {
     /// A runtime keeping sandboxes under `data_dir/sandboxes`.
     pub fn new(data_dir: &Path, self_exe: PathBuf) -> Result<Self, RuntimeError> {
         let sandboxes_dir = data_dir.join("sandboxes");
-        std::fs::create_dir_all(&sandboxes_dir)
-            .map_err(|e| RuntimeError::io("create sandboxes dir", e))?;
-        // Agent sockets live below: no one but the daemon's user may reach them.
-        std::fs::set_permissions(
-            &sandboxes_dir,
-            std::os::unix::fs::PermissionsExt::from_mode(0o700),
-        )
-        .map_err(|e| RuntimeError::io("chmod sandboxes dir", e))?;
+        crate::private_dir(&sandboxes_dir)?;
         Ok(Self {
             sandboxes_dir,
             self_exe,

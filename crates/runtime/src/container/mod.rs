@@ -46,14 +46,7 @@ impl ContainerRuntime {
         cgroup_root: &Path,
     ) -> Result<Self, RuntimeError> {
         let sandboxes_dir = data_dir.join("sandboxes");
-        std::fs::create_dir_all(&sandboxes_dir)
-            .map_err(|e| RuntimeError::io("create sandboxes dir", e))?;
-        // Agent sockets live below: no one but the daemon's user may reach them.
-        std::fs::set_permissions(
-            &sandboxes_dir,
-            std::os::unix::fs::PermissionsExt::from_mode(0o700),
-        )
-        .map_err(|e| RuntimeError::io("chmod sandboxes dir", e))?;
+        crate::private_dir(&sandboxes_dir)?;
         let templates_dir = data_dir.join("templates");
         std::fs::create_dir_all(data_dir.join("templates"))
             .map_err(|e| RuntimeError::io("create templates dir", e))?;
