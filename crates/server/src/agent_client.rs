@@ -107,6 +107,9 @@ pub struct AgentConn {
 /// Largest single Connect message accepted from an agent (a directory listing, say).
 pub const MAX_AGENT_MESSAGE: usize = 16 << 20;
 
+/// Longest a filesystem call to an agent may take.
+pub const FS_CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
 /// The authority used in requests to the agent; the socket decides where they go.
 pub const AGENT_BASE: &str = "http://sandbox-agent";
 
@@ -127,7 +130,9 @@ impl AgentConn {
         let transport = ServiceTransport::new(rpc);
         Self {
             process: ProcessClient::new(transport.clone(), config.clone()),
-            fs: FilesystemClient::new(transport, config),
+            // Every filesystem call the daemon makes is unary; a wedged agent must not hold
+            // a request forever (commands stream and are bounded by their own timeouts).
+            fs: FilesystemClient::new(transport, config.with_default_timeout(FS_CALL_TIMEOUT)),
             http,
         }
     }
