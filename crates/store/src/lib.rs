@@ -48,10 +48,22 @@ impl Store {
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(BUSY_TIMEOUT)
             .foreign_keys(true);
-        let pool = SqlitePoolOptions::new()
-            .max_connections(MAX_FILE_CONNECTIONS)
-            .connect_with(options)
-            .await?;
+        // Switching a new connection to WAL can meet SQLITE_BUSY before the busy timeout is
+        // in force (another process opening the same file at that moment); retry briefly.
+        let mut attempt = 0;
+        let pool = loop {
+            let opened = SqlitePoolOptions::new()
+                .max_connections(MAX_FILE_CONNECTIONS)
+                .connect_with(options.clone())
+                .await;
+            match opened {
+                Err(sqlx::Error::Database(e)) if attempt < 50 && e.message().contains("locked") => {
+                    attempt += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                }
+                other => break other?,
+            }
+        };
         schema::apply(&pool).await?;
         tracing::info!(path = %path.display(), "store opened");
         Ok(Store { pool })
