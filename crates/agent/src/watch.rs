@@ -27,6 +27,27 @@ struct Polling {
     events: Arc<Mutex<Vec<FilesystemEvent>>>,
 }
 
+/// Entries scanned below a newly created directory, at most.
+const MAX_SCANNED: usize = 1000;
+
+/// Collects what already exists below a newly created directory (never following symlinks).
+fn scan_created(dir: &std::path::Path, depth: u32, out: &mut Vec<PathBuf>) {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in rd.flatten() {
+        if out.len() >= MAX_SCANNED {
+            return;
+        }
+        let p = e.path();
+        let is_dir = e.file_type().is_ok_and(|t| t.is_dir());
+        out.push(p.clone());
+        if is_dir && depth < 16 {
+            scan_created(&p, depth + 1, out);
+        }
+    }
+}
+
 /// All polling watchers of one agent.
 pub struct Watchers {
     root: Arc<FsRoot>,
@@ -71,7 +92,20 @@ impl Watchers {
             let Some(kind) = map_kind(&ev.kind) else {
                 return;
             };
-            for path in ev.paths {
+            let mut paths = ev.paths;
+            if recursive && kind == EventType::EVENT_TYPE_CREATE {
+                // A directory's own watch is added only after its CREATE arrives, so what
+                // was made inside it meanwhile would go unreported; report it from a scan.
+                let created: Vec<PathBuf> = paths
+                    .iter()
+                    .filter(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.is_dir()))
+                    .cloned()
+                    .collect();
+                for dir in created {
+                    scan_created(&dir, 0, &mut paths);
+                }
+            }
+            for path in paths {
                 let Ok(rel) = path.strip_prefix(&base) else {
                     continue;
                 };
