@@ -62,23 +62,32 @@ async fn agent_passthrough_speaks_connect_and_watchers_see_changes() {
         "touch /home/user/new-file && echo x >> /home/user/new-file && rm /home/user/new-file",
     )
     .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let (_, v) = connect_call(
-        &d,
-        &id,
-        "filesystem.Filesystem/GetWatcherEvents",
-        serde_json::json!({"watcherId": watcher}),
-    )
-    .await;
-    let kinds: Vec<String> = v["events"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|e| e["name"] == "new-file")
-        .map(|e| e["type"].as_str().unwrap_or("").to_string())
-        .collect();
-    for k in ["EVENT_TYPE_CREATE", "EVENT_TYPE_WRITE", "EVENT_TYPE_REMOVE"] {
-        assert!(kinds.iter().any(|x| x == k), "{k} missing in {v}");
+    // Events arrive asynchronously: poll (and accumulate) for up to 10 s.
+    let mut kinds: Vec<String> = Vec::new();
+    let wanted = ["EVENT_TYPE_CREATE", "EVENT_TYPE_WRITE", "EVENT_TYPE_REMOVE"];
+    for _ in 0..100 {
+        let (_, v) = connect_call(
+            &d,
+            &id,
+            "filesystem.Filesystem/GetWatcherEvents",
+            serde_json::json!({"watcherId": watcher}),
+        )
+        .await;
+        kinds.extend(
+            v["events"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|e| e["name"] == "new-file")
+                .map(|e| e["type"].as_str().unwrap_or("").to_string()),
+        );
+        if wanted.iter().all(|k| kinds.iter().any(|x| x == k)) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for k in wanted {
+        assert!(kinds.iter().any(|x| x == k), "{k} missing in {kinds:?}");
     }
     let (status, _) = connect_call(
         &d,
