@@ -283,15 +283,20 @@ impl Cgroups {
         Ok(())
     }
 
-    /// Removes the parent cgroup if no sandbox cgroup is left below it.
-    pub fn remove_parent_if_empty(&self) {
-        let parents: Vec<PathBuf> = match &self.layout {
+    /// The parent cgroup directory in every hierarchy.
+    fn parent_dirs(&self) -> Vec<PathBuf> {
+        match &self.layout {
             Layout::V2 { root } => vec![root.join(&self.parent)],
             Layout::V1 { controllers } => controllers
                 .iter()
                 .map(|(_, p)| p.join(&self.parent))
                 .collect(),
-        };
+        }
+    }
+
+    /// Removes the parent cgroup if no sandbox cgroup is left below it.
+    pub fn remove_parent_if_empty(&self) {
+        let parents = self.parent_dirs();
         for p in parents {
             // rmdir refuses a cgroup with children, which is exactly the guard wanted here.
             let _ = std::fs::remove_dir(p);
@@ -301,13 +306,7 @@ impl Cgroups {
     /// Ids of every sandbox cgroup that exists.
     pub fn list(&self) -> Vec<String> {
         let mut ids = Vec::new();
-        let parents: Vec<PathBuf> = match &self.layout {
-            Layout::V2 { root } => vec![root.join(&self.parent)],
-            Layout::V1 { controllers } => controllers
-                .iter()
-                .map(|(_, p)| p.join(&self.parent))
-                .collect(),
-        };
+        let parents = self.parent_dirs();
         for p in parents {
             if let Ok(rd) = std::fs::read_dir(&p) {
                 for e in rd.flatten() {
