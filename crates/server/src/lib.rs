@@ -51,9 +51,7 @@ async fn ensure_admin_key(
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let path = data_dir.join(ADMIN_KEY_FILE);
-    if !store.list_api_keys().await?.is_empty() && path.exists() {
-        return Ok(());
-    }
+    // Only a brand-new store gets a key written out; afterwards keys come from `sandpit keys`.
     if !store.list_api_keys().await?.is_empty() {
         return Ok(());
     }

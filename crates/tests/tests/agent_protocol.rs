@@ -33,12 +33,53 @@ fn selector(pid: u32) -> ProcessSelector {
     }
 }
 
+/// Starts `req`, runs `act` with its pid, then gathers its stdout and pty output until
+/// the end event; returns the output and the exit code.
+async fn run_with<F, Fut>(agent: &AgentConn, req: StartRequest, act: F) -> (Vec<u8>, Option<i32>)
+where
+    F: FnOnce(u32) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut events = agent
+        .process
+        .start_with_options(req, user_header())
+        .await
+        .unwrap();
+    let first = events
+        .message::<StartResponse>()
+        .await
+        .unwrap()
+        .unwrap()
+        .to_owned_message();
+    let Some(Event::Start(s)) = first.event.event.clone() else {
+        panic!("no start event")
+    };
+    act(s.pid).await;
+    let (mut out, mut code) = (Vec::new(), None);
+    while let Some(m) = events.message::<StartResponse>().await.unwrap() {
+        match m.to_owned_message().event.event.clone() {
+            Some(Event::Data(d)) => {
+                if let Some(Output::Stdout(b) | Output::Pty(b)) = d.output {
+                    out.extend(b);
+                }
+            }
+            Some(Event::End(e)) => {
+                code = Some(e.exit_code);
+                break;
+            }
+            _ => {}
+        }
+    }
+    (out, code)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_streamed_stdin_pty_resize_watchdir_and_multipart() {
     let d = Daemon::start().await;
     let c = d.client();
     let id = d.sandbox(LimitsSpec::default()).await;
     let agent = AgentConn::new(d.data.path().join("sandboxes").join(&id).join("agent.sock"));
+    let agent = &agent;
 
     // StreamInput: stdin delivered over a client stream.
     let start = StartRequest {
@@ -50,76 +91,55 @@ async fn client_streamed_stdin_pty_resize_watchdir_and_multipart() {
         stdin: Some(true),
         ..Default::default()
     };
-    let mut events = agent
-        .process
-        .start_with_options(start, user_header())
-        .await
-        .unwrap();
-    let first = events
-        .message::<StartResponse>()
-        .await
-        .unwrap()
-        .unwrap()
-        .to_owned_message();
-    let Some(Event::Start(s)) = first.event.event.clone() else {
-        panic!("no start event")
-    };
-    let pid = s.pid;
-    let msgs = vec![
-        StreamInputRequest {
-            event: Some(InputEvent::Start(Box::new(
-                stream_input_request::StartEvent {
-                    process: selector(pid).into(),
-                    ..Default::default()
-                },
-            ))),
+    let (out, code) = run_with(agent, start, |pid| async move {
+        let data = ProcessInput {
+            input: Some(Input::Stdin(b"streamed\n".to_vec())),
             ..Default::default()
-        },
-        StreamInputRequest {
-            event: Some(InputEvent::Data(Box::new(
-                stream_input_request::DataEvent {
-                    input: ProcessInput {
-                        input: Some(Input::Stdin(b"streamed\n".to_vec())),
+        };
+        let msgs = vec![
+            StreamInputRequest {
+                event: Some(InputEvent::Start(Box::new(
+                    stream_input_request::StartEvent {
+                        process: selector(pid).into(),
                         ..Default::default()
-                    }
-                    .into(),
-                    ..Default::default()
-                },
-            ))),
-            ..Default::default()
-        },
-    ];
-    agent
-        .process
-        .stream_input(futures::stream::iter(msgs))
-        .await
-        .unwrap();
-    agent
-        .process
-        .close_stdin(CloseStdinRequest {
+                    },
+                ))),
+                ..Default::default()
+            },
+            StreamInputRequest {
+                event: Some(InputEvent::Data(Box::new(
+                    stream_input_request::DataEvent {
+                        input: data.into(),
+                        ..Default::default()
+                    },
+                ))),
+                ..Default::default()
+            },
+        ];
+        agent
+            .process
+            .stream_input(futures::stream::iter(msgs))
+            .await
+            .unwrap();
+        let close = CloseStdinRequest {
             process: selector(pid).into(),
             ..Default::default()
-        })
-        .await
-        .unwrap();
-    let (mut out, mut code) = (Vec::new(), None);
-    while let Some(m) = events.message::<StartResponse>().await.unwrap() {
-        match m.to_owned_message().event.event.clone() {
-            Some(Event::Data(d)) => {
-                if let Some(Output::Stdout(b)) = d.output {
-                    out.extend(b);
-                }
-            }
-            Some(Event::End(e)) => {
-                code = Some(e.exit_code);
-                break;
-            }
-            _ => {}
-        }
-    }
+        };
+        agent.process.close_stdin(close).await.unwrap();
+    })
+    .await;
     assert_eq!((out.as_slice(), code), (&b"streamed\n"[..], Some(0)));
 
     // Update: a pty resized while the command waits.
+    let size = |cols, rows| PTY {
+        size: pty::Size {
+            cols,
+            rows,
+            ..Default::default()
+        }
+        .into(),
+        ..Default::default()
+    };
     let start = StartRequest {
         process: ProcessConfig {
             cmd: "bash".into(),
@@ -127,59 +147,18 @@ async fn client_streamed_stdin_pty_resize_watchdir_and_multipart() {
             ..Default::default()
         }
         .into(),
-        pty: PTY {
-            size: pty::Size {
-                cols: 80,
-                rows: 24,
-                ..Default::default()
-            }
-            .into(),
-            ..Default::default()
-        }
-        .into(),
+        pty: size(80, 24).into(),
         ..Default::default()
     };
-    let mut events = agent
-        .process
-        .start_with_options(start, user_header())
-        .await
-        .unwrap();
-    let first = events
-        .message::<StartResponse>()
-        .await
-        .unwrap()
-        .unwrap()
-        .to_owned_message();
-    let Some(Event::Start(s)) = first.event.event.clone() else {
-        panic!("no start event")
-    };
-    let resize = UpdateRequest {
-        process: selector(s.pid).into(),
-        pty: PTY {
-            size: pty::Size {
-                cols: 132,
-                rows: 43,
-                ..Default::default()
-            }
-            .into(),
+    let (text, _) = run_with(agent, start, |pid| async move {
+        let resize = UpdateRequest {
+            process: selector(pid).into(),
+            pty: size(132, 43).into(),
             ..Default::default()
-        }
-        .into(),
-        ..Default::default()
-    };
-    agent.process.update(resize).await.unwrap();
-    let mut text = Vec::new();
-    while let Some(m) = events.message::<StartResponse>().await.unwrap() {
-        match m.to_owned_message().event.event.clone() {
-            Some(Event::Data(d)) => {
-                if let Some(Output::Pty(b)) = d.output {
-                    text.extend(b);
-                }
-            }
-            Some(Event::End(_)) => break,
-            _ => {}
-        }
-    }
+        };
+        agent.process.update(resize).await.unwrap();
+    })
+    .await;
     assert!(
         String::from_utf8_lossy(&text).contains("43 132"),
         "{}",
