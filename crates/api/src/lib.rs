@@ -73,6 +73,9 @@ pub struct Sandbox {
     pub created_at_ms: i64,
     pub expires_at_ms: i64,
     pub error: Option<String>,
+    /// The warm pool this sandbox was claimed from, if it came from one.
+    #[serde(default)]
+    pub pool: Option<String>,
 }
 
 /// One page of `GET /v1/sandboxes`.
@@ -267,4 +270,55 @@ pub struct DaemonInfo {
     pub runtimes: Vec<RuntimeInfo>,
     pub default_runtime: String,
     pub max_timeout: u64,
+}
+
+/// `POST /v1/pools`: keep `size` sandboxes of one kind started and idle, ready to claim.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PoolSpec {
+    /// 1..=64 characters of `[a-zA-Z0-9_-]`.
+    pub name: String,
+    /// Template name (default `host`).
+    pub template: Option<String>,
+    /// Runtime (default: the daemon's default runtime).
+    pub runtime: Option<String>,
+    #[serde(default)]
+    pub limits: LimitsSpec,
+    /// Idle sandboxes to keep ready.
+    pub size: u32,
+}
+
+/// A warm pool and its status. A create whose template, runtime and effective limits
+/// equal the pool's claims one of its ready sandboxes.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Pool {
+    pub name: String,
+    pub template: String,
+    pub runtime: String,
+    pub limits: Limits,
+    /// Target number of idle sandboxes.
+    pub size: u32,
+    /// Idle sandboxes ready to claim now.
+    pub ready: u32,
+    /// Sandboxes being started to refill the pool.
+    pub starting: u32,
+    /// Creates served from the pool.
+    pub hits: u64,
+    /// Matching creates that found the pool empty and started cold.
+    pub misses: u64,
+    /// `config` (from the daemon's config file) or `api`.
+    pub source: String,
+}
+
+/// `GET /v1/pools`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct PoolList {
+    pub items: Vec<Pool>,
+}
+
+/// `PATCH /v1/pools/{name}`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ResizePoolRequest {
+    pub size: u32,
 }

@@ -28,7 +28,7 @@ use reqwest::header::{AUTHORIZATION, HeaderMap, HeaderValue};
 use reqwest::{Method, RequestBuilder, Response, Url};
 use sandpit_api::{
     BackgroundCommand, CommandInfo, CreateSandboxRequest, DaemonInfo, EntryInfo, MoveRequest,
-    PathRequest, RunCommandRequest, RunCommandResponse, Sandbox, SandboxList, SandboxStats,
+    PathRequest, Pool, PoolList, PoolSpec, ResizePoolRequest, RunCommandRequest, RunCommandResponse, Sandbox, SandboxList, SandboxStats,
     SetTimeoutRequest, SignalRequest, StdinRequest, Template,
 };
 use serde::de::DeserializeOwned;
@@ -115,6 +115,39 @@ impl Client {
     /// `GET /v1/templates`.
     pub async fn list_templates(&self) -> Result<Vec<Template>, ClientError> {
         self.json(self.req(Method::GET, &["templates"])?).await
+    }
+
+    // ---- warm pools ----
+
+    /// `GET /v1/pools`: every warm pool with its ready count and hit/miss counters.
+    pub async fn list_pools(&self) -> Result<Vec<Pool>, ClientError> {
+        let list: PoolList = self.json(self.req(Method::GET, &["pools"])?).await?;
+        Ok(list.items)
+    }
+
+    /// `GET /v1/pools/{name}`.
+    pub async fn get_pool(&self, name: &str) -> Result<Pool, ClientError> {
+        self.json(self.req(Method::GET, &["pools", name])?).await
+    }
+
+    /// `POST /v1/pools` (admin key): creates a pool; it fills in the background.
+    pub async fn create_pool(&self, spec: &PoolSpec) -> Result<Pool, ClientError> {
+        self.json(self.req(Method::POST, &["pools"])?.json(spec))
+            .await
+    }
+
+    /// `PATCH /v1/pools/{name}` (admin key): changes how many idle sandboxes it keeps.
+    pub async fn resize_pool(&self, name: &str, size: u32) -> Result<Pool, ClientError> {
+        let body = ResizePoolRequest { size };
+        self.json(self.req(Method::PATCH, &["pools", name])?.json(&body))
+            .await
+    }
+
+    /// `DELETE /v1/pools/{name}` (admin key): removes the pool and its idle sandboxes.
+    pub async fn delete_pool(&self, name: &str) -> Result<(), ClientError> {
+        self.send(self.req(Method::DELETE, &["pools", name])?)
+            .await
+            .map(drop)
     }
 
     // ---- sandboxes ----
