@@ -61,6 +61,7 @@ fn sandbox(id: &str, template: &str) -> Sandbox {
         created_at_ms: 0,
         expires_at_ms: 0,
         error: None,
+        pool: None,
     }
 }
 
