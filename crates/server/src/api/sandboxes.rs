@@ -27,6 +27,7 @@ pub fn to_api(rec: &SandboxRecord, isolated: bool) -> Sandbox {
         created_at_ms: rec.created_at_ms,
         expires_at_ms: rec.expires_at_ms,
         error: rec.error.clone(),
+        pool: None,
     }
 }
 
