@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
 
 /// Environment variable holding the JSON [`AgentConfig`]; removed before any command runs.
 pub const CONFIG_ENV: &str = "SANDPIT_AGENT_CONFIG";
@@ -36,4 +37,90 @@ pub struct AgentConfig {
     /// A path to bind a unix socket on, when no socket is inherited.
     #[serde(default)]
     pub listen_path: Option<PathBuf>,
+    /// Settings applied after start by `POST /init` (shared by clones of this config).
+    #[serde(skip)]
+    pub live: Arc<RwLock<Live>>,
+}
+
+/// What `POST /init` changes after start: a pooled sandbox learns its caller's settings.
+#[derive(Debug, Default)]
+pub struct Live {
+    env: BTreeMap<String, String>,
+    workdir: Option<String>,
+    user: Option<String>,
+}
+
+/// Body of `POST /init`, in the shape of E2B's envd.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InitRequest {
+    /// Added to (and overriding) the sandbox's environment.
+    #[serde(default)]
+    pub env_vars: BTreeMap<String, String>,
+    /// User that commands and file operations act as when a request names none.
+    pub default_user: Option<String>,
+    /// Working directory of commands that name none.
+    pub default_workdir: Option<String>,
+    /// Accepted for E2B compatibility; the daemon authenticates callers, not the agent.
+    #[serde(default)]
+    pub access_token: Option<String>,
+    /// Accepted for E2B compatibility (the caller's clock).
+    #[serde(default)]
+    pub timestamp: Option<String>,
+}
+
+impl AgentConfig {
+    /// The environment every command starts with.
+    pub fn env(&self) -> BTreeMap<String, String> {
+        let mut env = self.env.clone();
+        if let Ok(live) = self.live.read() {
+            env.extend(live.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+        }
+        env
+    }
+
+    /// Working directory of commands that name none.
+    pub fn workdir(&self) -> String {
+        self.live
+            .read()
+            .ok()
+            .and_then(|l| l.workdir.clone())
+            .unwrap_or_else(|| self.workdir.clone())
+    }
+
+    /// User of requests that name none, if `POST /init` set one.
+    pub fn default_user(&self) -> Option<String> {
+        self.live.read().ok().and_then(|l| l.user.clone())
+    }
+
+    /// Validates and applies an init request; nothing changes when it is refused.
+    pub fn apply_init(&self, req: InitRequest) -> Result<(), String> {
+        for (k, v) in &req.env_vars {
+            if k.is_empty() || k.len() > 256 || k.contains(['=', '\0']) || v.contains('\0') {
+                return Err(format!("invalid environment variable {k:?}"));
+            }
+        }
+        if let Some(w) = &req.default_workdir
+            && (!w.starts_with('/') || w.contains('\0') || w.split('/').any(|c| c == ".."))
+        {
+            return Err("defaultWorkdir must be an absolute path without '..'".into());
+        }
+        if let Some(u) = &req.default_user
+            && crate::users::resolve(self, Some(u)).is_none()
+        {
+            return Err(format!("unknown user {u:?}"));
+        }
+        let mut live = self
+            .live
+            .write()
+            .map_err(|_| "agent settings are poisoned".to_string())?;
+        live.env.extend(req.env_vars);
+        if req.default_workdir.is_some() {
+            live.workdir = req.default_workdir;
+        }
+        if req.default_user.is_some() {
+            live.user = req.default_user;
+        }
+        Ok(())
+    }
 }

@@ -670,6 +670,7 @@ mod tests {
             env: Default::default(),
             listen_fd: None,
             listen_path: None,
+            live: Default::default(),
         };
         FsRoot::open(Arc::new(cfg)).unwrap()
     }
@@ -683,6 +684,7 @@ mod tests {
                 env: Default::default(),
                 listen_fd: None,
                 listen_path: None,
+                live: Default::default(),
             },
             None,
         )

@@ -286,11 +286,11 @@ impl ProcessTable {
             .cwd
             .clone()
             .filter(|s| !s.is_empty())
-            .unwrap_or_else(|| cfg.workdir.clone());
+            .unwrap_or_else(|| cfg.workdir());
         let cwd = users::host_path(cfg, &cwd_inside);
         // The sandbox's env first; identity and location always describe this command.
         let mut env: std::collections::BTreeMap<String, String> =
-            cfg.env.clone().into_iter().collect();
+            cfg.env().into_iter().collect();
         for (k, v) in [
             (
                 "PATH",

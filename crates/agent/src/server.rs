@@ -5,7 +5,7 @@ use crate::config::{AgentConfig, CONFIG_ENV};
 use crate::fs::{FilesystemService, FsRoot};
 use crate::process::{ProcessService, ProcessTable};
 use axum::Router;
-use axum::routing::get;
+use axum::routing::{get, post};
 use std::os::fd::FromRawFd;
 use std::sync::Arc;
 use tokio::signal::unix::{SignalKind, signal};
@@ -47,6 +47,7 @@ pub fn router(cfg: Arc<AgentConfig>, table: Arc<ProcessTable>) -> Result<Router,
             "/health",
             get(|| async { axum::http::StatusCode::NO_CONTENT }),
         )
+        .route("/init", post(init).with_state(cfg.clone()))
         .route(
             "/files",
             get(crate::files_http::download).post(crate::files_http::upload),
@@ -54,6 +55,24 @@ pub fn router(cfg: Arc<AgentConfig>, table: Arc<ProcessTable>) -> Result<Router,
         .with_state(root)
         .layer(axum::extract::DefaultBodyLimit::disable())
         .fallback_service(connect.into_axum_service()))
+}
+
+/// `POST /init`: applies a caller's env, default user and workdir after start (how a warm,
+/// pooled sandbox becomes the caller's); 204, or 400 with the reason.
+async fn init(
+    axum::extract::State(cfg): axum::extract::State<Arc<AgentConfig>>,
+    body: axum::body::Bytes,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let req: Result<crate::config::InitRequest, String> = if body.is_empty() {
+        Ok(Default::default())
+    } else {
+        serde_json::from_slice(&body).map_err(|e| format!("bad init body: {e}"))
+    };
+    match req.and_then(|r| cfg.apply_init(r)) {
+        Ok(()) => axum::http::StatusCode::NO_CONTENT.into_response(),
+        Err(msg) => (axum::http::StatusCode::BAD_REQUEST, msg).into_response(),
+    }
 }
 
 /// Runs the agent: reaper, signal forwarding and the RPC server.

@@ -22,8 +22,9 @@ pub const USER_UID: u32 = 1000;
 
 /// Resolves a user name from the API; `None` means an unknown user.
 pub fn resolve(cfg: &AgentConfig, name: Option<&str>) -> Option<User> {
+    let default = cfg.default_user();
     let name = match name {
-        None | Some("") => "user",
+        None | Some("") => default.as_deref().unwrap_or("user"),
         Some(n) => n,
     };
     let (name, uid, home) = match name {

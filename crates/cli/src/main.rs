@@ -181,6 +181,9 @@ struct ServeArgs {
     /// host as the daemon's user).
     #[arg(long)]
     allow_process_runtime: bool,
+    /// Config file (TOML, declares warm pools) [default: DATA_DIR/config.toml if present].
+    #[arg(long, value_name = "FILE")]
+    config: Option<std::path::PathBuf>,
 }
 
 /// Options a sandbox is created with (shared by `create` and `run`).
@@ -409,6 +412,7 @@ async fn serve(ctx: &Ctx, args: ServeArgs) -> anyhow::Result<()> {
         max_timeout_secs: args.max_timeout,
         allow_process_runtime: args.allow_process_runtime,
         self_exe,
+        config_file: args.config,
     })
     .await?;
     Ok(())

@@ -141,6 +141,17 @@ pub trait Runtime: Send + Sync {
     fn remove_orphans(&self, keep: &[String]) -> Result<Vec<String>, RuntimeError>;
     /// Tells the runtime about a sandbox that survived a daemon restart.
     fn adopt(&self, h: &SandboxHandle);
+    /// Makes the sandbox unreachable at once without waiting for anything (`destroy`
+    /// follows and does the slow part): kills its agent, which as PID 1 of the sandbox's
+    /// pid namespace takes every other process with it.
+    fn begin_stop(&self, h: &SandboxHandle) {
+        if h.pid > 0 && same_process(h.pid, h.pid_start) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(h.pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
     /// On a clean shutdown: removes shared resources (such as the parent cgroup) that no
     /// sandbox uses any more. Sandboxes still running are left alone.
     fn release(&self) {}

@@ -96,6 +96,7 @@ impl ProcessRuntime {
             env,
             listen_fd: Some(crate::container::LISTEN_FD),
             listen_path: None,
+            live: Default::default(),
         };
         let cfg = serde_json::to_string(&agent).map_err(|e| RuntimeError::Setup(e.to_string()))?;
         let limits = spec.limits;

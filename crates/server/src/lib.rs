@@ -2,8 +2,10 @@
 
 pub mod agent_client;
 pub mod api;
+pub mod config;
 pub mod error;
 pub mod manager;
+pub mod pools;
 
 use manager::{Manager, ManagerConfig};
 use sandpit_runtime::Runtime;
@@ -26,6 +28,8 @@ pub struct ServeConfig {
     pub allow_process_runtime: bool,
     /// The sandpit binary, which is also the agent and the init helper.
     pub self_exe: PathBuf,
+    /// Config file; without one, `config.toml` in the data dir is read if it exists.
+    pub config_file: Option<PathBuf>,
 }
 
 /// Failures that keep the daemon from starting or serving.
@@ -55,7 +59,7 @@ async fn ensure_admin_key(
     if !store.list_api_keys().await?.is_empty() {
         return Ok(());
     }
-    let (_, key) = store.create_api_key("admin", "first admin key").await?;
+    let (_, key) = store.create_api_key(api::pools::ADMIN_OWNER, "first admin key").await?;
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
@@ -92,6 +96,10 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
     // Sandbox PID 1s outlive their init helper; as subreaper the daemon collects them.
     // SAFETY: prctl with integer arguments.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    let file = match &cfg.config_file {
+        Some(p) => config::FileConfig::load(p, true)?,
+        None => config::FileConfig::load(&cfg.data_dir.join(config::DEFAULT_CONFIG_FILE), false)?,
+    };
     let store = sandpit_store::Store::open(&cfg.data_dir.join("sandpit.db")).await?;
     ensure_admin_key(&store, &cfg.data_dir).await?;
     let mut runtimes: BTreeMap<String, Arc<dyn Runtime>> = BTreeMap::new();
@@ -117,9 +125,12 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
     if let Err(e) = manager.reconcile().await {
         tracing::warn!(error = %e.message, "reconcile failed");
     }
+    if let Err(e) = manager.load_pools(&file.pools).await {
+        tracing::warn!(error = %e.message, "loading warm pools failed");
+    }
     let state = api::AppState {
         manager: manager.clone(),
-        no_auth_owner: cfg.insecure_no_auth.then(|| "admin".to_string()),
+        no_auth_owner: cfg.insecure_no_auth.then(|| api::pools::ADMIN_OWNER.to_string()),
     };
     Ok((manager, state))
 }
@@ -128,6 +139,7 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
 /// are re-adopted by the next start.
 pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
     let (manager, state) = prepare(&cfg).await?;
+    tokio::spawn(manager.clone().run_pools());
     let ticker = manager.clone();
     tokio::spawn(async move {
         loop {

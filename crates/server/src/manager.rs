@@ -7,7 +7,11 @@ use crate::error::ApiError;
 use sandpit_api::{CreateSandboxRequest, Limits};
 use sandpit_runtime::{Runtime, SandboxHandle, SandboxSpec, TemplateSource};
 use sandpit_store::{SandboxRecord, SandboxState, Store};
+use crate::pools::{POOL_OWNER, PoolKey, PoolView, Pools};
+use sandpit_api::PoolSpec;
+use sandpit_store::{Claim, PoolRecord};
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -41,6 +45,20 @@ pub struct Manager {
     pub runtimes: BTreeMap<String, Arc<dyn Runtime>>,
     pub cfg: ManagerConfig,
     conns: Mutex<HashMap<String, Arc<AgentConn>>>,
+    /// Warm pools and their ready queues.
+    pub pools: Pools,
+    /// Wakes the pool refiller.
+    pool_wake: tokio::sync::Notify,
+    /// Refills in flight.
+    refilling: AtomicUsize,
+}
+
+/// Everything a create needs once the request is validated.
+#[derive(Clone)]
+struct Plan {
+    runtime: Arc<dyn Runtime>,
+    key: PoolKey,
+    template: TemplateSource,
 }
 
 pub fn now_ms() -> i64 {
@@ -84,6 +102,16 @@ pub fn check_env(env: &BTreeMap<String, String>) -> Result<(), ApiError> {
     Ok(())
 }
 
+fn check_pool_size(size: u32) -> Result<(), ApiError> {
+    if size > crate::pools::MAX_POOL_SIZE {
+        return Err(ApiError::bad_request(format!(
+            "pool size must be at most {}",
+            crate::pools::MAX_POOL_SIZE
+        )));
+    }
+    Ok(())
+}
+
 fn handle_of(rec: &SandboxRecord) -> Option<SandboxHandle> {
     serde_json::from_value(rec.runtime_state.clone()).ok()
 }
@@ -100,6 +128,9 @@ impl Manager {
             runtimes,
             cfg,
             conns: Mutex::default(),
+            pools: Pools::default(),
+            pool_wake: tokio::sync::Notify::new(),
+            refilling: AtomicUsize::new(0),
         })
     }
 
@@ -159,15 +190,15 @@ impl Manager {
         }
     }
 
-    /// Creates a sandbox and returns it running; on any failure nothing is left behind.
-    pub async fn create(
-        self: &Arc<Self>,
-        owner: &str,
-        req: CreateSandboxRequest,
-    ) -> Result<SandboxRecord, ApiError> {
-        let runtime_name = req
-            .runtime
-            .clone()
+    /// Validates runtime, template and limits of a create or a pool definition.
+    async fn plan(
+        &self,
+        template: Option<&str>,
+        runtime: Option<&str>,
+        limits: &sandpit_api::LimitsSpec,
+    ) -> Result<Plan, ApiError> {
+        let runtime_name = runtime
+            .map(str::to_string)
             .unwrap_or_else(|| self.cfg.default_runtime.clone());
         if runtime_name == "process" && !self.cfg.allow_process_runtime {
             return Err(ApiError::new(
@@ -177,9 +208,33 @@ impl Manager {
             ));
         }
         let runtime = self.runtime(&runtime_name)?.clone();
-        let template_name = req.template.clone().unwrap_or_else(|| "host".into());
+        let template_name = template.unwrap_or("host").to_string();
         let template = self.template(&template_name).await?;
-        let limits = Self::limits(&req)?;
+        let limits = Self::limits(&CreateSandboxRequest {
+            limits: *limits,
+            ..Default::default()
+        })?;
+        Ok(Plan {
+            runtime,
+            key: PoolKey {
+                template: template_name,
+                runtime: runtime_name,
+                limits,
+            },
+            template,
+        })
+    }
+
+    /// Creates a sandbox and returns it running: a ready one from a matching warm pool
+    /// when there is one, else started cold. On any failure nothing is left behind.
+    pub async fn create(
+        self: &Arc<Self>,
+        owner: &str,
+        req: CreateSandboxRequest,
+    ) -> Result<SandboxRecord, ApiError> {
+        let plan = self
+            .plan(req.template.as_deref(), req.runtime.as_deref(), &req.limits)
+            .await?;
         let timeout = self.timeout(req.timeout)?;
         check_env(&req.env)?;
         if req.metadata.len() > 64
@@ -201,39 +256,160 @@ impl Manager {
                 "workdir must be an absolute path without '..'",
             ));
         }
+        let expires_at_ms = now_ms() + (timeout as i64) * 1000;
+        if let Some(rec) = self
+            .claim(owner, &plan.key, &req, &workdir, expires_at_ms)
+            .await
+        {
+            return Ok(rec);
+        }
+        self.cold_create(
+            owner,
+            None,
+            plan,
+            req.env,
+            req.metadata,
+            workdir,
+            expires_at_ms,
+        )
+        .await
+    }
+
+    /// Takes a ready sandbox from the pool matching `key`, hands it to `owner` and applies
+    /// the caller's settings through the agent's `/init`. `None` means start cold.
+    async fn claim(
+        self: &Arc<Self>,
+        owner: &str,
+        key: &PoolKey,
+        req: &CreateSandboxRequest,
+        workdir: &str,
+        expires_at_ms: i64,
+    ) -> Option<SandboxRecord> {
+        let mut pool_name = None;
+        while let Some((pool, member)) = self.pools.take(key) {
+            self.pool_wake.notify_one();
+            pool_name = Some(pool.clone());
+            let id = member?;
+            let claim = Claim {
+                owner,
+                env: &req.env,
+                metadata: &req.metadata,
+                expires_at_ms,
+            };
+            let rec = match self.store.claim_pooled(&id, &pool, &claim).await {
+                Ok(Some(rec)) => rec,
+                Ok(None) => continue,
+                Err(e) => {
+                    tracing::warn!(id, error = %e, "claiming a pooled sandbox failed");
+                    self.pools.put_back(&pool, id);
+                    break;
+                }
+            };
+            match self.init_agent(&rec, req, workdir).await {
+                Ok(()) => {
+                    self.count_pool(&pool, true);
+                    tracing::debug!(id, pool, "sandbox claimed from pool");
+                    return Some(rec);
+                }
+                Err(e) => {
+                    tracing::warn!(id, pool, error = %e.message, "pooled sandbox refused its settings; destroying it");
+                    let _ = self.destroy(&rec).await;
+                }
+            }
+        }
+        if let Some(pool) = pool_name {
+            self.count_pool(&pool, false);
+        }
+        None
+    }
+
+    fn count_pool(self: &Arc<Self>, pool: &str, hit: bool) {
+        self.pools.count(pool, hit);
+        let (me, pool) = (self.clone(), pool.to_string());
+        tokio::spawn(async move {
+            let (h, m) = if hit { (1, 0) } else { (0, 1) };
+            if let Err(e) = me.store.count_pool(&pool, h, m).await {
+                tracing::warn!(pool, error = %e, "counting a pool claim failed");
+            }
+        });
+    }
+
+    /// `POST /init` on the agent: the caller's env and default workdir.
+    async fn init_agent(
+        &self,
+        rec: &SandboxRecord,
+        req: &CreateSandboxRequest,
+        workdir: &str,
+    ) -> Result<(), ApiError> {
+        let (_, h) = self.runtime_of(rec)?;
+        let conn = self.conn_for(&rec.id, &h);
+        let body = serde_json::json!({ "envVars": req.env, "defaultWorkdir": workdir });
+        let request = http::Request::post(format!("{}/init", crate::agent_client::AGENT_BASE))
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(axum::body::Body::from(body.to_string()))
+            .map_err(|e| ApiError::internal(e.to_string()))?;
+        let answer = tokio::time::timeout(Duration::from_secs(5), conn.http.request(request))
+            .await
+            .map_err(|_| ApiError::unavailable("the sandbox agent did not answer /init"))?
+            .map_err(|e| ApiError::unavailable(format!("agent /init: {e}")))?;
+        if answer.status().is_success() {
+            Ok(())
+        } else {
+            Err(ApiError::unavailable(format!(
+                "agent /init answered {}",
+                answer.status()
+            )))
+        }
+    }
+
+    /// Starts a sandbox from nothing and records it; on failure nothing is left behind.
+    #[allow(clippy::too_many_arguments)]
+    async fn cold_create(
+        &self,
+        owner: &str,
+        pool: Option<String>,
+        plan: Plan,
+        env: BTreeMap<String, String>,
+        metadata: BTreeMap<String, String>,
+        workdir: String,
+        expires_at_ms: i64,
+    ) -> Result<SandboxRecord, ApiError> {
         let now = now_ms();
+        let limits = plan.key.limits;
         let rec = SandboxRecord {
             id: new_id(),
             owner: owner.to_string(),
-            template: template_name,
-            runtime: runtime_name,
+            template: plan.key.template.clone(),
+            runtime: plan.key.runtime.clone(),
             state: SandboxState::Creating,
             cpu_millis: limits.cpu_millis as i64,
             memory_bytes: limits.memory_bytes as i64,
             disk_bytes: limits.disk_bytes as i64,
             max_processes: limits.max_processes as i64,
-            env: req.env.clone(),
-            metadata: req.metadata.clone(),
+            env: env.clone(),
+            metadata,
             created_at_ms: now,
             updated_at_ms: now,
-            expires_at_ms: now + (timeout as i64) * 1000,
+            expires_at_ms,
             runtime_state: serde_json::Value::Null,
             error: None,
             version: 0,
+            pool,
         };
         self.store.insert_sandbox(&rec).await?;
         let spec = SandboxSpec {
             id: rec.id.clone(),
-            template,
+            template: plan.template,
             limits: sandpit_runtime::Limits {
                 cpu_millis: limits.cpu_millis,
                 memory_bytes: limits.memory_bytes,
                 disk_bytes: limits.disk_bytes,
                 max_processes: limits.max_processes,
             },
-            env: req.env,
+            env,
             workdir,
         };
+        let runtime = plan.runtime;
         let rt = runtime.clone();
         let created = tokio::task::spawn_blocking(move || {
             let mut h = rt.create(&spec)?;
@@ -319,7 +495,8 @@ impl Manager {
     /// A sandbox of `owner`; anyone else's is reported as not found.
     pub async fn get(&self, owner: &str, id: &str) -> Result<SandboxRecord, ApiError> {
         match self.store.get_sandbox(id).await? {
-            Some(r) if r.owner == owner => Ok(r),
+            // A sandbox being torn down is already gone as far as callers are concerned.
+            Some(r) if r.owner == owner && r.state != SandboxState::Stopping => Ok(r),
             _ => Err(ApiError::not_found(format!("sandbox {id} not found"))),
         }
     }
@@ -353,7 +530,9 @@ impl Manager {
         Ok((rt, h))
     }
 
-    /// Kills and removes a sandbox and its record.
+    /// Makes a sandbox unreachable at once and removes its resources and record in the
+    /// background. A crash before that finishes leaves a `stopping` record, which the next
+    /// start's reconcile finishes off.
     pub async fn destroy(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
         let from = [
             SandboxState::Creating,
@@ -367,25 +546,43 @@ impl Manager {
             .transition(&rec.id, &from, SandboxState::Stopping, None)
             .await?;
         self.forget(&rec.id);
-        if let (Ok(rt), Some(h)) = (self.runtime(&rec.runtime).cloned(), handle_of(rec)) {
-            let r = tokio::task::spawn_blocking(move || rt.destroy(&h)).await;
-            match r {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    self.store
-                        .transition(
-                            &rec.id,
-                            &[SandboxState::Stopping],
-                            SandboxState::Error,
-                            Some(&e.to_string()),
-                        )
-                        .await?;
-                    return Err(e.into());
-                }
-                Err(e) => return Err(ApiError::internal(format!("destroy task: {e}"))),
+        self.pools.forget(&rec.id);
+        let store = self.store.clone();
+        let id = rec.id.clone();
+        match (self.runtime(&rec.runtime).cloned(), handle_of(rec)) {
+            (Ok(rt), Some(h)) => {
+                rt.begin_stop(&h);
+                tokio::spawn(async move {
+                    let r = tokio::task::spawn_blocking(move || rt.destroy(&h)).await;
+                    let failed = match r {
+                        Ok(Ok(())) => None,
+                        Ok(Err(e)) => Some(e.to_string()),
+                        Err(e) => Some(format!("destroy task: {e}")),
+                    };
+                    let done = match failed {
+                        None => store.delete_sandbox(&id).await.map(drop),
+                        Some(why) => {
+                            tracing::error!(id, error = %why, "tearing down a sandbox failed");
+                            store
+                                .transition(
+                                    &id,
+                                    &[SandboxState::Stopping],
+                                    SandboxState::Error,
+                                    Some(&why),
+                                )
+                                .await
+                                .map(drop)
+                        }
+                    };
+                    if let Err(e) = done {
+                        tracing::warn!(id, error = %e, "recording a teardown failed");
+                    }
+                });
+            }
+            _ => {
+                self.store.delete_sandbox(&id).await?;
             }
         }
-        self.store.delete_sandbox(&rec.id).await?;
         Ok(())
     }
 
@@ -474,6 +671,7 @@ impl Manager {
 
     async fn mark_dead(&self, rec: &SandboxRecord, why: &str) {
         self.forget(&rec.id);
+        self.pools.forget(&rec.id);
         if let Ok((rt, h)) = self.runtime_of(rec) {
             let _ = tokio::task::spawn_blocking(move || rt.destroy(&h)).await;
         }
@@ -489,6 +687,10 @@ impl Manager {
             .await
         {
             tracing::warn!(id = %rec.id, error = %e, "marking sandbox stopped failed");
+        }
+        if rec.owner == POOL_OWNER {
+            // Nobody can ever look at an unclaimed pool member's record.
+            let _ = self.store.delete_sandbox(&rec.id).await;
         }
     }
 
@@ -508,7 +710,11 @@ impl Manager {
                     // on the strength of its process alone.
                     let answers = rec.state == SandboxState::Paused
                         || self.conn_for(&rec.id, &h).healthy().await;
-                    if alive && rec.state != SandboxState::Creating && answers {
+                    let settled = !matches!(
+                        rec.state,
+                        SandboxState::Creating | SandboxState::Stopping
+                    );
+                    if alive && settled && answers {
                         rt.adopt(&h);
                         true
                     } else {
@@ -517,7 +723,11 @@ impl Manager {
                 }
                 Err(_) => false,
             };
-            if usable {
+            if rec.state == SandboxState::Stopping {
+                tracing::info!(id = %rec.id, "finishing an interrupted teardown");
+                self.mark_dead(&rec, "deleted").await;
+                let _ = self.store.delete_sandbox(&rec.id).await;
+            } else if usable {
                 tracing::info!(id = %rec.id, "re-adopted sandbox");
                 keep.push(rec.id.clone());
             } else if rec.state == SandboxState::Creating {
@@ -541,5 +751,208 @@ impl Manager {
             }
         }
         Ok(())
+    }
+
+    // ---- warm pools ----
+
+    /// Validates a pool definition into a store record.
+    async fn pool_record(&self, spec: &PoolSpec, source: &str) -> Result<PoolRecord, ApiError> {
+        let name_ok = !spec.name.is_empty()
+            && spec.name.len() <= 64
+            && spec
+                .name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+        if !name_ok {
+            return Err(ApiError::bad_request(
+                "pool name must be 1 to 64 characters of [a-zA-Z0-9_-]",
+            ));
+        }
+        check_pool_size(spec.size)?;
+        let plan = self
+            .plan(spec.template.as_deref(), spec.runtime.as_deref(), &spec.limits)
+            .await?;
+        let l = plan.key.limits;
+        Ok(PoolRecord {
+            name: spec.name.clone(),
+            template: plan.key.template,
+            runtime: plan.key.runtime,
+            cpu_millis: l.cpu_millis as i64,
+            memory_bytes: l.memory_bytes as i64,
+            disk_bytes: l.disk_bytes as i64,
+            max_processes: l.max_processes as i64,
+            size: spec.size as i64,
+            source: source.to_string(),
+            hits: 0,
+            misses: 0,
+            created_at_ms: now_ms(),
+        })
+    }
+
+    /// Creates a pool through the API; it fills in the background.
+    pub async fn create_pool(&self, spec: &PoolSpec) -> Result<PoolView, ApiError> {
+        let def = self.pool_record(spec, "api").await?;
+        let key = PoolKey::of(&def);
+        if let Some(other) = self
+            .pools
+            .views()
+            .into_iter()
+            .find(|v| PoolKey::of(&v.def) == key)
+        {
+            return Err(ApiError::conflict(format!(
+                "pool {} already keeps sandboxes of this template, runtime and limits",
+                other.def.name
+            )));
+        }
+        self.store.insert_pool(&def).await?;
+        self.pools.define(def);
+        self.pool_wake.notify_one();
+        self.pools
+            .view(&spec.name)
+            .ok_or_else(|| ApiError::internal("pool vanished"))
+    }
+
+    /// Changes how many idle sandboxes a pool keeps; extra idle ones are destroyed.
+    pub async fn resize_pool(&self, name: &str, size: u32) -> Result<PoolView, ApiError> {
+        check_pool_size(size)?;
+        if !self.store.resize_pool(name, size as i64).await? {
+            return Err(ApiError::not_found(format!("pool {name} not found")));
+        }
+        let extra = self.pools.resize(name, size).unwrap_or_default();
+        self.destroy_ids(extra).await;
+        self.pool_wake.notify_one();
+        self.pools
+            .view(name)
+            .ok_or_else(|| ApiError::not_found(format!("pool {name} not found")))
+    }
+
+    /// Removes a pool and destroys its idle sandboxes (claimed ones stay their owners').
+    pub async fn delete_pool(&self, name: &str) -> Result<(), ApiError> {
+        if !self.store.delete_pool(name).await? {
+            return Err(ApiError::not_found(format!("pool {name} not found")));
+        }
+        let members = self.pools.remove(name).unwrap_or_default();
+        self.destroy_ids(members).await;
+        Ok(())
+    }
+
+    async fn destroy_ids(&self, ids: Vec<String>) {
+        for id in ids {
+            match self.store.get_sandbox(&id).await {
+                Ok(Some(rec)) => {
+                    if let Err(e) = self.destroy(&rec).await {
+                        tracing::warn!(id, error = %e.message, "destroying an idle pool member failed");
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(id, error = %e, "reading an idle pool member failed"),
+            }
+        }
+    }
+
+    /// After reconcile: applies the config file's pools (which replace earlier config
+    /// pools), loads every pool, adopts surviving idle members and destroys the rest.
+    pub async fn load_pools(&self, from_config: &[PoolSpec]) -> Result<(), ApiError> {
+        let mut declared = Vec::new();
+        for spec in from_config {
+            match self.pool_record(spec, "config").await {
+                Ok(def) => {
+                    self.store.upsert_pool(&def).await?;
+                    declared.push(def.name);
+                }
+                Err(e) => tracing::error!(pool = %spec.name, error = %e.message, "pool in the config file refused"),
+            }
+        }
+        for def in self.store.list_pools().await? {
+            if def.source == "config" && !declared.contains(&def.name) {
+                tracing::info!(pool = %def.name, "pool removed from the config file");
+                self.store.delete_pool(&def.name).await?;
+                continue;
+            }
+            self.pools.define(def);
+        }
+        let mut unwanted = Vec::new();
+        let mut members: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for rec in self.store.live_sandboxes().await? {
+            if rec.owner != POOL_OWNER {
+                continue;
+            }
+            match (&rec.pool, rec.state) {
+                (Some(pool), SandboxState::Running) => {
+                    members.entry(pool.clone()).or_default().push(rec.id)
+                }
+                _ => unwanted.push(rec.id),
+            }
+        }
+        for (pool, ids) in members {
+            let n = ids.len();
+            let extra = self.pools.adopt(&pool, ids);
+            tracing::info!(pool, adopted = n - extra.len(), "re-adopted idle pool sandboxes");
+            unwanted.extend(extra);
+        }
+        self.destroy_ids(unwanted).await;
+        self.pool_wake.notify_one();
+        Ok(())
+    }
+
+    /// Keeps every pool at its size, a few starts at a time, until the daemon stops.
+    pub async fn run_pools(self: Arc<Self>) {
+        loop {
+            let budget = crate::pools::REFILL_CONCURRENCY
+                .saturating_sub(self.refilling.load(Ordering::Acquire));
+            for refill in self.pools.plan_refills(budget) {
+                self.refilling.fetch_add(1, Ordering::AcqRel);
+                let me = self.clone();
+                tokio::spawn(async move {
+                    let id = me.refill(&refill).await;
+                    if let Some(id) = &id
+                        && !me.pools.started(&refill.pool, &refill.key, Some(id.clone()))
+                    {
+                        me.destroy_ids(vec![id.clone()]).await;
+                    } else if id.is_none() {
+                        me.pools.started(&refill.pool, &refill.key, None);
+                    }
+                    me.refilling.fetch_sub(1, Ordering::AcqRel);
+                    me.pool_wake.notify_one();
+                });
+            }
+            // Woken by claims and finished refills; the timeout retries after a backoff.
+            let _ = tokio::time::timeout(Duration::from_millis(500), self.pool_wake.notified())
+                .await;
+        }
+    }
+
+    /// Starts one idle member of a pool.
+    async fn refill(&self, refill: &crate::pools::Refill) -> Option<String> {
+        let k = &refill.key;
+        let spec = sandpit_api::LimitsSpec {
+            cpu_millis: Some(k.limits.cpu_millis),
+            memory_bytes: Some(k.limits.memory_bytes),
+            disk_bytes: Some(k.limits.disk_bytes),
+            max_processes: Some(k.limits.max_processes),
+        };
+        let started = async {
+            let plan = self
+                .plan(Some(&k.template), Some(&k.runtime), &spec)
+                .await?;
+            self.cold_create(
+                POOL_OWNER,
+                Some(refill.pool.clone()),
+                plan,
+                BTreeMap::new(),
+                BTreeMap::new(),
+                "/home/user".into(),
+                // Idle pool members never expire; a claim sets the caller's deadline.
+                i64::MAX,
+            )
+            .await
+        };
+        match started.await {
+            Ok(rec) => Some(rec.id),
+            Err(e) => {
+                tracing::warn!(pool = %refill.pool, error = %e.message, "refilling a pool failed");
+                None
+            }
+        }
     }
 }

@@ -40,6 +40,9 @@ fn key_from_row(row: &SqliteRow) -> Result<ApiKey, StoreError> {
     })
 }
 
+/// How stale `last_used_at_ms` may be before a request refreshes it.
+const LAST_USED_GRANULARITY_MS: i64 = 60_000;
+
 impl Store {
     /// Issues a new key for `owner`; the plaintext is returned once and cannot be recovered.
     pub async fn create_api_key(
@@ -82,14 +85,31 @@ impl Store {
         }
         // The lookup is by digest, so timing reveals nothing about the stored secret and no
         // constant-time comparison is needed.
+        let digest = hash_key(presented);
         let row = sqlx::query(&format!(
-            "UPDATE api_keys SET last_used_at_ms = $1 WHERE key_hash = $2 RETURNING {KEY_COLUMNS}"
+            "SELECT {KEY_COLUMNS} FROM api_keys WHERE key_hash = $1"
         ))
-        .bind(now_ms())
-        .bind(hash_key(presented))
+        .bind(&digest)
         .fetch_optional(&self.pool)
         .await?;
-        row.as_ref().map(key_from_row).transpose()
+        let Some(mut key) = row.as_ref().map(key_from_row).transpose()? else {
+            return Ok(None);
+        };
+        // Recording every use would make each API request a database write; once a
+        // minute is as precise as "last used" needs to be.
+        let now = now_ms();
+        if key
+            .last_used_at_ms
+            .is_none_or(|t| now - t >= LAST_USED_GRANULARITY_MS)
+        {
+            sqlx::query("UPDATE api_keys SET last_used_at_ms = $1 WHERE key_hash = $2")
+                .bind(now)
+                .bind(&digest)
+                .execute(&self.pool)
+                .await?;
+            key.last_used_at_ms = Some(now);
+        }
+        Ok(Some(key))
     }
 
     /// All keys, oldest first.

@@ -6,6 +6,7 @@
 mod error;
 mod keys;
 mod model;
+mod pools;
 mod sandboxes;
 mod schema;
 mod templates;
@@ -20,8 +21,9 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 pub use error::StoreError;
 pub use model::{
     ApiKey, ParseSandboxStateError, SandboxFilter, SandboxPage, SandboxRecord, SandboxState,
-    TemplateRecord,
+    PoolRecord, TemplateRecord,
 };
+pub use pools::Claim;
 pub use schema::SCHEMA_VERSION;
 
 /// How long a connection waits on another writer's lock before failing with "database is locked".
@@ -121,12 +123,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("schema.db");
         let store = Store::open(&path).await.unwrap();
-        assert_eq!(schema_rows(&store).await, [SCHEMA_VERSION]);
+        let all: Vec<i64> = (1..=SCHEMA_VERSION).collect();
+        assert_eq!(schema_rows(&store).await, all);
         // Applying again on a live database changes nothing and does not fail.
         schema::apply(&store.pool).await.unwrap();
         store.close().await;
         let store = Store::open(&path).await.unwrap();
-        assert_eq!(schema_rows(&store).await, [SCHEMA_VERSION]);
+        assert_eq!(schema_rows(&store).await, all);
         let (mode,): (String,) = sqlx::query_as("PRAGMA journal_mode")
             .fetch_one(&store.pool)
             .await

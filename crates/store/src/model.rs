@@ -130,6 +130,38 @@ pub struct SandboxRecord {
     pub error: Option<String>,
     /// Counts state transitions; lets callers detect that a record changed under them.
     pub version: i64,
+    /// The warm pool it idles in (while `owner` is empty) or was claimed from.
+    #[serde(default)]
+    pub pool: Option<String>,
+}
+
+/// A warm pool: how many idle sandboxes of one kind to keep started.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolRecord {
+    /// Unique pool name.
+    pub name: String,
+    /// Template its sandboxes start from.
+    pub template: String,
+    /// Runtime its sandboxes run in.
+    pub runtime: String,
+    /// CPU limit of its sandboxes, thousandths of a core.
+    pub cpu_millis: i64,
+    /// Memory limit of its sandboxes in bytes.
+    pub memory_bytes: i64,
+    /// Disk limit of its sandboxes in bytes.
+    pub disk_bytes: i64,
+    /// Process limit of its sandboxes.
+    pub max_processes: i64,
+    /// Idle sandboxes to keep ready.
+    pub size: i64,
+    /// `config` or `api`: who declared it.
+    pub source: String,
+    /// Creates served from the pool.
+    pub hits: i64,
+    /// Matching creates that found it empty.
+    pub misses: i64,
+    /// Creation time, unix milliseconds.
+    pub created_at_ms: i64,
 }
 
 /// Criteria for [`crate::Store::list_sandboxes`].

@@ -7,9 +7,9 @@ use sqlx::{QueryBuilder, Row, Sqlite};
 
 use crate::{SandboxFilter, SandboxPage, SandboxRecord, SandboxState, Store, StoreError, now_ms};
 
-const SANDBOX_COLUMNS: &str = "id, owner, template, runtime, state, cpu_millis, memory_bytes, \
+pub(crate) const SANDBOX_COLUMNS: &str = "id, owner, template, runtime, state, cpu_millis, memory_bytes, \
      disk_bytes, max_processes, env, metadata, created_at_ms, updated_at_ms, expires_at_ms, \
-     runtime_state, error, version";
+     runtime_state, error, version, pool";
 
 const DEFAULT_LIMIT: u32 = 100;
 const MAX_LIMIT: u32 = 1000;
@@ -61,7 +61,7 @@ fn decode_json<T: serde::de::DeserializeOwned>(
         .map_err(|e| StoreError::Corrupt(format!("sandbox {id}: column {column}: {e}")))
 }
 
-fn sandbox_from_row(row: &SqliteRow) -> Result<SandboxRecord, StoreError> {
+pub(crate) fn sandbox_from_row(row: &SqliteRow) -> Result<SandboxRecord, StoreError> {
     let id: String = row.try_get("id")?;
     let state: String = row.try_get("state")?;
     let state = state
@@ -87,6 +87,7 @@ fn sandbox_from_row(row: &SqliteRow) -> Result<SandboxRecord, StoreError> {
         runtime_state: decode_json(&id, "runtime_state", &runtime_state)?,
         error: row.try_get("error")?,
         version: row.try_get("version")?,
+        pool: row.try_get("pool")?,
         id,
     })
 }
@@ -112,7 +113,7 @@ impl Store {
     pub async fn insert_sandbox(&self, s: &SandboxRecord) -> Result<(), StoreError> {
         sqlx::query(&format!(
             "INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES \
-             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)"
+             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)"
         ))
         .bind(&s.id)
         .bind(&s.owner)
@@ -131,6 +132,7 @@ impl Store {
         .bind(serde_json::to_string(&s.runtime_state)?)
         .bind(&s.error)
         .bind(s.version)
+        .bind(&s.pool)
         .execute(&self.pool)
         .await
         .map_err(|e| match StoreError::from(e) {

@@ -48,10 +48,31 @@ const MIGRATIONS: &[(i64, &[&str])] = &[(
             created_at_ms BIGINT NOT NULL
         )",
     ],
+), (
+    2,
+    &[
+        // The warm pool a sandbox belongs to (owner '') or was claimed from.
+        "ALTER TABLE sandboxes ADD COLUMN pool TEXT",
+        "CREATE INDEX sandboxes_pool_idx ON sandboxes (pool, owner)",
+        "CREATE TABLE pools (
+            name TEXT PRIMARY KEY NOT NULL,
+            template TEXT NOT NULL,
+            runtime TEXT NOT NULL,
+            cpu_millis BIGINT NOT NULL,
+            memory_bytes BIGINT NOT NULL,
+            disk_bytes BIGINT NOT NULL,
+            max_processes BIGINT NOT NULL,
+            size BIGINT NOT NULL,
+            source TEXT NOT NULL,
+            hits BIGINT NOT NULL,
+            misses BIGINT NOT NULL,
+            created_at_ms BIGINT NOT NULL
+        )",
+    ],
 )];
 
 /// Highest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 1;
+pub const SCHEMA_VERSION: i64 = 2;
 
 /// Brings the database up to [`SCHEMA_VERSION`]; a no-op when it is already there.
 pub(crate) async fn apply(pool: &SqlitePool) -> Result<(), StoreError> {

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 
 use sandpit_store::{
-    SandboxFilter, SandboxRecord, SandboxState, Store, StoreError, TemplateRecord,
+    Claim, PoolRecord, SandboxFilter, SandboxRecord, SandboxState, Store, StoreError, TemplateRecord,
 };
 use serde_json::json;
 
@@ -26,6 +26,7 @@ fn sandbox(id: &str, owner: &str, created_at_ms: i64) -> SandboxRecord {
         runtime_state: json!({}),
         error: None,
         version: 0,
+        pool: None,
     }
 }
 
@@ -110,6 +111,7 @@ async fn sandbox_roundtrip_keeps_every_field() {
         runtime_state: json!({"pid": 4242, "uids": [100000, 165536], "nested": {"ok": true}}),
         error: Some("previous failure".into()),
         version: 7,
+        pool: Some("warm".into()),
     };
     store.insert_sandbox(&record).await.unwrap();
     let got = store.get_sandbox("sb-1").await.unwrap().unwrap();
@@ -598,4 +600,116 @@ fn state_names_roundtrip() {
     }
     assert!("Running".parse::<SandboxState>().is_err());
     assert!("".parse::<SandboxState>().is_err());
+}
+
+fn pool(name: &str, size: i64) -> PoolRecord {
+    PoolRecord {
+        name: name.into(),
+        template: "host".into(),
+        runtime: "container".into(),
+        cpu_millis: 1000,
+        memory_bytes: 512 << 20,
+        disk_bytes: 1 << 30,
+        max_processes: 512,
+        size,
+        source: "api".into(),
+        hits: 0,
+        misses: 0,
+        created_at_ms: 1,
+    }
+}
+
+#[tokio::test]
+async fn pools_crud_counters_and_upsert_keeps_counts() {
+    let store = Store::open_in_memory().await.unwrap();
+    store.insert_pool(&pool("a", 2)).await.unwrap();
+    assert!(matches!(
+        store.insert_pool(&pool("a", 3)).await,
+        Err(StoreError::Conflict(_))
+    ));
+    store.count_pool("a", 3, 1).await.unwrap();
+    // A config reload redefines the pool but must not reset what it has counted.
+    let mut redefined = pool("a", 5);
+    redefined.source = "config".into();
+    store.upsert_pool(&redefined).await.unwrap();
+    let got = store.get_pool("a").await.unwrap().unwrap();
+    assert_eq!((got.size, got.hits, got.misses), (5, 3, 1));
+    assert_eq!(got.source, "config");
+    assert!(store.resize_pool("a", 7).await.unwrap());
+    assert!(!store.resize_pool("nope", 7).await.unwrap());
+    store.insert_pool(&pool("b", 1)).await.unwrap();
+    let names: Vec<String> = store.list_pools().await.unwrap().into_iter().map(|p| p.name).collect();
+    assert_eq!(names, ["a", "b"]);
+    assert!(store.delete_pool("a").await.unwrap());
+    assert!(!store.delete_pool("a").await.unwrap());
+    assert!(store.get_pool("a").await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn a_pooled_sandbox_is_claimed_once() {
+    let store = Store::open_in_memory().await.unwrap();
+    let mut rec = sandbox("p1", "", 10);
+    rec.pool = Some("warm".into());
+    rec.state = SandboxState::Running;
+    store.insert_sandbox(&rec).await.unwrap();
+    let mut other = sandbox("p2", "", 11);
+    other.pool = Some("warm".into());
+    store.insert_sandbox(&other).await.unwrap(); // still creating: not claimable
+    let members: Vec<String> = store
+        .pool_members("warm")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(members, ["p1", "p2"]);
+
+    let env = BTreeMap::from([("K".to_string(), "v".to_string())]);
+    let meta = BTreeMap::from([("m".to_string(), "1".to_string())]);
+    let claim = |owner| Claim {
+        owner,
+        env: &env,
+        metadata: &meta,
+        expires_at_ms: 99_000,
+    };
+    // Many concurrent claimers of the same sandbox: exactly one wins.
+    let mut tasks = Vec::new();
+    for i in 0..16 {
+        let store = store.clone();
+        let (env, meta) = (env.clone(), meta.clone());
+        tasks.push(tokio::spawn(async move {
+            let owner = format!("owner{i}");
+            let c = Claim {
+                owner: &owner,
+                env: &env,
+                metadata: &meta,
+                expires_at_ms: 99_000,
+            };
+            store.claim_pooled("p1", "warm", &c).await.unwrap()
+        }));
+    }
+    let mut winners = Vec::new();
+    for t in tasks {
+        if let Some(r) = t.await.unwrap() {
+            winners.push(r);
+        }
+    }
+    assert_eq!(winners.len(), 1);
+    let won = &winners[0];
+    assert!(won.owner.starts_with("owner"));
+    assert_eq!(won.env, env);
+    assert_eq!(won.metadata, meta);
+    assert_eq!(won.expires_at_ms, 99_000);
+    assert_eq!(won.pool.as_deref(), Some("warm"));
+    assert!(store.claim_pooled("p1", "warm", &claim("late")).await.unwrap().is_none());
+    assert!(store.claim_pooled("p2", "warm", &claim("x")).await.unwrap().is_none());
+    assert!(store.claim_pooled("p2", "other", &claim("x")).await.unwrap().is_none());
+    let left: Vec<String> = store
+        .pool_members("warm")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(left, ["p2"]);
 }

@@ -127,6 +127,7 @@ impl ContainerRuntime {
             env: spec.env.clone(),
             listen_fd: Some(LISTEN_FD),
             listen_path: None,
+            live: Default::default(),
         };
         let init = InitConfig {
             dir: dir.clone(),

@@ -3,6 +3,7 @@
 pub mod commands;
 pub mod files;
 pub mod passthrough;
+pub mod pools;
 pub mod sandboxes;
 
 use crate::error::ApiError;
@@ -116,8 +117,10 @@ async fn authenticate(
             })?;
             let found = state.manager.store.authenticate(&key).await?;
             found
+                .map(|k| k.owner)
+                // The empty owner marks idle pool sandboxes; no key may act as it.
+                .filter(|o| !o.is_empty())
                 .ok_or_else(|| ApiError::unauthenticated("invalid API key"))?
-                .owner
         }
     };
     req.extensions_mut().insert(Owner(owner));
@@ -134,6 +137,7 @@ async fn authenticate(
         sandboxes::resume, sandboxes::stats, sandboxes::info, sandboxes::templates,
         commands::run, commands::list, commands::signal, commands::stdin, commands::stream, commands::attach,
         files::download, files::upload, files::list, files::stat, files::mkdir, files::move_path, files::copy, files::remove,
+        pools::list, pools::get, pools::create, pools::resize, pools::delete,
     ),
     components(schemas(sandpit_api::ErrorBody, sandpit_api::CommandEvent, sandpit_api::ClientMessage)),
     modifiers(&BearerAuth)
@@ -168,6 +172,11 @@ pub fn router(state: AppState) -> Router {
     let authed = Router::new()
         .route("/v1/info", get(sandboxes::info))
         .route("/v1/templates", get(sandboxes::templates))
+        .route("/v1/pools", get(pools::list).post(pools::create))
+        .route(
+            "/v1/pools/{name}",
+            get(pools::get).patch(pools::resize).delete(pools::delete),
+        )
         .route(
             "/v1/sandboxes",
             post(sandboxes::create).get(sandboxes::list),

@@ -27,7 +27,7 @@ pub fn to_api(rec: &SandboxRecord, isolated: bool) -> Sandbox {
         created_at_ms: rec.created_at_ms,
         expires_at_ms: rec.expires_at_ms,
         error: rec.error.clone(),
-        pool: None,
+        pool: rec.pool.clone(),
     }
 }
 
@@ -107,6 +107,13 @@ pub async fn list(
             s.parse::<SandboxState>()
                 .map_err(|_| ApiError::bad_request(format!("unknown state {s:?}")))?,
         );
+    }
+    if states.is_empty() {
+        // Sandboxes being torn down are already gone for callers, unless asked for.
+        states = SandboxState::ALL
+            .into_iter()
+            .filter(|s| *s != SandboxState::Stopping)
+            .collect();
     }
     let mut metadata = Vec::new();
     for m in &q.metadata {

@@ -1,0 +1,93 @@
+//! The daemon's config file (TOML). Today it declares warm pools; flags still carry the
+//! rest of the daemon's settings.
+
+use crate::ServerError;
+use sandpit_api::PoolSpec;
+use serde::Deserialize;
+use std::path::Path;
+
+/// Name of the config file looked for in the data directory when `--config` is not given.
+pub const DEFAULT_CONFIG_FILE: &str = "config.toml";
+
+/// Contents of the config file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    /// Warm pools kept by the daemon (`[[pools]]` tables). Removing one from the file
+    /// removes the pool at the next start; pools created through the API are not touched.
+    #[serde(default)]
+    pub pools: Vec<PoolSpec>,
+}
+
+impl FileConfig {
+    /// Reads `path`; a missing file is an error only when `required`.
+    pub fn load(path: &Path, required: bool) -> Result<Self, ServerError> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => {
+                return Ok(Self::default());
+            }
+            Err(e) => return Err(ServerError::Io(format!("read {}", path.display()), e)),
+        };
+        let cfg: FileConfig = toml::from_str(&text)
+            .map_err(|e| ServerError::Config(format!("{}: {e}", path.display())))?;
+        let mut names = std::collections::BTreeSet::new();
+        for p in &cfg.pools {
+            if !names.insert(p.name.as_str()) {
+                return Err(ServerError::Config(format!(
+                    "{}: pool {:?} is declared twice",
+                    path.display(),
+                    p.name
+                )));
+            }
+        }
+        Ok(cfg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<FileConfig, ServerError> {
+        let dir = tempfile::tempdir().map_err(|e| ServerError::Io("tmp".into(), e))?;
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, text).map_err(|e| ServerError::Io("write".into(), e))?;
+        FileConfig::load(&path, true)
+    }
+
+    #[test]
+    fn pools_parse_with_limits() {
+        let cfg = parse(
+            r#"
+[[pools]]
+name = "py"
+size = 4
+template = "host"
+limits = { cpu_millis = 500, memory_bytes = 268435456 }
+
+[[pools]]
+name = "small"
+size = 1
+"#,
+        )
+        .unwrap();
+        assert_eq!(cfg.pools.len(), 2);
+        assert_eq!(cfg.pools[0].name, "py");
+        assert_eq!(cfg.pools[0].size, 4);
+        assert_eq!(cfg.pools[0].limits.cpu_millis, Some(500));
+        assert_eq!(cfg.pools[0].limits.memory_bytes, Some(256 << 20));
+        assert_eq!(cfg.pools[1].template, None);
+    }
+
+    #[test]
+    fn typos_duplicates_and_missing_files_are_errors() {
+        assert!(parse("[[pool]]\nname = \"x\"\nsize = 1\n").is_err());
+        assert!(parse("[[pools]]\nname = \"x\"\nsize = 1\nsze = 2\n").is_err());
+        assert!(parse("[[pools]]\nname = \"x\"\nsize = 1\n[[pools]]\nname = \"x\"\nsize = 2\n").is_err());
+        assert!(parse("[[pools]]\nname = \"x\"\nsize = -1\n").is_err());
+        let missing = Path::new("/nonexistent/sandpit.toml");
+        assert!(FileConfig::load(missing, true).is_err());
+        assert!(FileConfig::load(missing, false).unwrap().pools.is_empty());
+    }
+}

@@ -1,0 +1,336 @@
+//! Warm pools: per (template, runtime, limits) a number of sandboxes kept started and idle.
+//! A matching create takes one from the ready queue (an in-process pop, then a conditional
+//! UPDATE in the store, so a sandbox is never handed out twice) and the pool refills in the
+//! background. Idle members are ordinary running sandboxes with an empty owner, so restart
+//! reconciliation re-adopts or cleans them like any other.
+
+use sandpit_api::Limits;
+use sandpit_store::PoolRecord;
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+
+/// Owner of sandboxes that idle in a pool; no API key can have it (owners are non-empty).
+pub const POOL_OWNER: &str = "";
+/// Sandboxes started at once to refill pools: each start takes a core for a few ms, and
+/// refills must not starve the creates and execs that callers are waiting for.
+pub const REFILL_CONCURRENCY: usize = 2;
+/// Pause after a failed refill before the pool tries again.
+pub const REFILL_BACKOFF: std::time::Duration = std::time::Duration::from_secs(2);
+/// Largest size of one pool.
+pub const MAX_POOL_SIZE: u32 = 2048;
+
+/// What a create must match to be served from a pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolKey {
+    pub template: String,
+    pub runtime: String,
+    pub limits: Limits,
+}
+
+impl PoolKey {
+    /// The key of a stored pool definition.
+    pub fn of(p: &PoolRecord) -> Self {
+        PoolKey {
+            template: p.template.clone(),
+            runtime: p.runtime.clone(),
+            limits: Limits {
+                cpu_millis: p.cpu_millis as u64,
+                memory_bytes: p.memory_bytes as u64,
+                disk_bytes: p.disk_bytes as u64,
+                max_processes: p.max_processes as u64,
+            },
+        }
+    }
+}
+
+/// In-memory state of one pool.
+#[derive(Debug)]
+struct PoolState {
+    def: PoolRecord,
+    key: PoolKey,
+    /// Ids of idle, started members, oldest first.
+    ready: VecDeque<String>,
+    /// Members being started.
+    starting: u32,
+    /// After a failed start, no refill before this time (a broken template must not spin).
+    retry_at: Option<std::time::Instant>,
+}
+
+/// A pool's definition and live counts.
+#[derive(Debug, Clone)]
+pub struct PoolView {
+    pub def: PoolRecord,
+    pub ready: u32,
+    pub starting: u32,
+}
+
+/// A refill the caller should start now.
+#[derive(Debug, Clone)]
+pub struct Refill {
+    pub pool: String,
+    pub key: PoolKey,
+}
+
+/// The pools of this daemon.
+#[derive(Debug, Default)]
+pub struct Pools {
+    inner: Mutex<HashMap<String, PoolState>>,
+}
+
+impl Pools {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, PoolState>> {
+        // A panic while holding this lock cannot leave the map half-updated in a way that
+        // matters more than losing pooling, so a poisoned lock is taken over.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Adds or redefines a pool; when its key changes, the old idle members are returned
+    /// for the caller to destroy.
+    pub fn define(&self, def: PoolRecord) -> Vec<String> {
+        let key = PoolKey::of(&def);
+        let mut pools = self.lock();
+        match pools.get_mut(&def.name) {
+            Some(p) if p.key == key => {
+                p.def = def;
+                Vec::new()
+            }
+            Some(p) => {
+                p.def = def;
+                p.key = key;
+                p.ready.drain(..).collect()
+            }
+            None => {
+                pools.insert(
+                    def.name.clone(),
+                    PoolState {
+                        def,
+                        key,
+                        ready: VecDeque::new(),
+                        starting: 0,
+                        retry_at: None,
+                    },
+                );
+                Vec::new()
+            }
+        }
+    }
+
+    /// Forgets a pool and returns its idle members for the caller to destroy.
+    pub fn remove(&self, name: &str) -> Option<Vec<String>> {
+        self.lock()
+            .remove(name)
+            .map(|p| p.ready.into_iter().collect())
+    }
+
+    /// Sets a pool's size; returns the idle members now beyond it, for the caller to destroy.
+    pub fn resize(&self, name: &str, size: u32) -> Option<Vec<String>> {
+        let mut pools = self.lock();
+        let p = pools.get_mut(name)?;
+        p.def.size = size as i64;
+        let excess = p.ready.len().saturating_sub(size as usize);
+        Some(p.ready.drain(..excess).collect())
+    }
+
+    /// The pool whose key matches, and (if it has one) an idle member taken out of it.
+    /// `None` when no pool has this key.
+    pub fn take(&self, key: &PoolKey) -> Option<(String, Option<String>)> {
+        let mut pools = self.lock();
+        let p = pools.values_mut().find(|p| &p.key == key)?;
+        Some((p.def.name.clone(), p.ready.pop_front()))
+    }
+
+    /// Puts a member back at the front (its claim did not go through).
+    pub fn put_back(&self, pool: &str, id: String) {
+        if let Some(p) = self.lock().get_mut(pool) {
+            p.ready.push_front(id);
+        }
+    }
+
+    /// Drops a sandbox from every ready queue (it died or is being destroyed).
+    pub fn forget(&self, id: &str) {
+        for p in self.lock().values_mut() {
+            p.ready.retain(|r| r != id);
+        }
+    }
+
+    /// Refills to start now, at most `budget`; each is counted as starting.
+    pub fn plan_refills(&self, budget: usize) -> Vec<Refill> {
+        let mut pools = self.lock();
+        let mut out = Vec::new();
+        let now = std::time::Instant::now();
+        // Round-robin, so one big pool does not hold back a small one.
+        loop {
+            let before = out.len();
+            for p in pools.values_mut() {
+                if out.len() >= budget {
+                    return out;
+                }
+                let have = p.ready.len() as i64 + p.starting as i64;
+                let waiting = p.retry_at.is_some_and(|t| t > now);
+                if have < p.def.size && !waiting {
+                    p.starting += 1;
+                    out.push(Refill {
+                        pool: p.def.name.clone(),
+                        key: p.key.clone(),
+                    });
+                }
+            }
+            if out.len() == before {
+                return out;
+            }
+        }
+    }
+
+    /// A refill finished. Returns false if the sandbox is not wanted any more (the pool was
+    /// removed, shrunk or redefined meanwhile) and must be destroyed.
+    pub fn started(&self, pool: &str, key: &PoolKey, id: Option<String>) -> bool {
+        let mut pools = self.lock();
+        let Some(p) = pools.get_mut(pool) else {
+            return id.is_none();
+        };
+        p.starting = p.starting.saturating_sub(1);
+        let Some(id) = id else {
+            p.retry_at = Some(std::time::Instant::now() + REFILL_BACKOFF);
+            return true;
+        };
+        p.retry_at = None;
+        if &p.key != key || p.ready.len() as i64 >= p.def.size {
+            return false;
+        }
+        p.ready.push_back(id);
+        true
+    }
+
+    /// Adopts members found running after a restart; returns those not wanted.
+    pub fn adopt(&self, pool: &str, ids: Vec<String>) -> Vec<String> {
+        let mut pools = self.lock();
+        let Some(p) = pools.get_mut(pool) else {
+            return ids;
+        };
+        let mut extra = Vec::new();
+        for id in ids {
+            if (p.ready.len() as i64) < p.def.size {
+                p.ready.push_back(id);
+            } else {
+                extra.push(id);
+            }
+        }
+        extra
+    }
+
+    /// One pool's definition and counts.
+    pub fn view(&self, name: &str) -> Option<PoolView> {
+        self.lock().get(name).map(|p| PoolView {
+            def: p.def.clone(),
+            ready: p.ready.len() as u32,
+            starting: p.starting,
+        })
+    }
+
+    /// Every pool, by name.
+    pub fn views(&self) -> Vec<PoolView> {
+        let mut v: Vec<PoolView> = self
+            .lock()
+            .values()
+            .map(|p| PoolView {
+                def: p.def.clone(),
+                ready: p.ready.len() as u32,
+                starting: p.starting,
+            })
+            .collect();
+        v.sort_by(|a, b| a.def.name.cmp(&b.def.name));
+        v
+    }
+
+    /// Adds to the in-memory hit/miss counters shown until the store's copy is re-read.
+    pub fn count(&self, name: &str, hit: bool) {
+        if let Some(p) = self.lock().get_mut(name) {
+            if hit {
+                p.def.hits += 1;
+            } else {
+                p.def.misses += 1;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn def(name: &str, size: i64, cpu: i64) -> PoolRecord {
+        PoolRecord {
+            name: name.into(),
+            template: "host".into(),
+            runtime: "container".into(),
+            cpu_millis: cpu,
+            memory_bytes: 1 << 29,
+            disk_bytes: 1 << 30,
+            max_processes: 512,
+            size,
+            source: "api".into(),
+            hits: 0,
+            misses: 0,
+            created_at_ms: 0,
+        }
+    }
+
+    #[test]
+    fn refills_respect_size_budget_and_fairness() {
+        let pools = Pools::default();
+        pools.define(def("a", 3, 1000));
+        pools.define(def("b", 1, 500));
+        let first = pools.plan_refills(2);
+        let names: Vec<&str> = first.iter().map(|r| r.pool.as_str()).collect();
+        assert_eq!(names.len(), 2);
+        assert!(names.contains(&"a") && names.contains(&"b"), "{names:?}");
+        // Two more for a, none for b (it has one starting).
+        let second = pools.plan_refills(10);
+        assert_eq!(second.len(), 2);
+        assert!(second.iter().all(|r| r.pool == "a"));
+        assert!(pools.plan_refills(10).is_empty());
+        let key_a = PoolKey::of(&def("a", 3, 1000));
+        assert!(pools.started("a", &key_a, Some("s1".into())));
+        assert!(pools.started("a", &key_a, None)); // a failed start frees its place...
+        let v = pools.view("a").unwrap();
+        assert_eq!((v.ready, v.starting), (1, 1));
+        // ... but the pool waits before trying again.
+        assert!(pools.plan_refills(10).is_empty());
+    }
+
+    #[test]
+    fn take_matches_the_key_and_never_hands_out_twice() {
+        let pools = Pools::default();
+        pools.define(def("a", 2, 1000));
+        let key = PoolKey::of(&def("a", 2, 1000));
+        let other = PoolKey::of(&def("x", 2, 999));
+        assert!(pools.take(&other).is_none());
+        assert_eq!(pools.take(&key), Some(("a".into(), None)));
+        pools.adopt("a", vec!["s1".into(), "s2".into()]);
+        let got: Vec<_> = (0..3).map(|_| pools.take(&key).unwrap().1).collect();
+        assert_eq!(got, [Some("s1".into()), Some("s2".into()), None]);
+        pools.put_back("a", "s1".into());
+        assert_eq!(pools.take(&key).unwrap().1.as_deref(), Some("s1"));
+    }
+
+    #[test]
+    fn shrinking_removing_and_redefining_return_unwanted_members() {
+        let pools = Pools::default();
+        pools.define(def("a", 3, 1000));
+        assert!(pools.adopt("a", vec!["1".into(), "2".into(), "3".into(), "4".into()]) == ["4"]);
+        assert_eq!(pools.resize("a", 1).unwrap(), ["1", "2"]);
+        assert_eq!(pools.view("a").unwrap().ready, 1);
+        // A refill that finishes after a shrink is not wanted.
+        let key = PoolKey::of(&def("a", 1, 1000));
+        assert!(!pools.started("a", &key, Some("5".into())));
+        // New limits: the old members no longer match.
+        assert_eq!(pools.define(def("a", 1, 2000)), ["3"]);
+        assert!(!pools.started("a", &key, Some("6".into())));
+        pools.adopt("a", vec!["7".into()]);
+        pools.forget("7");
+        assert_eq!(pools.view("a").unwrap().ready, 0);
+        assert_eq!(pools.remove("a"), Some(vec![]));
+        assert!(pools.remove("a").is_none());
+        assert!(!pools.started("a", &key, Some("8".into())));
+    }
+}
