@@ -124,3 +124,88 @@ impl AgentConfig {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> AgentConfig {
+        AgentConfig {
+            mode: IsolationMode::Container,
+            root: "/".into(),
+            workdir: "/home/user".into(),
+            env: BTreeMap::from([("A".into(), "start".into()), ("B".into(), "kept".into())]),
+            listen_fd: None,
+            listen_path: None,
+            live: Default::default(),
+        }
+    }
+
+    #[test]
+    fn init_overrides_env_workdir_and_user() {
+        let c = cfg();
+        assert_eq!(c.workdir(), "/home/user");
+        assert_eq!(c.default_user(), None);
+        c.apply_init(InitRequest {
+            env_vars: BTreeMap::from([("A".into(), "claimed".into()), ("C".into(), "new".into())]),
+            default_user: Some("root".into()),
+            default_workdir: Some("/work".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        let env = c.env();
+        assert_eq!(env["A"], "claimed");
+        assert_eq!(env["B"], "kept");
+        assert_eq!(env["C"], "new");
+        assert_eq!(c.workdir(), "/work");
+        assert_eq!(c.default_user().as_deref(), Some("root"));
+        assert_eq!(crate::users::resolve(&c, None).map(|u| u.uid), Some(0));
+        // Clones share what init set (the services hold clones of one config).
+        assert_eq!(c.clone().workdir(), "/work");
+    }
+
+    #[test]
+    fn bad_init_requests_change_nothing() {
+        let c = cfg();
+        let bad = [
+            InitRequest {
+                env_vars: BTreeMap::from([("X=Y".into(), "v".into())]),
+                default_workdir: Some("/ok".into()),
+                ..Default::default()
+            },
+            InitRequest {
+                env_vars: BTreeMap::from([("X".into(), "nul\0".into())]),
+                ..Default::default()
+            },
+            InitRequest {
+                default_workdir: Some("relative".into()),
+                ..Default::default()
+            },
+            InitRequest {
+                default_workdir: Some("/a/../etc".into()),
+                ..Default::default()
+            },
+            InitRequest {
+                default_user: Some("mallory".into()),
+                ..Default::default()
+            },
+        ];
+        for req in bad {
+            assert!(c.apply_init(req).is_err());
+        }
+        assert_eq!(c.workdir(), "/home/user");
+        assert_eq!(c.env().len(), 2);
+        assert_eq!(c.default_user(), None);
+    }
+
+    #[test]
+    fn the_init_body_is_e2b_shaped() {
+        let req: InitRequest = serde_json::from_str(
+            r#"{"envVars":{"K":"v"},"accessToken":"t","timestamp":"2026-01-01T00:00:00Z","defaultUser":"user","defaultWorkdir":"/w"}"#,
+        )
+        .unwrap();
+        assert_eq!(req.env_vars["K"], "v");
+        assert_eq!(req.default_user.as_deref(), Some("user"));
+        assert_eq!(req.default_workdir.as_deref(), Some("/w"));
+    }
+}

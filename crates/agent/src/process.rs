@@ -289,8 +289,7 @@ impl ProcessTable {
             .unwrap_or_else(|| cfg.workdir());
         let cwd = users::host_path(cfg, &cwd_inside);
         // The sandbox's env first; identity and location always describe this command.
-        let mut env: std::collections::BTreeMap<String, String> =
-            cfg.env().into_iter().collect();
+        let mut env: std::collections::BTreeMap<String, String> = cfg.env().into_iter().collect();
         for (k, v) in [
             (
                 "PATH",

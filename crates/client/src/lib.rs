@@ -28,8 +28,9 @@ use reqwest::header::{AUTHORIZATION, HeaderMap, HeaderValue};
 use reqwest::{Method, RequestBuilder, Response, Url};
 use sandpit_api::{
     BackgroundCommand, CommandInfo, CreateSandboxRequest, DaemonInfo, EntryInfo, MoveRequest,
-    PathRequest, Pool, PoolList, PoolSpec, ResizePoolRequest, RunCommandRequest, RunCommandResponse, Sandbox, SandboxList, SandboxStats,
-    SetTimeoutRequest, SignalRequest, StdinRequest, Template,
+    PathRequest, Pool, PoolList, PoolSpec, ResizePoolRequest, RunCommandRequest,
+    RunCommandResponse, Sandbox, SandboxList, SandboxStats, SetTimeoutRequest, SignalRequest,
+    StdinRequest, Template,
 };
 use serde::de::DeserializeOwned;
 use tokio::io::{AsyncWrite, AsyncWriteExt};

@@ -84,7 +84,10 @@ size = 1
     fn typos_duplicates_and_missing_files_are_errors() {
         assert!(parse("[[pool]]\nname = \"x\"\nsize = 1\n").is_err());
         assert!(parse("[[pools]]\nname = \"x\"\nsize = 1\nsze = 2\n").is_err());
-        assert!(parse("[[pools]]\nname = \"x\"\nsize = 1\n[[pools]]\nname = \"x\"\nsize = 2\n").is_err());
+        assert!(
+            parse("[[pools]]\nname = \"x\"\nsize = 1\n[[pools]]\nname = \"x\"\nsize = 2\n")
+                .is_err()
+        );
         assert!(parse("[[pools]]\nname = \"x\"\nsize = -1\n").is_err());
         let missing = Path::new("/nonexistent/sandpit.toml");
         assert!(FileConfig::load(missing, true).is_err());

@@ -59,7 +59,9 @@ async fn ensure_admin_key(
     if !store.list_api_keys().await?.is_empty() {
         return Ok(());
     }
-    let (_, key) = store.create_api_key(api::pools::ADMIN_OWNER, "first admin key").await?;
+    let (_, key) = store
+        .create_api_key(api::pools::ADMIN_OWNER, "first admin key")
+        .await?;
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
@@ -130,7 +132,9 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
     }
     let state = api::AppState {
         manager: manager.clone(),
-        no_auth_owner: cfg.insecure_no_auth.then(|| api::pools::ADMIN_OWNER.to_string()),
+        no_auth_owner: cfg
+            .insecure_no_auth
+            .then(|| api::pools::ADMIN_OWNER.to_string()),
     };
     Ok((manager, state))
 }
@@ -166,6 +170,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
         })
         .await
         .map_err(|e| ServerError::Io("serve".into(), e))?;
+    manager.drain_teardowns(Duration::from_secs(30)).await;
     for rt in manager.runtimes.values() {
         rt.release();
     }

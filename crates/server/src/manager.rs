@@ -4,12 +4,12 @@
 
 use crate::agent_client::AgentConn;
 use crate::error::ApiError;
-use sandpit_api::{CreateSandboxRequest, Limits};
-use sandpit_runtime::{Runtime, SandboxHandle, SandboxSpec, TemplateSource};
-use sandpit_store::{SandboxRecord, SandboxState, Store};
 use crate::pools::{POOL_OWNER, PoolKey, PoolView, Pools};
 use sandpit_api::PoolSpec;
+use sandpit_api::{CreateSandboxRequest, Limits};
+use sandpit_runtime::{Runtime, SandboxHandle, SandboxSpec, TemplateSource};
 use sandpit_store::{Claim, PoolRecord};
+use sandpit_store::{SandboxRecord, SandboxState, Store};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -51,6 +51,8 @@ pub struct Manager {
     pool_wake: tokio::sync::Notify,
     /// Refills in flight.
     refilling: AtomicUsize,
+    /// Background teardowns in flight (a clean shutdown waits for them).
+    teardowns: Arc<AtomicUsize>,
 }
 
 /// Everything a create needs once the request is validated.
@@ -131,6 +133,7 @@ impl Manager {
             pools: Pools::default(),
             pool_wake: tokio::sync::Notify::new(),
             refilling: AtomicUsize::new(0),
+            teardowns: Arc::default(),
         })
     }
 
@@ -289,7 +292,7 @@ impl Manager {
         while let Some((pool, member)) = self.pools.take(key) {
             self.pool_wake.notify_one();
             pool_name = Some(pool.clone());
-            let id = member?;
+            let Some(id) = member else { break };
             let claim = Claim {
                 owner,
                 env: &req.env,
@@ -552,6 +555,8 @@ impl Manager {
         match (self.runtime(&rec.runtime).cloned(), handle_of(rec)) {
             (Ok(rt), Some(h)) => {
                 rt.begin_stop(&h);
+                let teardowns = self.teardowns.clone();
+                teardowns.fetch_add(1, Ordering::AcqRel);
                 tokio::spawn(async move {
                     let r = tokio::task::spawn_blocking(move || rt.destroy(&h)).await;
                     let failed = match r {
@@ -577,6 +582,7 @@ impl Manager {
                     if let Err(e) = done {
                         tracing::warn!(id, error = %e, "recording a teardown failed");
                     }
+                    teardowns.fetch_sub(1, Ordering::AcqRel);
                 });
             }
             _ => {
@@ -584,6 +590,15 @@ impl Manager {
             }
         }
         Ok(())
+    }
+
+    /// Waits (up to `max`) for background teardowns to finish; what is left is finished by
+    /// the next start's reconcile.
+    pub async fn drain_teardowns(&self, max: Duration) {
+        let deadline = tokio::time::Instant::now() + max;
+        while self.teardowns.load(Ordering::Acquire) > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     /// Freezes every process of a running sandbox (memory stays in RAM).
@@ -710,10 +725,8 @@ impl Manager {
                     // on the strength of its process alone.
                     let answers = rec.state == SandboxState::Paused
                         || self.conn_for(&rec.id, &h).healthy().await;
-                    let settled = !matches!(
-                        rec.state,
-                        SandboxState::Creating | SandboxState::Stopping
-                    );
+                    let settled =
+                        !matches!(rec.state, SandboxState::Creating | SandboxState::Stopping);
                     if alive && settled && answers {
                         rt.adopt(&h);
                         true
@@ -770,7 +783,11 @@ impl Manager {
         }
         check_pool_size(spec.size)?;
         let plan = self
-            .plan(spec.template.as_deref(), spec.runtime.as_deref(), &spec.limits)
+            .plan(
+                spec.template.as_deref(),
+                spec.runtime.as_deref(),
+                &spec.limits,
+            )
             .await?;
         let l = plan.key.limits;
         Ok(PoolRecord {
@@ -860,7 +877,9 @@ impl Manager {
                     self.store.upsert_pool(&def).await?;
                     declared.push(def.name);
                 }
-                Err(e) => tracing::error!(pool = %spec.name, error = %e.message, "pool in the config file refused"),
+                Err(e) => {
+                    tracing::error!(pool = %spec.name, error = %e.message, "pool in the config file refused")
+                }
             }
         }
         for def in self.store.list_pools().await? {
@@ -887,7 +906,11 @@ impl Manager {
         for (pool, ids) in members {
             let n = ids.len();
             let extra = self.pools.adopt(&pool, ids);
-            tracing::info!(pool, adopted = n - extra.len(), "re-adopted idle pool sandboxes");
+            tracing::info!(
+                pool,
+                adopted = n - extra.len(),
+                "re-adopted idle pool sandboxes"
+            );
             unwanted.extend(extra);
         }
         self.destroy_ids(unwanted).await;
@@ -906,7 +929,9 @@ impl Manager {
                 tokio::spawn(async move {
                     let id = me.refill(&refill).await;
                     if let Some(id) = &id
-                        && !me.pools.started(&refill.pool, &refill.key, Some(id.clone()))
+                        && !me
+                            .pools
+                            .started(&refill.pool, &refill.key, Some(id.clone()))
                     {
                         me.destroy_ids(vec![id.clone()]).await;
                     } else if id.is_none() {
@@ -917,8 +942,8 @@ impl Manager {
                 });
             }
             // Woken by claims and finished refills; the timeout retries after a backoff.
-            let _ = tokio::time::timeout(Duration::from_millis(500), self.pool_wake.notified())
-                .await;
+            let _ =
+                tokio::time::timeout(Duration::from_millis(500), self.pool_wake.notified()).await;
         }
     }
 

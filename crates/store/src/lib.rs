@@ -20,8 +20,8 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 
 pub use error::StoreError;
 pub use model::{
-    ApiKey, ParseSandboxStateError, SandboxFilter, SandboxPage, SandboxRecord, SandboxState,
-    PoolRecord, TemplateRecord,
+    ApiKey, ParseSandboxStateError, PoolRecord, SandboxFilter, SandboxPage, SandboxRecord,
+    SandboxState, TemplateRecord,
 };
 pub use pools::Claim;
 pub use schema::SCHEMA_VERSION;

@@ -7,10 +7,11 @@ use crate::StoreError;
 
 /// Ordered migrations: (version, statements). Statements are kept one per entry because
 /// PostgreSQL cannot prepare several statements at once, and plain DDL so they port.
-const MIGRATIONS: &[(i64, &[&str])] = &[(
-    1,
-    &[
-        "CREATE TABLE api_keys (
+const MIGRATIONS: &[(i64, &[&str])] = &[
+    (
+        1,
+        &[
+            "CREATE TABLE api_keys (
             id TEXT PRIMARY KEY NOT NULL,
             owner TEXT NOT NULL,
             name TEXT NOT NULL,
@@ -18,7 +19,7 @@ const MIGRATIONS: &[(i64, &[&str])] = &[(
             created_at_ms BIGINT NOT NULL,
             last_used_at_ms BIGINT
         )",
-        "CREATE TABLE sandboxes (
+            "CREATE TABLE sandboxes (
             id TEXT PRIMARY KEY NOT NULL,
             owner TEXT NOT NULL,
             template TEXT NOT NULL,
@@ -37,24 +38,25 @@ const MIGRATIONS: &[(i64, &[&str])] = &[(
             error TEXT,
             version BIGINT NOT NULL
         )",
-        // Listing pages by (created_at_ms, id), optionally per owner.
-        "CREATE INDEX sandboxes_created_idx ON sandboxes (created_at_ms, id)",
-        "CREATE INDEX sandboxes_owner_created_idx ON sandboxes (owner, created_at_ms, id)",
-        // The reaper and restart reconciliation select by state.
-        "CREATE INDEX sandboxes_state_expires_idx ON sandboxes (state, expires_at_ms)",
-        "CREATE TABLE templates (
+            // Listing pages by (created_at_ms, id), optionally per owner.
+            "CREATE INDEX sandboxes_created_idx ON sandboxes (created_at_ms, id)",
+            "CREATE INDEX sandboxes_owner_created_idx ON sandboxes (owner, created_at_ms, id)",
+            // The reaper and restart reconciliation select by state.
+            "CREATE INDEX sandboxes_state_expires_idx ON sandboxes (state, expires_at_ms)",
+            "CREATE TABLE templates (
             name TEXT PRIMARY KEY NOT NULL,
             rootfs TEXT NOT NULL,
             created_at_ms BIGINT NOT NULL
         )",
-    ],
-), (
-    2,
-    &[
-        // The warm pool a sandbox belongs to (owner '') or was claimed from.
-        "ALTER TABLE sandboxes ADD COLUMN pool TEXT",
-        "CREATE INDEX sandboxes_pool_idx ON sandboxes (pool, owner)",
-        "CREATE TABLE pools (
+        ],
+    ),
+    (
+        2,
+        &[
+            // The warm pool a sandbox belongs to (owner '') or was claimed from.
+            "ALTER TABLE sandboxes ADD COLUMN pool TEXT",
+            "CREATE INDEX sandboxes_pool_idx ON sandboxes (pool, owner)",
+            "CREATE TABLE pools (
             name TEXT PRIMARY KEY NOT NULL,
             template TEXT NOT NULL,
             runtime TEXT NOT NULL,
@@ -68,8 +70,9 @@ const MIGRATIONS: &[(i64, &[&str])] = &[(
             misses BIGINT NOT NULL,
             created_at_ms BIGINT NOT NULL
         )",
-    ],
-)];
+        ],
+    ),
+];
 
 /// Highest schema version this build knows.
 pub const SCHEMA_VERSION: i64 = 2;

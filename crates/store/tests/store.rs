@@ -3,7 +3,8 @@
 use std::collections::BTreeMap;
 
 use sandpit_store::{
-    Claim, PoolRecord, SandboxFilter, SandboxRecord, SandboxState, Store, StoreError, TemplateRecord,
+    Claim, PoolRecord, SandboxFilter, SandboxRecord, SandboxState, Store, StoreError,
+    TemplateRecord,
 };
 use serde_json::json;
 
@@ -638,7 +639,13 @@ async fn pools_crud_counters_and_upsert_keeps_counts() {
     assert!(store.resize_pool("a", 7).await.unwrap());
     assert!(!store.resize_pool("nope", 7).await.unwrap());
     store.insert_pool(&pool("b", 1)).await.unwrap();
-    let names: Vec<String> = store.list_pools().await.unwrap().into_iter().map(|p| p.name).collect();
+    let names: Vec<String> = store
+        .list_pools()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|p| p.name)
+        .collect();
     assert_eq!(names, ["a", "b"]);
     assert!(store.delete_pool("a").await.unwrap());
     assert!(!store.delete_pool("a").await.unwrap());
@@ -701,9 +708,27 @@ async fn a_pooled_sandbox_is_claimed_once() {
     assert_eq!(won.metadata, meta);
     assert_eq!(won.expires_at_ms, 99_000);
     assert_eq!(won.pool.as_deref(), Some("warm"));
-    assert!(store.claim_pooled("p1", "warm", &claim("late")).await.unwrap().is_none());
-    assert!(store.claim_pooled("p2", "warm", &claim("x")).await.unwrap().is_none());
-    assert!(store.claim_pooled("p2", "other", &claim("x")).await.unwrap().is_none());
+    assert!(
+        store
+            .claim_pooled("p1", "warm", &claim("late"))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(
+        store
+            .claim_pooled("p2", "warm", &claim("x"))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(
+        store
+            .claim_pooled("p2", "other", &claim("x"))
+            .await
+            .unwrap()
+            .is_none()
+    );
     let left: Vec<String> = store
         .pool_members("warm")
         .await

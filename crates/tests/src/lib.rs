@@ -108,14 +108,9 @@ impl Daemon {
             .id
     }
 
-    /// Deletes every sandbox, then stops the daemon.
+    /// Deletes every pool and sandbox, then stops the daemon.
     pub async fn shutdown(mut self) {
-        let c = self.client();
-        if let Ok(list) = c.list_sandboxes(None, &[], Some(1000), None).await {
-            for s in list.items {
-                let _ = c.delete_sandbox(&s.id).await;
-            }
-        }
+        remove_everything(&self.client()).await;
         self.stop();
     }
 
@@ -152,17 +147,25 @@ impl Drop for Daemon {
                 else {
                     return;
                 };
-                rt.block_on(async {
-                    if let Ok(list) = c.list_sandboxes(None, &[], Some(1000), None).await {
-                        for s in list.items {
-                            let _ = c.delete_sandbox(&s.id).await;
-                        }
-                    }
-                });
+                rt.block_on(remove_everything(&c));
             });
             let _ = cleanup.join();
         }
         self.stop();
+    }
+}
+
+/// Deletes the daemon's pools (with their idle sandboxes) and the admin's sandboxes.
+async fn remove_everything(c: &Client) {
+    if let Ok(pools) = c.list_pools().await {
+        for p in pools {
+            let _ = c.delete_pool(&p.name).await;
+        }
+    }
+    if let Ok(list) = c.list_sandboxes(None, &[], Some(1000), None).await {
+        for s in list.items {
+            let _ = c.delete_sandbox(&s.id).await;
+        }
     }
 }
 
@@ -183,4 +186,39 @@ pub async fn sh_root(c: &Client, id: &str, script: &str) -> sandpit_api::RunComm
         ..Default::default()
     };
     c.run(id, &req).await.expect("run command")
+}
+
+/// What remains on the host of sandbox `id`: mounts, its directory, cgroups.
+pub fn leftovers(d: &Daemon, id: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+    if mounts.contains(id) {
+        found.push("mount".into());
+    }
+    if d.data.path().join("sandboxes").join(id).exists() {
+        found.push("dir".into());
+    }
+    for ctl in ["memory", "pids", "cpu", "freezer", "unified"] {
+        if let Ok(rd) = std::fs::read_dir(format!("/sys/fs/cgroup/{ctl}")) {
+            for e in rd.flatten() {
+                if e.file_name().to_string_lossy().starts_with("sandpit-")
+                    && e.path().join(id).exists()
+                {
+                    found.push(format!("cgroup {ctl}"));
+                }
+            }
+        }
+    }
+    found
+}
+
+/// Leftovers of a deleted sandbox once its background teardown had 10 s to finish.
+pub async fn wait_no_leftovers(d: &Daemon, id: &str) -> Vec<String> {
+    for _ in 0..200 {
+        if leftovers(d, id).is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    leftovers(d, id)
 }

@@ -2,7 +2,7 @@
 //! its own daemon (own data dir, own cgroup parent) and removes what it made.
 
 use sandpit_api::{CommandEvent, CreateSandboxRequest, LimitsSpec, RunCommandRequest};
-use sandpit_tests::{Daemon, sh, sh_root};
+use sandpit_tests::{Daemon, leftovers, sh, sh_root, wait_no_leftovers};
 use sha2::{Digest, Sha256};
 use std::time::Duration;
 
@@ -513,29 +513,6 @@ async fn process_runtime_strips_secrets_and_refuses_symlink_escapes() {
     d.shutdown().await;
 }
 
-fn leftovers(d: &Daemon, id: &str) -> Vec<String> {
-    let mut found = Vec::new();
-    let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
-    if mounts.contains(id) {
-        found.push("mount".into());
-    }
-    if d.data.path().join("sandboxes").join(id).exists() {
-        found.push("dir".into());
-    }
-    for ctl in ["memory", "pids", "cpu", "freezer", "unified"] {
-        if let Ok(rd) = std::fs::read_dir(format!("/sys/fs/cgroup/{ctl}")) {
-            for e in rd.flatten() {
-                if e.file_name().to_string_lossy().starts_with("sandpit-")
-                    && e.path().join(id).exists()
-                {
-                    found.push(format!("cgroup {ctl}"));
-                }
-            }
-        }
-    }
-    found
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delete_and_expiry_leave_nothing_behind() {
     let d = Daemon::start().await;
@@ -543,8 +520,10 @@ async fn delete_and_expiry_leave_nothing_behind() {
     let id = d.sandbox(small()).await;
     sh(&c, &id, "sleep 100 & echo started").await;
     c.delete_sandbox(&id).await.unwrap();
+    // Gone for callers at once; its resources go in the background, within moments.
     assert_eq!(c.get_sandbox(&id).await.unwrap_err().status(), Some(404));
-    assert_eq!(leftovers(&d, &id), Vec::<String>::new());
+    assert_eq!(c.delete_sandbox(&id).await.unwrap_err().status(), Some(404));
+    assert_eq!(wait_no_leftovers(&d, &id).await, Vec::<String>::new());
     let short = c
         .create_sandbox(&CreateSandboxRequest {
             timeout: Some(1),
@@ -561,7 +540,7 @@ async fn delete_and_expiry_leave_nothing_behind() {
         }
     }
     assert!(gone, "sandbox with a 1 s timeout did not expire");
-    assert_eq!(leftovers(&d, &short.id), Vec::<String>::new());
+    assert_eq!(wait_no_leftovers(&d, &short.id).await, Vec::<String>::new());
     d.shutdown().await;
 }
 
@@ -572,6 +551,7 @@ async fn sigkill_of_the_daemon_then_restart_reconciles() {
     let alive = d.sandbox(small()).await;
     let doomed = d.sandbox(small()).await;
     let paused = d.sandbox(small()).await;
+    let half_deleted = d.sandbox(small()).await;
     sh(&c, &alive, "echo kept > /tmp/mark").await;
     c.pause(&paused).await.unwrap();
     d.kill9();
@@ -587,6 +567,16 @@ async fn sigkill_of_the_daemon_then_restart_reconciles() {
         nix::unistd::Pid::from_raw(pid),
         nix::sys::signal::Signal::SIGKILL,
     )
+    .unwrap();
+    // A delete cut short by the crash: recorded as stopping, resources still there.
+    db.transition(
+        &half_deleted,
+        &[sandpit_store::SandboxState::Running],
+        sandpit_store::SandboxState::Stopping,
+        None,
+    )
+    .await
+    .unwrap()
     .unwrap();
     db.close().await;
     // Leftovers of a sandbox the store never heard of (a create cut short by the crash).
@@ -608,6 +598,12 @@ async fn sigkill_of_the_daemon_then_restart_reconciles() {
     let dead = c.get_sandbox(&doomed).await.unwrap();
     assert_eq!(dead.state, "stopped");
     assert_eq!(leftovers(&d, &doomed), Vec::<String>::new());
+    assert_eq!(
+        c.get_sandbox(&half_deleted).await.unwrap_err().status(),
+        Some(404),
+        "an interrupted delete is finished on start"
+    );
+    assert_eq!(leftovers(&d, &half_deleted), Vec::<String>::new());
     assert_eq!(
         leftovers(&d, orphan),
         Vec::<String>::new(),

@@ -49,7 +49,13 @@ fn to_api(v: PoolView) -> Pool {
 #[utoipa::path(get, path = "/v1/pools", responses((status = 200, body = PoolList)))]
 pub async fn list(State(state): State<AppState>, _owner: Owner) -> Json<PoolList> {
     Json(PoolList {
-        items: state.manager.pools.views().into_iter().map(to_api).collect(),
+        items: state
+            .manager
+            .pools
+            .views()
+            .into_iter()
+            .map(to_api)
+            .collect(),
     })
 }
 
