@@ -5,6 +5,7 @@ mod admin;
 mod bench;
 mod cp;
 mod exec;
+mod pools;
 mod sandboxes;
 mod util;
 
@@ -162,6 +163,9 @@ enum Command {
     /// List or register templates.
     #[command(subcommand)]
     Template(TemplateCommand),
+    /// Manage warm pools: sandboxes kept started so that matching creates take one at once.
+    #[command(subcommand)]
+    Pool(PoolCommand),
     /// Measure sandbox start latency and density.
     Bench(bench::BenchArgs),
 }
@@ -338,6 +342,56 @@ enum TemplateCommand {
     },
 }
 
+#[derive(Debug, Subcommand)]
+enum PoolCommand {
+    /// List pools with ready counts and hit/miss counters.
+    Ls,
+    /// Show one pool.
+    Info {
+        /// Pool name.
+        name: String,
+    },
+    /// Create a pool (admin key); creates with the same template, runtime and limits take
+    /// from it.
+    Create {
+        /// Pool name.
+        name: String,
+        /// Idle sandboxes to keep ready.
+        #[arg(long)]
+        size: u32,
+        /// Template [default: host].
+        #[arg(long)]
+        template: Option<String>,
+        /// Runtime [default: the daemon's].
+        #[arg(long)]
+        runtime: Option<String>,
+        /// CPU limit in thousandths of a core.
+        #[arg(long, value_name = "MILLIS")]
+        cpu: Option<u64>,
+        /// Memory limit (512M, 1G).
+        #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+        memory: Option<u64>,
+        /// Writable disk size (512M, 10G).
+        #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+        disk: Option<u64>,
+        /// Most processes per sandbox.
+        #[arg(long, value_name = "N")]
+        max_processes: Option<u64>,
+    },
+    /// Change how many idle sandboxes a pool keeps (admin key).
+    Resize {
+        /// Pool name.
+        name: String,
+        /// New size.
+        size: u32,
+    },
+    /// Delete a pool and its idle sandboxes (admin key).
+    Rm {
+        /// Pool name.
+        name: String,
+    },
+}
+
 /// What every subcommand can use.
 pub(crate) struct Ctx {
     url: String,
@@ -394,6 +448,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Run(args) => exec::run(&ctx, args).await,
         Command::Cp { src, dst } => cp::copy(&ctx, &src, &dst).await.map(|()| 0),
         Command::Keys(cmd) => admin::keys(&ctx, cmd).await.map(|()| 0),
+        Command::Pool(cmd) => pools::run(&ctx, cmd).await.map(|()| 0),
         Command::Template(TemplateCommand::Ls) => sandboxes::templates(&ctx).await.map(|()| 0),
         Command::Template(TemplateCommand::Add { name, rootfs }) => {
             admin::template_add(&ctx, &name, &rootfs).await.map(|()| 0)

@@ -75,6 +75,20 @@ async fn ensure_admin_key(
     Ok(())
 }
 
+/// The daemon holds a connection or two per sandbox; a thousand sandboxes need more than
+/// the usual soft limit of 1024 descriptors.
+fn raise_fd_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE)
+        && soft < hard
+    {
+        match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => tracing::debug!(from = soft, to = hard, "raised the open file limit"),
+            Err(e) => tracing::warn!(error = %e, "cannot raise the open file limit"),
+        }
+    }
+}
+
 /// Builds the daemon's state: store, runtimes, manager (after reconciling).
 pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState), ServerError> {
     if cfg.insecure_no_auth && !cfg.listen.ip().is_loopback() {
@@ -95,6 +109,7 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
             .create(&cfg.data_dir)
             .map_err(|e| ServerError::Io(format!("create {}", cfg.data_dir.display()), e))?;
     }
+    raise_fd_limit();
     // Sandbox PID 1s outlive their init helper; as subreaper the daemon collects them.
     // SAFETY: prctl with integer arguments.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };

@@ -51,6 +51,8 @@ pub struct Manager {
     pool_wake: tokio::sync::Notify,
     /// Refills in flight.
     refilling: AtomicUsize,
+    /// When a sandbox was last claimed from a pool (refills hold back briefly after one).
+    last_claim: Mutex<Option<std::time::Instant>>,
     /// Background teardowns in flight (a clean shutdown waits for them).
     teardowns: Arc<AtomicUsize>,
 }
@@ -134,6 +136,7 @@ impl Manager {
             pool_wake: tokio::sync::Notify::new(),
             refilling: AtomicUsize::new(0),
             teardowns: Arc::default(),
+            last_claim: Mutex::default(),
         })
     }
 
@@ -290,6 +293,9 @@ impl Manager {
     ) -> Option<SandboxRecord> {
         let mut pool_name = None;
         while let Some((pool, member)) = self.pools.take(key) {
+            if let Ok(mut at) = self.last_claim.lock() {
+                *at = Some(std::time::Instant::now());
+            }
             self.pool_wake.notify_one();
             pool_name = Some(pool.clone());
             let Some(id) = member else { break };
@@ -667,20 +673,25 @@ impl Manager {
         let Ok(live) = self.store.live_sandboxes().await else {
             return;
         };
-        for rec in live
+        let running: Vec<(SandboxRecord, Arc<dyn Runtime>, SandboxHandle)> = live
             .into_iter()
             .filter(|r| r.state == SandboxState::Running)
-        {
-            let Ok((rt, h)) = self.runtime_of(&rec) else {
-                continue;
-            };
-            let alive = tokio::task::spawn_blocking(move || rt.is_alive(&h))
-                .await
-                .unwrap_or(true);
-            if !alive {
-                tracing::warn!(id = %rec.id, "sandbox agent exited; cleaning up");
-                self.mark_dead(&rec, "the sandbox's agent exited").await;
-            }
+            .filter_map(|r| self.runtime_of(&r).ok().map(|(rt, h)| (r, rt, h)))
+            .collect();
+        // One blocking task for the whole sweep: with a thousand sandboxes, a task each
+        // would cost more than the /proc reads themselves.
+        let dead = tokio::task::spawn_blocking(move || {
+            running
+                .into_iter()
+                .filter(|(_, rt, h)| !rt.is_alive(h))
+                .map(|(r, _, _)| r)
+                .collect::<Vec<_>>()
+        })
+        .await
+        .unwrap_or_default();
+        for rec in dead {
+            tracing::warn!(id = %rec.id, "sandbox agent exited; cleaning up");
+            self.mark_dead(&rec, "the sandbox's agent exited").await;
         }
     }
 
@@ -920,7 +931,26 @@ impl Manager {
 
     /// Keeps every pool at its size, a few starts at a time, until the daemon stops.
     pub async fn run_pools(self: Arc<Self>) {
+        let mut held_since: Option<std::time::Instant> = None;
         loop {
+            // A claimed sandbox's caller usually runs a command right away; a refill
+            // starting at that moment would take the CPU from it. Hold refills while claims
+            // are recent, but never for long, so that a stream of claims cannot starve them.
+            let recent = self
+                .last_claim
+                .lock()
+                .ok()
+                .and_then(|at| *at)
+                .map(|at| at.elapsed())
+                .filter(|e| *e < crate::pools::REFILL_QUIET);
+            if let Some(elapsed) = recent {
+                let since = *held_since.get_or_insert_with(std::time::Instant::now);
+                if since.elapsed() < crate::pools::REFILL_MAX_HOLD {
+                    tokio::time::sleep(crate::pools::REFILL_QUIET - elapsed).await;
+                    continue;
+                }
+            }
+            held_since = None;
             let budget = crate::pools::REFILL_CONCURRENCY
                 .saturating_sub(self.refilling.load(Ordering::Acquire));
             for refill in self.pools.plan_refills(budget) {

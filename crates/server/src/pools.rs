@@ -14,6 +14,10 @@ pub const POOL_OWNER: &str = "";
 /// Sandboxes started at once to refill pools: each start takes a core for a few ms, and
 /// refills must not starve the creates and execs that callers are waiting for.
 pub const REFILL_CONCURRENCY: usize = 2;
+/// Refills wait until no claim has happened for this long...
+pub const REFILL_QUIET: std::time::Duration = std::time::Duration::from_millis(25);
+/// ... but hold back no longer than this.
+pub const REFILL_MAX_HOLD: std::time::Duration = std::time::Duration::from_millis(250);
 /// Pause after a failed refill before the pool tries again.
 pub const REFILL_BACKOFF: std::time::Duration = std::time::Duration::from_secs(2);
 /// Largest size of one pool.
