@@ -543,6 +543,12 @@ impl Manager {
     /// background. A crash before that finishes leaves a `stopping` record, which the next
     /// start's reconcile finishes off.
     pub async fn destroy(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
+        if rec.state == SandboxState::Stopped {
+            // Whoever stopped it removes (or, after a crash, the orphan sweep removed) its
+            // resources; only the record is left to go.
+            self.store.delete_sandbox(&rec.id).await?;
+            return Ok(());
+        }
         let from = [
             SandboxState::Creating,
             SandboxState::Running,
@@ -695,28 +701,45 @@ impl Manager {
         }
     }
 
+    /// Records a sandbox as stopped (why) and removes its resources, unless a delete got
+    /// to it first: the state change decides which of the two does the teardown.
     async fn mark_dead(&self, rec: &SandboxRecord, why: &str) {
-        self.forget(&rec.id);
-        self.pools.forget(&rec.id);
-        if let Ok((rt, h)) = self.runtime_of(rec) {
-            let _ = tokio::task::spawn_blocking(move || rt.destroy(&h)).await;
-        }
         let from = [
             SandboxState::Creating,
             SandboxState::Running,
             SandboxState::Paused,
-            SandboxState::Stopping,
         ];
-        if let Err(e) = self
+        match self
             .store
             .transition(&rec.id, &from, SandboxState::Stopped, Some(why))
             .await
         {
-            tracing::warn!(id = %rec.id, error = %e, "marking sandbox stopped failed");
+            Ok(Some(_)) => {}
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!(id = %rec.id, error = %e, "marking sandbox stopped failed");
+                return;
+            }
         }
+        // A crash from here on leaves a final record whose resources the next start's
+        // orphan sweep removes.
+        self.teardown_now(rec).await;
         if rec.owner == POOL_OWNER {
             // Nobody can ever look at an unclaimed pool member's record.
             let _ = self.store.delete_sandbox(&rec.id).await;
+        }
+    }
+
+    /// Removes a sandbox's resources and waits for it.
+    async fn teardown_now(&self, rec: &SandboxRecord) {
+        self.forget(&rec.id);
+        self.pools.forget(&rec.id);
+        if let Ok((rt, h)) = self.runtime_of(rec) {
+            match tokio::task::spawn_blocking(move || rt.destroy(&h)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(id = %rec.id, error = %e, "teardown failed"),
+                Err(e) => tracing::warn!(id = %rec.id, error = %e, "teardown task failed"),
+            }
         }
     }
 
@@ -749,7 +772,7 @@ impl Manager {
             };
             if rec.state == SandboxState::Stopping {
                 tracing::info!(id = %rec.id, "finishing an interrupted teardown");
-                self.mark_dead(&rec, "deleted").await;
+                self.teardown_now(&rec).await;
                 let _ = self.store.delete_sandbox(&rec.id).await;
             } else if usable {
                 tracing::info!(id = %rec.id, "re-adopted sandbox");
