@@ -696,7 +696,6 @@ impl Manager {
         .await
         .unwrap_or_default();
         for rec in dead {
-            tracing::warn!(id = %rec.id, "sandbox agent exited; cleaning up");
             self.mark_dead(&rec, "the sandbox's agent exited").await;
         }
     }
@@ -714,7 +713,8 @@ impl Manager {
             .transition(&rec.id, &from, SandboxState::Stopped, Some(why))
             .await
         {
-            Ok(Some(_)) => {}
+            Ok(Some(_)) => tracing::warn!(id = %rec.id, why, "sandbox stopped; cleaning up"),
+            // Deleted meanwhile: the delete tears it down.
             Ok(None) => return,
             Err(e) => {
                 tracing::warn!(id = %rec.id, error = %e, "marking sandbox stopped failed");
