@@ -55,6 +55,8 @@ pub struct CreateSandboxRequest {
     pub metadata: BTreeMap<String, String>,
     /// Default working directory of commands (default `/home/user`).
     pub workdir: Option<String>,
+    /// Default user of commands and file operations: `user` (default) or `root`.
+    pub user: Option<String>,
 }
 
 /// A sandbox as the API shows it.

@@ -229,6 +229,9 @@ struct CreateArgs {
     /// Environment variable of every command (repeatable).
     #[arg(long, value_name = "K=V", value_parser = parse_key_value)]
     env: Vec<(String, String)>,
+    /// Default user of commands and file operations: `user` or `root` [default: user].
+    #[arg(long, value_name = "USER")]
+    user: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -471,4 +474,30 @@ async fn serve(ctx: &Ctx, args: ServeArgs) -> anyhow::Result<()> {
     })
     .await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Clap finds clashing flag names (e.g. two `--user`) only when a subcommand is used;
+    /// this checks every one of them up front.
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn create_takes_a_default_user_and_run_keeps_its_own() {
+        let cli = Cli::try_parse_from(["sandpit", "create", "--user", "root", "--env", "A=1"])
+            .expect("create parses");
+        match cli.command {
+            Command::Create(args) => assert_eq!(args.user.as_deref(), Some("root")),
+            other => panic!("parsed as {other:?}"),
+        }
+        let cli = Cli::try_parse_from(["sandpit", "run", "--user", "root", "--", "id"])
+            .expect("run parses");
+        assert!(matches!(cli.command, Command::Run(_)));
+    }
 }

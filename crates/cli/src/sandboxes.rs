@@ -25,15 +25,18 @@ pub fn create_request(
         env: env.iter().cloned().collect(),
         metadata: opts.meta.iter().cloned().collect(),
         workdir: opts.workdir.clone(),
+        user: None,
     }
 }
 
 /// `sandpit create`.
 pub async fn create(ctx: &Ctx, args: CreateArgs) -> anyhow::Result<()> {
     let client = ctx.client()?;
-    let sandbox = client
-        .create_sandbox(&create_request(&args.sandbox, args.timeout, &args.env))
-        .await?;
+    let req = CreateSandboxRequest {
+        user: args.user.clone(),
+        ..create_request(&args.sandbox, args.timeout, &args.env)
+    };
+    let sandbox = client.create_sandbox(&req).await?;
     if ctx.json {
         print_json(&sandbox)
     } else {

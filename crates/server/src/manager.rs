@@ -57,6 +57,13 @@ pub struct Manager {
     teardowns: Arc<AtomicUsize>,
 }
 
+/// What the agent's `/init` sets.
+struct AgentInit<'a> {
+    env: &'a BTreeMap<String, String>,
+    workdir: Option<&'a str>,
+    user: Option<&'a str>,
+}
+
 /// Everything a create needs once the request is validated.
 #[derive(Clone)]
 struct Plan {
@@ -262,6 +269,13 @@ impl Manager {
                 "workdir must be an absolute path without '..'",
             ));
         }
+        if let Some(u) = &req.user
+            && !matches!(u.as_str(), "user" | "root")
+        {
+            return Err(ApiError::bad_request(format!(
+                "unknown user {u:?}: sandboxes have `user` and `root`"
+            )));
+        }
         let expires_at_ms = now_ms() + (timeout as i64) * 1000;
         if let Some(rec) = self
             .claim(owner, &plan.key, &req, &workdir, expires_at_ms)
@@ -269,16 +283,29 @@ impl Manager {
         {
             return Ok(rec);
         }
-        self.cold_create(
-            owner,
-            None,
-            plan,
-            req.env,
-            req.metadata,
-            workdir,
-            expires_at_ms,
-        )
-        .await
+        let rec = self
+            .cold_create(
+                owner,
+                None,
+                plan,
+                req.env,
+                req.metadata,
+                workdir,
+                expires_at_ms,
+            )
+            .await?;
+        if req.user.is_some() {
+            let init = AgentInit {
+                env: &BTreeMap::new(),
+                workdir: None,
+                user: req.user.as_deref(),
+            };
+            if let Err(e) = self.init_agent(&rec, &init).await {
+                let _ = self.destroy(&rec).await;
+                return Err(e);
+            }
+        }
+        Ok(rec)
     }
 
     /// Takes a ready sandbox from the pool matching `key`, hands it to `owner` and applies
@@ -314,7 +341,12 @@ impl Manager {
                     break;
                 }
             };
-            match self.init_agent(&rec, req, workdir).await {
+            let init = AgentInit {
+                env: &req.env,
+                workdir: Some(workdir),
+                user: req.user.as_deref(),
+            };
+            match self.init_agent(&rec, &init).await {
                 Ok(()) => {
                     self.count_pool(&pool, true);
                     tracing::debug!(id, pool, "sandbox claimed from pool");
@@ -343,16 +375,15 @@ impl Manager {
         });
     }
 
-    /// `POST /init` on the agent: the caller's env and default workdir.
-    async fn init_agent(
-        &self,
-        rec: &SandboxRecord,
-        req: &CreateSandboxRequest,
-        workdir: &str,
-    ) -> Result<(), ApiError> {
+    /// `POST /init` on the agent: the caller's env, default workdir and user.
+    async fn init_agent(&self, rec: &SandboxRecord, init: &AgentInit<'_>) -> Result<(), ApiError> {
         let (_, h) = self.runtime_of(rec)?;
         let conn = self.conn_for(&rec.id, &h);
-        let body = serde_json::json!({ "envVars": req.env, "defaultWorkdir": workdir });
+        let body = serde_json::json!({
+            "envVars": init.env,
+            "defaultWorkdir": init.workdir,
+            "defaultUser": init.user,
+        });
         let request = http::Request::post(format!("{}/init", crate::agent_client::AGENT_BASE))
             .header(http::header::CONTENT_TYPE, "application/json")
             .body(axum::body::Body::from(body.to_string()))

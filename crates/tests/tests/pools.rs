@@ -351,3 +351,58 @@ async fn pool_requests_are_checked() {
     assert_eq!(c.get_pool("one").await.unwrap().misses, 1);
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_user_applies_to_claimed_and_cold_sandboxes() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    c.create_pool(&pool("users", 1)).await.unwrap();
+    wait_ready(&c, "users", 1).await;
+    let as_root = |limits| CreateSandboxRequest {
+        limits,
+        user: Some("root".into()),
+        ..Default::default()
+    };
+    let claimed = c.create_sandbox(&as_root(small())).await.unwrap();
+    assert_eq!(claimed.pool.as_deref(), Some("users"));
+    let cold_limits = LimitsSpec {
+        max_processes: Some(99),
+        ..small()
+    };
+    let cold = c.create_sandbox(&as_root(cold_limits)).await.unwrap();
+    assert_eq!(cold.pool, None);
+    for id in [&claimed.id, &cold.id] {
+        let out = sh(&c, id, "id -un; echo $HOME; touch /root/mine && echo wrote").await;
+        assert_eq!(out.stdout, "root\n/root\nwrote\n", "{id}: {out:?}");
+        // Naming a user still wins over the default.
+        let named = c
+            .run(
+                id,
+                &RunCommandRequest {
+                    argv: vec!["id".into(), "-un".into()],
+                    user: Some("user".into()),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(named.stdout, "user\n");
+    }
+    let bad = CreateSandboxRequest {
+        user: Some("mallory".into()),
+        ..Default::default()
+    };
+    assert_eq!(
+        c.create_sandbox(&bad).await.unwrap_err().status(),
+        Some(400)
+    );
+    assert_eq!(
+        c.list_sandboxes(None, &[], None, None)
+            .await
+            .unwrap()
+            .items
+            .len(),
+        2
+    );
+    d.shutdown().await;
+}

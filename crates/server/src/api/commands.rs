@@ -24,9 +24,12 @@ const DEFAULT_OUTPUT_CAP: u64 = 10 << 20;
 const MAX_OUTPUT_CAP: u64 = 64 << 20;
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
 
-/// Call options naming the user a command or file operation acts as (E2B's convention).
+/// Call options naming the user a command or file operation acts as (E2B's convention);
+/// without one, the agent uses the sandbox's default user.
 pub fn as_user(user: Option<&str>) -> Result<CallOptions, ApiError> {
-    let user = user.unwrap_or("user");
+    let Some(user) = user else {
+        return Ok(CallOptions::default());
+    };
     if user != "user" && user != "root" {
         return Err(ApiError::bad_request(format!(
             "unknown user {user:?}: use \"user\" or \"root\""

@@ -102,6 +102,21 @@ async fn agent_error(resp: http::Response<hyper::body::Incoming>) -> ApiError {
     ApiError::new(status, code, message)
 }
 
+/// The agent's `/files` URI for a query; without a user the sandbox's default applies.
+fn files_uri(q: &PathQuery) -> Result<String, ApiError> {
+    let mut uri = format!("{AGENT_BASE}/files?path={}", encode(&q.path));
+    if let Some(user) = &q.user {
+        if user != "user" && user != "root" {
+            return Err(ApiError::bad_request(format!(
+                "unknown user {user:?}: use \"user\" or \"root\""
+            )));
+        }
+        uri.push_str("&username=");
+        uri.push_str(&encode(user));
+    }
+    Ok(uri)
+}
+
 /// Download a file (streamed).
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files", params(PathQuery), responses((status = 200, description = "file bytes"), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)))]
 pub async fn download(
@@ -112,12 +127,7 @@ pub async fn download(
 ) -> Result<Response, ApiError> {
     check_path(&q.path)?;
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
-    let user = q.user.as_deref().unwrap_or("user");
-    let uri = format!(
-        "{AGENT_BASE}/files?path={}&username={}",
-        encode(&q.path),
-        encode(user)
-    );
+    let uri = files_uri(&q)?;
     let req = http::Request::get(uri)
         .body(Body::empty())
         .map_err(|e| ApiError::internal(e.to_string()))?;
@@ -157,12 +167,7 @@ pub async fn upload(
 ) -> Result<Json<EntryInfo>, ApiError> {
     check_path(&q.path)?;
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
-    let user = q.user.as_deref().unwrap_or("user");
-    let uri = format!(
-        "{AGENT_BASE}/files?path={}&username={}",
-        encode(&q.path),
-        encode(user)
-    );
+    let uri = files_uri(&q)?;
     let req = http::Request::post(uri)
         .header(http::header::CONTENT_TYPE, "application/octet-stream")
         .body(request.into_body())
