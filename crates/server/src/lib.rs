@@ -150,6 +150,7 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
         no_auth_owner: cfg
             .insecure_no_auth
             .then(|| api::pools::ADMIN_OWNER.to_string()),
+        keys: Default::default(),
     };
     Ok((manager, state))
 }

@@ -559,3 +559,28 @@ async fn sh_status(c: &sandpit_client::Client, id: &str) -> Option<u16> {
     };
     c.run(id, &req).await.err().and_then(|e| e.status())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_key_stops_working_within_the_cache_time() {
+    let d = Daemon::start().await;
+    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
+        .await
+        .unwrap();
+    let (key, secret) = db.create_api_key("carol", "test").await.unwrap();
+    let carol = sandpit_client::Client::new(&d.url, Some(secret)).unwrap();
+    carol.list_sandboxes(None, &[], None, None).await.unwrap();
+    assert!(db.revoke_api_key(&key.id).await.unwrap());
+    db.close().await;
+    let mut refused = false;
+    for _ in 0..80 {
+        match carol.list_sandboxes(None, &[], None, None).await {
+            Err(e) if e.status() == Some(401) => {
+                refused = true;
+                break;
+            }
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    assert!(refused, "a revoked key still works after 8 s");
+    d.shutdown().await;
+}

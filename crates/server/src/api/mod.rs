@@ -22,6 +22,38 @@ pub struct AppState {
     pub manager: Arc<Manager>,
     /// When set, every request acts as this owner without a key (loopback only).
     pub no_auth_owner: Option<String>,
+    /// Recently verified keys.
+    pub keys: Arc<KeyCache>,
+}
+
+/// How long a verified API key is trusted without asking the store again; a revoked key
+/// stops working within this time.
+pub const KEY_CACHE_TTL: std::time::Duration = std::time::Duration::from_secs(5);
+/// Most keys remembered at once (the cache is emptied when it would grow beyond).
+const KEY_CACHE_MAX: usize = 4096;
+
+/// API keys verified within the last [`KEY_CACHE_TTL`], so that a request costs no store
+/// read for its key.
+#[derive(Debug, Default)]
+pub struct KeyCache(
+    std::sync::Mutex<std::collections::HashMap<String, (String, std::time::Instant)>>,
+);
+
+impl KeyCache {
+    fn get(&self, key: &str) -> Option<String> {
+        let map = self.0.lock().ok()?;
+        let (owner, at) = map.get(key)?;
+        (at.elapsed() < KEY_CACHE_TTL).then(|| owner.clone())
+    }
+
+    fn put(&self, key: String, owner: String) {
+        if let Ok(mut map) = self.0.lock() {
+            if map.len() >= KEY_CACHE_MAX {
+                map.clear();
+            }
+            map.insert(key, (owner, std::time::Instant::now()));
+        }
+    }
 }
 
 /// The authenticated owner of a request.
@@ -115,12 +147,19 @@ async fn authenticate(
             let key = presented_key(req.headers()).ok_or_else(|| {
                 ApiError::unauthenticated("missing API key (Authorization: Bearer <key>)")
             })?;
-            let found = state.manager.store.authenticate(&key).await?;
-            found
-                .map(|k| k.owner)
-                // The empty owner marks idle pool sandboxes; no key may act as it.
-                .filter(|o| !o.is_empty())
-                .ok_or_else(|| ApiError::unauthenticated("invalid API key"))?
+            match state.keys.get(&key) {
+                Some(owner) => owner,
+                None => {
+                    let found = state.manager.store.authenticate(&key).await?;
+                    let owner = found
+                        .map(|k| k.owner)
+                        // The empty owner marks idle pool sandboxes; no key may act as it.
+                        .filter(|o| !o.is_empty())
+                        .ok_or_else(|| ApiError::unauthenticated("invalid API key"))?;
+                    state.keys.put(key, owner.clone());
+                    owner
+                }
+            }
         }
     };
     req.extensions_mut().insert(Owner(owner));
