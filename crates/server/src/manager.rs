@@ -123,6 +123,15 @@ fn check_pool_size(size: u32) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// `Runtime::destroy` on a blocking thread.
+async fn run_destroy(rt: Arc<dyn Runtime>, h: SandboxHandle) -> Result<(), String> {
+    match tokio::task::spawn_blocking(move || rt.destroy(&h)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(e) => Err(format!("destroy task: {e}")),
+    }
+}
+
 fn handle_of(rec: &SandboxRecord) -> Option<SandboxHandle> {
     serde_json::from_value(rec.runtime_state.clone()).ok()
 }
@@ -337,7 +346,9 @@ impl Manager {
                 Ok(None) => continue,
                 Err(e) => {
                     tracing::warn!(id, error = %e, "claiming a pooled sandbox failed");
-                    self.pools.put_back(&pool, id);
+                    if !self.pools.put_back(&pool, id.clone()) {
+                        self.destroy_ids(vec![id]).await;
+                    }
                     break;
                 }
             };
@@ -473,26 +484,51 @@ impl Manager {
                 return Err(ApiError::internal(format!("create task: {e}")));
             }
         };
-        match self.finish_create(&rec, &handle).await {
+        let destroy_now = || async {
+            let _ = run_destroy(runtime.clone(), handle.clone()).await;
+            self.forget(&rec.id);
+            let _ = self.store.delete_sandbox(&rec.id).await;
+        };
+        let state = serde_json::to_value(&handle).map_err(|e| ApiError::internal(e.to_string()))?;
+        if let Err(e) = self.store.set_runtime_state(&rec.id, &state).await {
+            // Deleted before the handle was recorded: that delete could not tear the
+            // sandbox down, so this create does.
+            destroy_now().await;
+            return Err(match e {
+                sandpit_store::StoreError::NotFound(_) => {
+                    ApiError::conflict("sandbox was deleted while it was being created")
+                }
+                other => other.into(),
+            });
+        }
+        match self.wait_ready(&rec, &handle).await {
             Ok(r) => Ok(r),
             Err(e) => {
-                let rt = runtime.clone();
-                let h = handle.clone();
-                let _ = tokio::task::spawn_blocking(move || rt.destroy(&h)).await;
-                self.forget(&rec.id);
-                let _ = self.store.delete_sandbox(&rec.id).await;
+                // Whoever moves the record out of `creating` tears it down; if a delete
+                // did, it holds the handle and does the work.
+                let ours = self
+                    .store
+                    .transition(
+                        &rec.id,
+                        &[SandboxState::Creating],
+                        SandboxState::Stopping,
+                        None,
+                    )
+                    .await;
+                if matches!(ours, Ok(Some(_)) | Err(_)) {
+                    destroy_now().await;
+                }
                 Err(e)
             }
         }
     }
 
-    async fn finish_create(
+    /// Waits for the agent to answer, then marks the sandbox running.
+    async fn wait_ready(
         &self,
         rec: &SandboxRecord,
         handle: &SandboxHandle,
     ) -> Result<SandboxRecord, ApiError> {
-        let state = serde_json::to_value(handle).map_err(|e| ApiError::internal(e.to_string()))?;
-        self.store.set_runtime_state(&rec.id, &state).await?;
         let conn = self.conn_for(&rec.id, handle);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         let mut delay = Duration::from_micros(200);
@@ -574,42 +610,42 @@ impl Manager {
     /// background. A crash before that finishes leaves a `stopping` record, which the next
     /// start's reconcile finishes off.
     pub async fn destroy(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
-        if rec.state == SandboxState::Stopped {
-            // Whoever stopped it removes (or, after a crash, the orphan sweep removed) its
-            // resources; only the record is left to go.
-            self.store.delete_sandbox(&rec.id).await?;
-            return Ok(());
-        }
+        // The state change is the claim on the teardown: whoever moves the record to
+        // `stopping` tears the sandbox down, so it happens exactly once. `stopped` means
+        // the resources are gone already (the liveness sweep removed them).
         let from = [
             SandboxState::Creating,
             SandboxState::Running,
             SandboxState::Paused,
             SandboxState::Error,
-            SandboxState::Stopped,
-            SandboxState::Stopping,
         ];
-        self.store
+        let Some(cur) = self
+            .store
             .transition(&rec.id, &from, SandboxState::Stopping, None)
-            .await?;
-        self.forget(&rec.id);
-        self.pools.forget(&rec.id);
+            .await?
+        else {
+            if let Some(now) = self.store.get_sandbox(&rec.id).await?
+                && now.state == SandboxState::Stopped
+            {
+                self.store.delete_sandbox(&rec.id).await?;
+            }
+            return Ok(());
+        };
+        self.forget(&cur.id);
+        self.pools.forget(&cur.id);
         let store = self.store.clone();
-        let id = rec.id.clone();
-        match (self.runtime(&rec.runtime).cloned(), handle_of(rec)) {
+        let id = cur.id.clone();
+        // The handle comes from the row just changed: a copy read before the create
+        // finished may not have it yet.
+        match (self.runtime(&cur.runtime).cloned(), handle_of(&cur)) {
             (Ok(rt), Some(h)) => {
                 rt.begin_stop(&h);
                 let teardowns = self.teardowns.clone();
                 teardowns.fetch_add(1, Ordering::AcqRel);
                 tokio::spawn(async move {
-                    let r = tokio::task::spawn_blocking(move || rt.destroy(&h)).await;
-                    let failed = match r {
-                        Ok(Ok(())) => None,
-                        Ok(Err(e)) => Some(e.to_string()),
-                        Err(e) => Some(format!("destroy task: {e}")),
-                    };
-                    let done = match failed {
-                        None => store.delete_sandbox(&id).await.map(drop),
-                        Some(why) => {
+                    let done = match run_destroy(rt, h).await {
+                        Ok(()) => store.delete_sandbox(&id).await.map(drop),
+                        Err(why) => {
                             tracing::error!(id, error = %why, "tearing down a sandbox failed");
                             store
                                 .transition(
@@ -628,6 +664,8 @@ impl Manager {
                     teardowns.fetch_sub(1, Ordering::AcqRel);
                 });
             }
+            // Never started (or its create is still under way and will find the record
+            // gone and clean up after itself).
             _ => {
                 self.store.delete_sandbox(&id).await?;
             }
@@ -731,46 +769,56 @@ impl Manager {
         }
     }
 
-    /// Records a sandbox as stopped (why) and removes its resources, unless a delete got
-    /// to it first: the state change decides which of the two does the teardown.
+    /// Removes a dead sandbox's resources and records it as stopped (why), unless a
+    /// delete got to it first: moving the record to `stopping` claims the teardown.
     async fn mark_dead(&self, rec: &SandboxRecord, why: &str) {
         let from = [
             SandboxState::Creating,
             SandboxState::Running,
             SandboxState::Paused,
         ];
-        match self
+        let cur = match self
             .store
-            .transition(&rec.id, &from, SandboxState::Stopped, Some(why))
+            .transition(&rec.id, &from, SandboxState::Stopping, None)
             .await
         {
-            Ok(Some(_)) => tracing::warn!(id = %rec.id, why, "sandbox stopped; cleaning up"),
+            Ok(Some(cur)) => cur,
             // Deleted meanwhile: the delete tears it down.
             Ok(None) => return,
             Err(e) => {
                 tracing::warn!(id = %rec.id, error = %e, "marking sandbox stopped failed");
                 return;
             }
-        }
-        // A crash from here on leaves a final record whose resources the next start's
-        // orphan sweep removes.
-        self.teardown_now(rec).await;
-        if rec.owner == POOL_OWNER {
+        };
+        tracing::warn!(id = %cur.id, why, "sandbox stopped; cleaning up");
+        let (to, note) = match self.teardown_now(&cur).await {
+            Ok(()) => (SandboxState::Stopped, why.to_string()),
+            // Left in `error` so that a delete tries the teardown again.
+            Err(e) => (SandboxState::Error, format!("{why}; teardown failed: {e}")),
+        };
+        if cur.owner == POOL_OWNER && to == SandboxState::Stopped {
             // Nobody can ever look at an unclaimed pool member's record.
-            let _ = self.store.delete_sandbox(&rec.id).await;
+            let _ = self.store.delete_sandbox(&cur.id).await;
+            return;
+        }
+        if let Err(e) = self
+            .store
+            .transition(&cur.id, &[SandboxState::Stopping], to, Some(&note))
+            .await
+        {
+            tracing::warn!(id = %cur.id, error = %e, "recording a stopped sandbox failed");
         }
     }
 
     /// Removes a sandbox's resources and waits for it.
-    async fn teardown_now(&self, rec: &SandboxRecord) {
+    async fn teardown_now(&self, rec: &SandboxRecord) -> Result<(), String> {
         self.forget(&rec.id);
         self.pools.forget(&rec.id);
-        if let Ok((rt, h)) = self.runtime_of(rec) {
-            match tokio::task::spawn_blocking(move || rt.destroy(&h)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::warn!(id = %rec.id, error = %e, "teardown failed"),
-                Err(e) => tracing::warn!(id = %rec.id, error = %e, "teardown task failed"),
-            }
+        match self.runtime_of(rec) {
+            Ok((rt, h)) => run_destroy(rt, h).await.inspect_err(|e| {
+                tracing::warn!(id = %rec.id, error = %e, "teardown failed");
+            }),
+            Err(_) => Ok(()),
         }
     }
 
@@ -803,8 +851,22 @@ impl Manager {
             };
             if rec.state == SandboxState::Stopping {
                 tracing::info!(id = %rec.id, "finishing an interrupted teardown");
-                self.teardown_now(&rec).await;
-                let _ = self.store.delete_sandbox(&rec.id).await;
+                match self.teardown_now(&rec).await {
+                    Ok(()) => {
+                        let _ = self.store.delete_sandbox(&rec.id).await;
+                    }
+                    Err(e) => {
+                        let _ = self
+                            .store
+                            .transition(
+                                &rec.id,
+                                &[SandboxState::Stopping],
+                                SandboxState::Error,
+                                Some(&format!("teardown failed: {e}")),
+                            )
+                            .await;
+                    }
+                }
             } else if usable {
                 tracing::info!(id = %rec.id, "re-adopted sandbox");
                 keep.push(rec.id.clone());
@@ -887,7 +949,8 @@ impl Manager {
             )));
         }
         self.store.insert_pool(&def).await?;
-        self.pools.define(def);
+        let stale = self.pools.define(def);
+        self.destroy_ids(stale).await;
         self.pool_wake.notify_one();
         self.pools
             .view(&spec.name)
@@ -937,23 +1000,35 @@ impl Manager {
     pub async fn load_pools(&self, from_config: &[PoolSpec]) -> Result<(), ApiError> {
         let mut declared = Vec::new();
         for spec in from_config {
+            // A refused entry (say, its template is missing just now) keeps what the store
+            // has: only a pool taken out of the file is removed.
+            declared.push(spec.name.clone());
             match self.pool_record(spec, "config").await {
-                Ok(def) => {
-                    self.store.upsert_pool(&def).await?;
-                    declared.push(def.name);
-                }
+                Ok(def) => self.store.upsert_pool(&def).await?,
                 Err(e) => {
                     tracing::error!(pool = %spec.name, error = %e.message, "pool in the config file refused")
                 }
             }
         }
+        let mut keys: Vec<PoolKey> = Vec::new();
         for def in self.store.list_pools().await? {
             if def.source == "config" && !declared.contains(&def.name) {
                 tracing::info!(pool = %def.name, "pool removed from the config file");
                 self.store.delete_pool(&def.name).await?;
                 continue;
             }
+            let key = PoolKey::of(&def);
+            if keys.contains(&key) {
+                tracing::error!(pool = %def.name, "another pool keeps sandboxes of the same template, runtime and limits; this one is not used");
+                continue;
+            }
+            keys.push(key);
             self.pools.define(def);
+        }
+        match self.store.delete_final_pool_records().await {
+            Ok(n) if n > 0 => tracing::info!(n, "removed records of dead idle pool sandboxes"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "removing records of dead pool sandboxes failed"),
         }
         let mut unwanted = Vec::new();
         let mut members: BTreeMap<String, Vec<String>> = BTreeMap::new();
@@ -961,11 +1036,24 @@ impl Manager {
             if rec.owner != POOL_OWNER {
                 continue;
             }
-            match (&rec.pool, rec.state) {
-                (Some(pool), SandboxState::Running) => {
-                    members.entry(pool.clone()).or_default().push(rec.id)
-                }
-                _ => unwanted.push(rec.id),
+            // A member is adopted only into a pool whose definition it still matches (the
+            // config file may have changed the limits while the daemon was down).
+            let own_key = PoolKey {
+                template: rec.template.clone(),
+                runtime: rec.runtime.clone(),
+                limits: sandpit_api::Limits {
+                    cpu_millis: rec.cpu_millis as u64,
+                    memory_bytes: rec.memory_bytes as u64,
+                    disk_bytes: rec.disk_bytes as u64,
+                    max_processes: rec.max_processes as u64,
+                },
+            };
+            let pool = rec.pool.clone().unwrap_or_default();
+            let fits = self.pools.key(&pool).is_some_and(|k| k == own_key);
+            if fits && rec.state == SandboxState::Running {
+                members.entry(pool).or_default().push(rec.id);
+            } else {
+                unwanted.push(rec.id);
             }
         }
         for (pool, ids) in members {
@@ -1012,14 +1100,10 @@ impl Manager {
                 let me = self.clone();
                 tokio::spawn(async move {
                     let id = me.refill(&refill).await;
-                    if let Some(id) = &id
-                        && !me
-                            .pools
-                            .started(&refill.pool, &refill.key, Some(id.clone()))
+                    if !me.pools.started(&refill, id.clone())
+                        && let Some(id) = id
                     {
-                        me.destroy_ids(vec![id.clone()]).await;
-                    } else if id.is_none() {
-                        me.pools.started(&refill.pool, &refill.key, None);
+                        me.destroy_ids(vec![id]).await;
                     }
                     me.refilling.fetch_sub(1, Ordering::AcqRel);
                     me.pool_wake.notify_one();

@@ -58,6 +58,9 @@ struct PoolState {
     starting: u32,
     /// After a failed start, no refill before this time (a broken template must not spin).
     retry_at: Option<std::time::Instant>,
+    /// Tells a pool from an earlier one of the same name (refills report to the one that
+    /// started them).
+    generation: u64,
 }
 
 /// A pool's definition and live counts.
@@ -73,12 +76,14 @@ pub struct PoolView {
 pub struct Refill {
     pub pool: String,
     pub key: PoolKey,
+    generation: u64,
 }
 
 /// The pools of this daemon.
 #[derive(Debug, Default)]
 pub struct Pools {
     inner: Mutex<HashMap<String, PoolState>>,
+    generations: std::sync::atomic::AtomicU64,
 }
 
 impl Pools {
@@ -89,9 +94,12 @@ impl Pools {
     }
 
     /// Adds or redefines a pool; when its key changes, the old idle members are returned
-    /// for the caller to destroy.
+    /// for the caller to destroy (and refills under way for the old key are not wanted).
     pub fn define(&self, def: PoolRecord) -> Vec<String> {
         let key = PoolKey::of(&def);
+        let generation = self
+            .generations
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut pools = self.lock();
         match pools.get_mut(&def.name) {
             Some(p) if p.key == key => {
@@ -101,6 +109,8 @@ impl Pools {
             Some(p) => {
                 p.def = def;
                 p.key = key;
+                p.generation = generation;
+                p.starting = 0;
                 p.ready.drain(..).collect()
             }
             None => {
@@ -112,6 +122,7 @@ impl Pools {
                         ready: VecDeque::new(),
                         starting: 0,
                         retry_at: None,
+                        generation,
                     },
                 );
                 Vec::new()
@@ -143,11 +154,21 @@ impl Pools {
         Some((p.def.name.clone(), p.ready.pop_front()))
     }
 
-    /// Puts a member back at the front (its claim did not go through).
-    pub fn put_back(&self, pool: &str, id: String) {
-        if let Some(p) = self.lock().get_mut(pool) {
-            p.ready.push_front(id);
+    /// Puts a member back at the front (its claim did not go through); false if the pool
+    /// is gone, and the caller must destroy the member.
+    pub fn put_back(&self, pool: &str, id: String) -> bool {
+        match self.lock().get_mut(pool) {
+            Some(p) => {
+                p.ready.push_front(id);
+                true
+            }
+            None => false,
         }
+    }
+
+    /// The key of a pool, if it exists.
+    pub fn key(&self, pool: &str) -> Option<PoolKey> {
+        self.lock().get(pool).map(|p| p.key.clone())
     }
 
     /// Drops a sandbox from every ready queue (it died or is being destroyed).
@@ -176,6 +197,7 @@ impl Pools {
                     out.push(Refill {
                         pool: p.def.name.clone(),
                         key: p.key.clone(),
+                        generation: p.generation,
                     });
                 }
             }
@@ -187,9 +209,12 @@ impl Pools {
 
     /// A refill finished. Returns false if the sandbox is not wanted any more (the pool was
     /// removed, shrunk or redefined meanwhile) and must be destroyed.
-    pub fn started(&self, pool: &str, key: &PoolKey, id: Option<String>) -> bool {
+    pub fn started(&self, refill: &Refill, id: Option<String>) -> bool {
         let mut pools = self.lock();
-        let Some(p) = pools.get_mut(pool) else {
+        let Some(p) = pools
+            .get_mut(&refill.pool)
+            .filter(|p| p.generation == refill.generation)
+        else {
             return id.is_none();
         };
         p.starting = p.starting.saturating_sub(1);
@@ -198,7 +223,7 @@ impl Pools {
             return true;
         };
         p.retry_at = None;
-        if &p.key != key || p.ready.len() as i64 >= p.def.size {
+        if p.ready.len() as i64 >= p.def.size {
             return false;
         }
         p.ready.push_back(id);
@@ -293,9 +318,13 @@ mod tests {
         assert_eq!(second.len(), 2);
         assert!(second.iter().all(|r| r.pool == "a"));
         assert!(pools.plan_refills(10).is_empty());
-        let key_a = PoolKey::of(&def("a", 3, 1000));
-        assert!(pools.started("a", &key_a, Some("s1".into())));
-        assert!(pools.started("a", &key_a, None)); // a failed start frees its place...
+        let a: Vec<&Refill> = first
+            .iter()
+            .chain(&second)
+            .filter(|r| r.pool == "a")
+            .collect();
+        assert!(pools.started(a[0], Some("s1".into())));
+        assert!(pools.started(a[1], None)); // a failed start frees its place...
         let v = pools.view("a").unwrap();
         assert_eq!((v.ready, v.starting), (1, 1));
         // ... but the pool waits before trying again.
@@ -313,28 +342,39 @@ mod tests {
         pools.adopt("a", vec!["s1".into(), "s2".into()]);
         let got: Vec<_> = (0..3).map(|_| pools.take(&key).unwrap().1).collect();
         assert_eq!(got, [Some("s1".into()), Some("s2".into()), None]);
-        pools.put_back("a", "s1".into());
+        assert!(pools.put_back("a", "s1".into()));
         assert_eq!(pools.take(&key).unwrap().1.as_deref(), Some("s1"));
+        assert!(!pools.put_back("gone", "s9".into()));
     }
 
     #[test]
     fn shrinking_removing_and_redefining_return_unwanted_members() {
         let pools = Pools::default();
         pools.define(def("a", 3, 1000));
+        let refill = pools.plan_refills(1).remove(0);
         assert!(pools.adopt("a", vec!["1".into(), "2".into(), "3".into(), "4".into()]) == ["4"]);
         assert_eq!(pools.resize("a", 1).unwrap(), ["1", "2"]);
         assert_eq!(pools.view("a").unwrap().ready, 1);
         // A refill that finishes after a shrink is not wanted.
-        let key = PoolKey::of(&def("a", 1, 1000));
-        assert!(!pools.started("a", &key, Some("5".into())));
-        // New limits: the old members no longer match.
+        assert!(!pools.started(&refill, Some("5".into())));
+        // New limits: the old members no longer match, nor do refills for the old key.
+        let old = pools.plan_refills(1);
+        assert!(old.is_empty(), "full pool");
+        pools.resize("a", 2);
+        let old = pools.plan_refills(1).remove(0);
         assert_eq!(pools.define(def("a", 1, 2000)), ["3"]);
-        assert!(!pools.started("a", &key, Some("6".into())));
+        assert!(!pools.started(&old, Some("6".into())));
+        assert_eq!(pools.view("a").unwrap().starting, 0);
         pools.adopt("a", vec!["7".into()]);
         pools.forget("7");
         assert_eq!(pools.view("a").unwrap().ready, 0);
+        // Removed and made again under the same name: the old pool's refill is not counted.
+        let stale = pools.plan_refills(1).remove(0);
         assert_eq!(pools.remove("a"), Some(vec![]));
         assert!(pools.remove("a").is_none());
-        assert!(!pools.started("a", &key, Some("8".into())));
+        pools.define(def("a", 1, 2000));
+        assert!(!pools.started(&stale, Some("8".into())));
+        assert!(pools.started(&stale, None));
+        assert_eq!(pools.view("a").unwrap().starting, 0);
     }
 }

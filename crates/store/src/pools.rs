@@ -71,11 +71,41 @@ impl Store {
 
     /// Inserts a new pool; an existing name yields [`StoreError::Conflict`].
     pub async fn insert_pool(&self, p: &PoolRecord) -> Result<(), StoreError> {
-        let exists = self.get_pool(&p.name).await?.is_some();
-        if exists {
-            return Err(StoreError::Conflict(format!("pool {} exists", p.name)));
-        }
-        self.upsert_pool(p).await
+        // A plain INSERT: the primary key decides between two concurrent creators.
+        sqlx::query(&format!(
+            "INSERT INTO pools ({POOL_COLUMNS}) VALUES \
+             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
+        ))
+        .bind(&p.name)
+        .bind(&p.template)
+        .bind(&p.runtime)
+        .bind(p.cpu_millis)
+        .bind(p.memory_bytes)
+        .bind(p.disk_bytes)
+        .bind(p.max_processes)
+        .bind(p.size)
+        .bind(&p.source)
+        .bind(p.hits)
+        .bind(p.misses)
+        .bind(p.created_at_ms)
+        .execute(&self.pool)
+        .await
+        .map_err(|e| match StoreError::from(e) {
+            StoreError::Conflict(_) => StoreError::Conflict(format!("pool {} exists", p.name)),
+            other => other,
+        })?;
+        Ok(())
+    }
+
+    /// Deletes the records of unclaimed pool sandboxes in a final state (nobody else can
+    /// see or delete them); returns how many went.
+    pub async fn delete_final_pool_records(&self) -> Result<u64, StoreError> {
+        let done = sqlx::query("DELETE FROM sandboxes WHERE owner = '' AND state IN ($1, $2)")
+            .bind(SandboxState::Stopped.as_str())
+            .bind(SandboxState::Error.as_str())
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected())
     }
 
     /// The pool with this name, if any.

@@ -271,22 +271,25 @@ impl Store {
         Ok(record)
     }
 
-    /// Replaces the runtime's opaque re-adoption data; [`StoreError::NotFound`] if the id is unknown.
+    /// Records the runtime's opaque re-adoption data of a sandbox that is still being
+    /// created; [`StoreError::NotFound`] if the id is unknown or no longer `creating` (a
+    /// delete that came first never saw the handle, so the creator must clean up).
     pub async fn set_runtime_state(
         &self,
         id: &str,
         runtime_state: &serde_json::Value,
     ) -> Result<(), StoreError> {
         let done = sqlx::query(
-            "UPDATE sandboxes SET runtime_state = $1, updated_at_ms = $2 WHERE id = $3",
+            "UPDATE sandboxes SET runtime_state = $1, updated_at_ms = $2 WHERE id = $3 AND state = $4",
         )
         .bind(serde_json::to_string(runtime_state)?)
         .bind(now_ms())
         .bind(id)
+        .bind(SandboxState::Creating.as_str())
         .execute(&self.pool)
         .await?;
         if done.rows_affected() == 0 {
-            return Err(StoreError::NotFound(format!("sandbox {id}")));
+            return Err(StoreError::NotFound(format!("sandbox {id} being created")));
         }
         Ok(())
     }

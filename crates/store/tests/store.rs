@@ -249,6 +249,12 @@ async fn runtime_state_and_expiry_updates() {
 
     let err = store.set_runtime_state("missing", &blob).await.unwrap_err();
     assert!(matches!(err, StoreError::NotFound(_)), "{err:?}");
+    // Only while creating: a sandbox deleted meanwhile must not gain a handle.
+    let mut gone = sandbox("sb2", "a", 1);
+    gone.state = SandboxState::Stopping;
+    store.insert_sandbox(&gone).await.unwrap();
+    let err = store.set_runtime_state("sb2", &blob).await.unwrap_err();
+    assert!(matches!(err, StoreError::NotFound(_)), "{err:?}");
     assert!(!store.set_expires_at("missing", 5).await.unwrap());
 
     assert!(store.delete_sandbox("sb").await.unwrap());

@@ -847,3 +847,44 @@ async fn a_failed_create_leaves_no_half_made_sandbox() {
     assert!(dirs.is_empty(), "{dirs:?}");
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_a_sandbox_while_it_is_created_leaves_nothing() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let mut caught = 0;
+    for round in 0..5 {
+        let creator = {
+            let c = c.clone();
+            tokio::spawn(async move {
+                c.create_sandbox(&CreateSandboxRequest {
+                    limits: small(),
+                    ..Default::default()
+                })
+                .await
+            })
+        };
+        // Delete it the moment it shows up, whatever state it is in.
+        let mut id = None;
+        for _ in 0..2000 {
+            let listed = c.list_sandboxes(None, &[], None, None).await.unwrap();
+            if let Some(s) = listed.items.first() {
+                if s.state == "creating" {
+                    caught += 1;
+                }
+                id = Some(s.id.clone());
+                let _ = c.delete_sandbox(&s.id).await;
+                break;
+            }
+        }
+        let created = creator.await.unwrap();
+        let id = id.unwrap_or_else(|| panic!("round {round}: never listed ({created:?})"));
+        if let Ok(sb) = &created {
+            assert_eq!(sb.id, id);
+        }
+        assert_eq!(c.get_sandbox(&id).await.unwrap_err().status(), Some(404));
+        assert_eq!(wait_no_leftovers(&d, &id).await, Vec::<String>::new());
+    }
+    eprintln!("deleted {caught} of 5 sandboxes while they were being created");
+    d.shutdown().await;
+}

@@ -253,8 +253,31 @@ async fn pools_survive_a_restart_and_follow_the_config_file() {
     assert!(api_members.contains(&claimed.id));
     assert_eq!(sh(&c, &claimed.id, "echo ok").await.stdout, "ok\n");
 
-    // The pool leaves the config file: at the next start it goes, with its sandbox.
+    // The config file changes the pool's limits: its old member is not adopted (it would
+    // serve creates that ask for the new limits) but replaced.
     let mut d = d;
+    d.stop();
+    std::fs::write(
+        d.data.path().join("config.toml"),
+        "[[pools]]\nname = \"fromfile\"\nsize = 1\nlimits = { memory_bytes = 100663296, max_processes = 128 }\n",
+    )
+    .unwrap();
+    let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
+    drop(d);
+    let mut d = Daemon::start_in(data, port).await;
+    let c = d.client();
+    assert_eq!(
+        c.get_pool("fromfile").await.unwrap().limits.memory_bytes,
+        96 << 20
+    );
+    for id in &file_members {
+        assert_eq!(wait_no_leftovers(&d, id).await, Vec::<String>::new());
+    }
+    wait_ready(&c, "fromfile", 1).await;
+    let file_members = idle_members(&d, "fromfile").await;
+    assert!(file_members.is_disjoint(&idle_members(&d, "byapi").await));
+
+    // The pool leaves the config file: at the next start it goes, with its sandbox.
     d.stop();
     std::fs::write(d.data.path().join("config.toml"), "").unwrap();
     let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
