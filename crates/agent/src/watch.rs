@@ -6,7 +6,7 @@ use connectrpc::{ConnectError, ServiceStream};
 use notify::{EventKind, RecursiveMode, Watcher as _};
 use sandpit_proto::filesystem::__buffa::oneof::watch_dir_response::Event as WatchEvent;
 use sandpit_proto::filesystem::*;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -27,6 +27,10 @@ struct Polling {
     events: Arc<Mutex<Vec<FilesystemEvent>>>,
 }
 
+/// Created paths remembered per watcher to report each once (forgotten all at once beyond).
+const MAX_SEEN: usize = 10_000;
+/// How long after a directory's CREATE it is scanned again.
+const RESCAN_DELAY: Duration = Duration::from_millis(100);
 /// Entries scanned below a newly created directory, at most.
 const MAX_SCANNED: usize = 1000;
 
@@ -81,33 +85,35 @@ impl Watchers {
         p: &SandboxPath,
         recursive: bool,
         include_entry: bool,
-        sink: impl Fn(FilesystemEvent) + Send + 'static,
+        sink: impl Fn(FilesystemEvent) + Send + Sync + 'static,
     ) -> Result<Live, ConnectError> {
         let (dir, watch_path) = watch_target(&self.root, p)?;
         let root = self.root.clone();
         let base: PathBuf = watch_path.clone();
         let abs = p.abs.clone();
-        let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
-            let Ok(ev) = res else { return };
-            let Some(kind) = map_kind(&ev.kind) else {
-                return;
-            };
-            let mut paths = ev.paths;
-            if recursive && kind == EventType::EVENT_TYPE_CREATE {
-                // A directory's own watch is added only after its CREATE arrives, so what
-                // was made inside it meanwhile would go unreported; report it from a scan.
-                let created: Vec<PathBuf> = paths
-                    .iter()
-                    .filter(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.is_dir()))
-                    .cloned()
-                    .collect();
-                for dir in created {
-                    scan_created(&dir, 0, &mut paths);
+        // Paths whose CREATE was reported, so that a rescan reports only what was missed.
+        let seen: Arc<Mutex<HashSet<PathBuf>>> = Arc::default();
+        let emit = {
+            let seen = seen.clone();
+            Arc::new(move |path: PathBuf, kind: EventType| {
+                if let Ok(mut seen) = seen.lock() {
+                    match kind {
+                        EventType::EVENT_TYPE_CREATE => {
+                            if seen.len() >= MAX_SEEN {
+                                seen.clear();
+                            }
+                            if !seen.insert(path.clone()) {
+                                return;
+                            }
+                        }
+                        EventType::EVENT_TYPE_REMOVE | EventType::EVENT_TYPE_RENAME => {
+                            seen.remove(&path);
+                        }
+                        _ => {}
+                    }
                 }
-            }
-            for path in paths {
                 let Ok(rel) = path.strip_prefix(&base) else {
-                    continue;
+                    return;
                 };
                 let name = rel.to_string_lossy().into_owned();
                 let mut fe = FilesystemEvent {
@@ -126,6 +132,56 @@ impl Watchers {
                     }
                 }
                 sink(fe);
+            })
+        };
+        // notify adds the watch of a new directory only after handing us its CREATE, so
+        // what is made inside it in between is reported by a scan now and another a
+        // moment later (after the watch surely exists), by one worker per watcher.
+        let (rescan_tx, rescan_rx) = std::sync::mpsc::channel::<PathBuf>();
+        if recursive {
+            let emit = emit.clone();
+            std::thread::Builder::new()
+                .name("watch-rescan".into())
+                .spawn(move || {
+                    while let Ok(first) = rescan_rx.recv() {
+                        std::thread::sleep(RESCAN_DELAY);
+                        let mut dirs = vec![first];
+                        dirs.extend(rescan_rx.try_iter());
+                        dirs.sort();
+                        dirs.dedup();
+                        let mut paths = Vec::new();
+                        for d in &dirs {
+                            scan_created(d, 0, &mut paths);
+                        }
+                        for p in paths {
+                            emit(p, EventType::EVENT_TYPE_CREATE);
+                        }
+                    }
+                })
+                .map_err(|e| ConnectError::internal(format!("watch: {e}")))?;
+        }
+        let rescan_tx = Mutex::new(rescan_tx);
+        let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+            let Ok(ev) = res else { return };
+            let Some(kind) = map_kind(&ev.kind) else {
+                return;
+            };
+            let mut paths = ev.paths;
+            if recursive && kind == EventType::EVENT_TYPE_CREATE {
+                let created: Vec<PathBuf> = paths
+                    .iter()
+                    .filter(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.is_dir()))
+                    .cloned()
+                    .collect();
+                for dir in created {
+                    scan_created(&dir, 0, &mut paths);
+                    if let Ok(tx) = rescan_tx.lock() {
+                        let _ = tx.send(dir);
+                    }
+                }
+            }
+            for path in paths {
+                emit(path, kind);
             }
         })
         .map_err(|e| ConnectError::internal(format!("watch: {e}")))?;
