@@ -166,7 +166,7 @@ pub(super) fn draw_series(
         root.draw_text(
             "blue: sandpit, grey: baselines; dots: samples, box: 25-75 %, whiskers: 5-95 %, bar: median",
             &style,
-            (16, 12),
+            (16, height as i32 - 22),
         )
         .map_err(|e| err(&e))?;
     }

@@ -352,7 +352,12 @@ impl Report {
             if !self.figures.contains_key(&p50) {
                 return;
             }
-            let (blabel, bkey, rkey) = base;
+            // No baseline column for a baseline this run did not measure.
+            let (blabel, bkey, rkey) = if self.figures.contains_key(base.1) {
+                base
+            } else {
+                ("", "", "")
+            };
             let baseline = if bkey.is_empty() {
                 String::new()
             } else {
@@ -387,7 +392,12 @@ impl Report {
             if !self.figures.contains_key(key) {
                 return;
             }
-            let (blabel, bkey, rkey) = base;
+            // No baseline column for a baseline this run did not measure.
+            let (blabel, bkey, rkey) = if self.figures.contains_key(base.1) {
+                base
+            } else {
+                ("", "", "")
+            };
             let baseline = if bkey.is_empty() {
                 String::new()
             } else {
@@ -554,8 +564,11 @@ impl Report {
             }
             dist_row(&mut t, "  exec `true` in each", &k("exec"), none);
         }
-        t.blank();
-        t.row(["baseline", "p50", "p95", "p99", "", "", ""]);
+        let baselines = self.figures.keys().any(|k| k.starts_with("baseline."));
+        if baselines {
+            t.blank();
+            t.row(["baseline", "p50", "p95", "p99", "", "", ""]);
+        }
         for (label, prefix) in [
             ("fork+exec /bin/true", "baseline.fork_exec"),
             ("unshare (sandpit's ns) true", "baseline.unshare"),
