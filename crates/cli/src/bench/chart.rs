@@ -56,7 +56,22 @@ pub(super) fn series(report: &Report, h: &Header) -> Vec<Series> {
         ("unshare (sandpit's namespaces)", "baseline.unshare", true),
         ("fork+exec", "baseline.fork_exec", true),
     ];
-    rows.into_iter()
+    let idle: Vec<(String, String)> = h
+        .idle
+        .iter()
+        .map(|n| {
+            (
+                format!("exec in each of {n} idle"),
+                format!("idle.{n}.exec"),
+            )
+        })
+        .collect();
+    let idle_rows = idle.iter().map(|(l, k)| (l.as_str(), k.as_str(), false));
+    // The idle rows go after sandpit's own rows, before the baselines.
+    let (own, base): (Vec<_>, Vec<_>) = rows.into_iter().partition(|r| !r.2);
+    own.into_iter()
+        .chain(idle_rows)
+        .chain(base)
         .filter_map(|(label, key, baseline)| {
             let samples = report.samples.get(key)?.clone();
             (!samples.is_empty()).then(|| Series {

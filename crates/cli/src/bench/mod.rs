@@ -620,6 +620,13 @@ impl Bench {
                     "daemon.rss_idle_mb",
                     proc::vm_rss_kb(*pid).map(|kb| kb as f64 / 1024.0),
                 );
+                // Allocators rarely hand memory back: a daemon that has served a load
+                // before keeps some of that RSS.
+                report.note(
+                    "daemon.rss_idle_mb",
+                    "VmRSS of the daemon when this run started: its idle size only if it had \
+                     served no load before (start a fresh daemon for that figure)",
+                );
             }
             Err(reason) => report.note("daemon.rss_idle_mb", reason.clone()),
         }

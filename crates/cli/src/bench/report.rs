@@ -261,7 +261,7 @@ impl Report {
         };
         if unit.is_empty() && v.fract() == 0.0 {
             format!("{v:.0}")
-        } else if unit == " ms" && v < 10.0 {
+        } else if (unit == " ms" || unit == " MB") && v.abs() < 10.0 {
             format!("{v:.2}{unit}")
         } else {
             format!("{v:.1}{unit}")
