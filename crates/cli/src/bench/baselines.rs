@@ -61,32 +61,9 @@ pub(super) fn measure(n: usize, concurrency: usize, cancel: &Cancel) -> Baseline
     ));
 
     let progress = Progress::new("baseline bwrap", n);
-    let bwrap = time_command(n, cancel, &progress, |_| {
-        let mut c = Command::new("bwrap");
-        c.args([
-            "--unshare-all",
-            "--ro-bind",
-            "/usr",
-            "/usr",
-            "--symlink",
-            "usr/bin",
-            "/bin",
-            "--symlink",
-            "usr/lib",
-            "/lib",
-            "--symlink",
-            "usr/lib64",
-            "/lib64",
-            "--proc",
-            "/proc",
-            "--dev",
-            "/dev",
-            "true",
-        ]);
-        c
-    });
+    let timed = time_command(n, cancel, &progress, |_| bwrap(&["true"]));
     drop(progress);
-    out.dists.push(("baseline.bwrap", bwrap));
+    out.dists.push(("baseline.bwrap", timed));
 
     if cancel.is_set() {
         return out;
@@ -297,6 +274,33 @@ fn crun_baselines(
     }
 }
 
+/// `bwrap --unshare-all` with the host's /usr read-only (as the host template has it)
+/// running `args`.
+pub(super) fn bwrap(args: &[&str]) -> Command {
+    let mut c = Command::new("bwrap");
+    c.args([
+        "--unshare-all",
+        "--ro-bind",
+        "/usr",
+        "/usr",
+        "--symlink",
+        "usr/bin",
+        "/bin",
+        "--symlink",
+        "usr/lib",
+        "/lib",
+        "--symlink",
+        "usr/lib64",
+        "/lib64",
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+    ]);
+    c.args(args);
+    c
+}
+
 /// Starts `count` commands at once (threads released together by a barrier) and times each
 /// to its exit; also the wall time from the first start to the last exit, in ms.
 fn time_concurrent(
@@ -475,7 +479,7 @@ fn remove_cgroups(parent: &str) {
 }
 
 /// True if an executable file named `program` is in one of the `PATH` directories.
-fn in_path(program: &str) -> bool {
+pub(super) fn in_path(program: &str) -> bool {
     std::env::var_os("PATH")
         .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(program).is_file()))
 }

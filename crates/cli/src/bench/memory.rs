@@ -2,16 +2,18 @@
 //! they all still answer.
 
 use std::collections::{BTreeSet, VecDeque};
+use std::io::Read;
+use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::bail;
+use anyhow::{Context, bail};
 
 use futures::StreamExt;
 
 use super::proc::{self, UsedSample};
 use super::report::{Report, quantile};
-use super::{Bench, COLD_LIMITS, MIB, Progress, ms};
+use super::{Bench, COLD_LIMITS, MIB, Progress, baselines, ms};
 
 /// Host memory counts as settled when it moves less than this (KiB) ...
 const QUIET_KB: u64 = 2048;
@@ -20,7 +22,127 @@ const QUIET_WINDOW: usize = 5;
 /// ... and the wait for that gives up after this long.
 const QUIET_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Whether a per-unit host memory figure can be trusted. Growth and release are two
+/// independent readings of the same thing: when they agree and dwarf the sampling noise,
+/// memory that was still moving elsewhere did not decide them.
+fn credible(grown: f64, released: f64, noise: f64) -> bool {
+    let disagree = (grown - released).abs() > grown.abs().max(released.abs()) / 4.0 + 0.5;
+    grown > 0.0 && !disagree && noise <= grown.abs() / 2.0
+}
+
+/// Idle bwrap sandboxes, killed and reaped when dropped (and by the kernel if this process
+/// dies first: `--die-with-parent`).
+struct IdleBwraps(Vec<Child>);
+
+impl Drop for IdleBwraps {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+        }
+        for c in &mut self.0 {
+            let _ = c.wait();
+        }
+    }
+}
+
 impl Bench {
+    /// `baseline.idle_bwrap.*`: what `n` idle `bwrap --unshare-all ... sleep infinity` cost
+    /// the host, measured as the sandboxes are.
+    pub(super) async fn idle_bwrap(&self, report: &mut Report, n: usize) -> anyhow::Result<()> {
+        let key = |name: &str| format!("baseline.idle_bwrap.{name}");
+        for name in [
+            "per_sandbox_mb",
+            "per_sandbox_released_mb",
+            "rss_mb",
+            "pss_mb",
+        ] {
+            report.set(&key(name), None);
+        }
+        if !baselines::in_path("bwrap") {
+            report.note(&key("per_sandbox_mb"), "bwrap is not installed");
+            return Ok(());
+        }
+        let mut unsettled = Vec::new();
+        if !self.wait_for_quiet_memory().await? {
+            unsettled.push("before");
+        }
+        let before = proc::sample_used_kb().await?;
+        let mut idle = IdleBwraps(Vec::with_capacity(n));
+        let progress = Progress::new("baseline: idle bwrap sandboxes", n);
+        for i in 0..n {
+            self.api.cancel.check()?;
+            let child = baselines::bwrap(&["--die-with-parent", "sleep", "infinity"])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .context("start bwrap")?;
+            idle.0.push(child);
+            progress.set(i + 1);
+        }
+        drop(progress);
+        if !self.wait_for_quiet_memory().await? {
+            unsettled.push("with them");
+        }
+        let with = proc::sample_used_kb().await?;
+        for c in &mut idle.0 {
+            if let Ok(Some(status)) = c.try_wait() {
+                let mut err = String::new();
+                if let Some(mut e) = c.stderr.take() {
+                    let _ = e.read_to_string(&mut err);
+                }
+                bail!("an idle bwrap exited ({status}): {}", err.trim());
+            }
+        }
+        let roots: Vec<i32> = idle
+            .0
+            .iter()
+            .filter_map(|c| i32::try_from(c.id()).ok())
+            .collect();
+        let (mut rss, mut pss) = (Vec::new(), Vec::new());
+        for tree in proc::process_trees(&roots) {
+            rss.push(tree.iter().filter_map(|p| proc::vm_rss_kb(*p)).sum::<u64>() as f64);
+            pss.push(tree.iter().filter_map(|p| proc::pss_kb(*p)).sum::<u64>() as f64);
+        }
+        drop(idle);
+        if !self.wait_for_quiet_memory().await? {
+            unsettled.push("after");
+        }
+        let after = proc::sample_used_kb().await?;
+        let median_mb = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            quantile(&v, 0.5).map(|kb| kb / 1024.0)
+        };
+        let count = n as f64;
+        let grown = (with.median - before.median) / 1024.0 / count;
+        let released = (with.median - after.median) / 1024.0 / count;
+        let noise = before.spread.max(with.spread).max(after.spread) / 1024.0 / count;
+        report.set(&key("per_sandbox_mb"), Some(grown));
+        report.set(&key("per_sandbox_released_mb"), Some(released));
+        report.set(&key("rss_mb"), median_mb(rss));
+        report.set(&key("pss_mb"), median_mb(pss));
+        let mut note = format!(
+            "{n} idle `bwrap --unshare-all --die-with-parent ... sleep infinity`: host memory \
+             growth / N as for the sandboxes; rss_mb and pss_mb: median over the sandboxes of \
+             the sum over their processes (bwrap, its pid-1 bwrap, sleep)"
+        );
+        if !unsettled.is_empty() {
+            note.push_str(&format!(
+                "; host memory did not settle within {}s {}",
+                QUIET_TIMEOUT.as_secs(),
+                unsettled.join(", ")
+            ));
+        }
+        if !credible(grown, released, noise) {
+            note.push_str(&format!(
+                "; UNRELIABLE in this run (growth {grown:.1} MB vs release {released:.1} MB \
+                 each, sample spread {noise:.1} MB): other activity on the machine"
+            ));
+        }
+        report.note(&key("per_sandbox_mb"), note);
+        Ok(())
+    }
+
     /// `idle.<n>.*`: what `n` idle sandboxes cost the host.
     pub(super) async fn idle(
         &self,
@@ -146,11 +268,7 @@ impl Bench {
                 unsettled.join(", ")
             ));
         }
-        let disagree = (grown - released).abs() > grown.abs().max(released.abs()) / 4.0 + 0.5;
-        // Growth and release are two independent readings of the same thing: when they
-        // agree and dwarf the sampling noise, memory that was still moving elsewhere (noted
-        // above) did not decide them.
-        if grown <= 0.0 || disagree || noise > grown.abs() / 2.0 {
+        if !credible(grown, released, noise) {
             note.push_str(&format!(
                 "; UNRELIABLE in this run (growth {grown:.1} MB vs release {released:.1} MB per \
                  sandbox, sample spread {noise:.1} MB): other activity on the machine; trust \
@@ -288,5 +406,18 @@ impl Bench {
         }
         report.set_dist(&format!("idle.{n}.exec"), Ok(samples));
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::credible;
+
+    #[test]
+    fn memory_credibility() {
+        assert!(credible(1.5, 1.6, 0.0));
+        assert!(!credible(-1.1, 1.5, 0.3));
+        assert!(!credible(19.2, 1.0, 0.1));
+        assert!(!credible(3.0, 2.9, 2.4));
     }
 }

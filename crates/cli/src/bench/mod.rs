@@ -680,6 +680,13 @@ impl Bench {
         // Density before the file test, whose 100 MiB through a tmpfs and the page cache
         // would disturb the host-wide memory figures.
         if on(Phase::Memory) {
+            if on(Phase::Baselines)
+                && let Some(&n) = self.idle.first()
+            {
+                // Per-sandbox figures: 100 are plenty, whatever sizes the sandboxes get.
+                let r = self.idle_bwrap(&mut report, n.min(100)).await;
+                phase(&mut report, "baseline.idle_bwrap", r)?;
+            }
             for &n in &self.idle {
                 let r = self.idle(&mut report, n, daemon).await;
                 phase(&mut report, &format!("idle.{n}"), r)?;
@@ -693,6 +700,28 @@ impl Bench {
             phase(&mut report, "file_io", r)?;
         }
 
+        for &n in &self.idle {
+            if report
+                .figures
+                .contains_key("baseline.idle_bwrap.per_sandbox_mb")
+            {
+                report.set_ratio(
+                    &format!("idle_{n}_vs_bwrap"),
+                    &format!("idle.{n}.per_sandbox_mb"),
+                    "baseline.idle_bwrap.per_sandbox_mb",
+                );
+                report.set_ratio(
+                    &format!("idle_{n}_agent_rss_vs_bwrap"),
+                    &format!("idle.{n}.agent_rss_median_mb"),
+                    "baseline.idle_bwrap.rss_mb",
+                );
+                report.set_ratio(
+                    &format!("idle_{n}_agent_pss_vs_bwrap"),
+                    &format!("idle.{n}.agent_pss_median_mb"),
+                    "baseline.idle_bwrap.pss_mb",
+                );
+            }
+        }
         for (name, a, b) in [
             (
                 "pool_vs_crun_run",

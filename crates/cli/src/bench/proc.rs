@@ -67,6 +67,38 @@ pub(super) fn pids() -> Vec<i32> {
         .unwrap_or_default()
 }
 
+/// The parent of a process, from /proc/PID/stat.
+fn ppid(pid: i32) -> Option<i32> {
+    parse_stat_ppid(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// The ppid field of a /proc/PID/stat line; the command name before it is in parentheses
+/// and may itself contain spaces and parentheses, so the fields are counted from the last `)`.
+fn parse_stat_ppid(stat: &str) -> Option<i32> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Each of `roots` with all its descendants, in the order of `roots`.
+pub(super) fn process_trees(roots: &[i32]) -> Vec<Vec<i32>> {
+    let parents: Vec<(i32, i32)> = pids()
+        .into_iter()
+        .filter_map(|p| Some((p, ppid(p)?)))
+        .collect();
+    roots
+        .iter()
+        .map(|&root| {
+            let mut tree = vec![root];
+            let mut i = 0;
+            while let Some(&p) = tree.get(i) {
+                tree.extend(parents.iter().filter(|(_, pp)| *pp == p).map(|(c, _)| *c));
+                i += 1;
+            }
+            tree
+        })
+        .collect()
+}
+
 /// Proportional set size of a process (shared pages split among their users), in KiB.
 pub(super) fn pss_kb(pid: i32) -> Option<u64> {
     let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
@@ -220,6 +252,15 @@ pub(super) fn parse_proc_ip(hex: &str) -> Option<IpAddr> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stat_ppid() {
+        assert_eq!(parse_stat_ppid("42 (sleep) S 7 42 42 0 -1"), Some(7));
+        assert_eq!(parse_stat_ppid("42 (a) b) (c) R 9 1 1"), Some(9));
+        assert_eq!(parse_stat_ppid("42 (sleep"), None);
+        let me = std::process::id() as i32;
+        assert_eq!(process_trees(&[me])[0][0], me);
+    }
 
     #[test]
     fn proc_addresses() {

@@ -540,18 +540,41 @@ impl Report {
             if !self.figures.contains_key(&k("per_sandbox_mb")) {
                 continue;
             }
+            let ratio = |name: &str| format!("ratio.idle_{n}_{name}");
             value_row(
                 &mut t,
                 &format!("idle {n}: host memory / sandbox"),
                 &k("per_sandbox_mb"),
-                none,
+                (
+                    "idle bwrap",
+                    "baseline.idle_bwrap.per_sandbox_mb",
+                    &ratio("vs_bwrap"),
+                ),
+            );
+            value_row(
+                &mut t,
+                "  agent RSS median",
+                &k("agent_rss_median_mb"),
+                (
+                    "bwrap+sleep",
+                    "baseline.idle_bwrap.rss_mb",
+                    &ratio("agent_rss_vs_bwrap"),
+                ),
+            );
+            value_row(
+                &mut t,
+                "  agent PSS median",
+                &k("agent_pss_median_mb"),
+                (
+                    "bwrap+sleep",
+                    "baseline.idle_bwrap.pss_mb",
+                    &ratio("agent_pss_vs_bwrap"),
+                ),
             );
             for (label, name) in [
                 ("  released on delete / sandbox", "per_sandbox_released_mb"),
                 ("  noise (sample spread / N)", "per_sandbox_noise_mb"),
-                ("  agent RSS median", "agent_rss_median_mb"),
                 ("  agent RSS max", "agent_rss_max_mb"),
-                ("  agent PSS median", "agent_pss_median_mb"),
                 ("  agent PSS max", "agent_pss_max_mb"),
                 ("  cgroup memory mean", "cgroup_memory_mb"),
                 ("  daemon RSS with them", "daemon_rss_mb"),
@@ -594,6 +617,22 @@ impl Report {
                 "",
                 "",
             ]);
+        }
+        for (label, key) in [
+            (
+                "idle bwrap: host memory / one",
+                "baseline.idle_bwrap.per_sandbox_mb",
+            ),
+            (
+                "  released on kill / one",
+                "baseline.idle_bwrap.per_sandbox_released_mb",
+            ),
+            ("  RSS of bwrap+sleep", "baseline.idle_bwrap.rss_mb"),
+            ("  PSS of bwrap+sleep", "baseline.idle_bwrap.pss_mb"),
+        ] {
+            if self.figures.contains_key(key) {
+                t.row([label, &self.fmt(key), "", "", "", "", ""]);
+            }
         }
         out.push_str(&t.render());
         if !self.notes.is_empty() {
