@@ -2,10 +2,11 @@
 # Installs what sandpit needs on Debian/Ubuntu; safe to run again.
 #   protobuf-compiler: builds the agent protocol
 #   crun, bubblewrap:  baselines of `sandpit bench`
+#   fonts-dejavu-core: the text of `sandpit bench`'s chart
 #   python3, procps:   what the quickstart and the tests run inside host-template sandboxes
 set -euo pipefail
 need=()
-for pkg in protobuf-compiler crun bubblewrap python3 procps; do
+for pkg in protobuf-compiler crun bubblewrap fonts-dejavu-core python3 procps; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then

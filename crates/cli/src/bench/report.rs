@@ -1,0 +1,777 @@
+//! The figures of a run under stable dotted names, and their two renderings: the table for
+//! people and the JSON document for tools.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde_json::{Value, json};
+
+/// p50, p95 and p99 of a set of samples.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Dist {
+    pub p50: f64,
+    pub p95: f64,
+    pub p99: f64,
+}
+
+/// The `q` quantile (0..=1) of sorted samples, interpolating linearly between the closest
+/// ranks; None for no samples.
+pub(super) fn quantile(sorted: &[f64], q: f64) -> Option<f64> {
+    let last = sorted.len().checked_sub(1)?;
+    let rank = q.clamp(0.0, 1.0) * last as f64;
+    let (lo, hi) = (rank.floor() as usize, rank.ceil() as usize);
+    Some(sorted[lo] + (sorted[hi] - sorted[lo]) * (rank - lo as f64))
+}
+
+impl Dist {
+    pub(super) fn of(samples: &[f64]) -> Option<Dist> {
+        let mut sorted = samples.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        Some(Dist {
+            p50: quantile(&sorted, 0.50)?,
+            p95: quantile(&sorted, 0.95)?,
+            p99: quantile(&sorted, 0.99)?,
+        })
+    }
+}
+
+/// Which way a target points.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Goal {
+    AtMost,
+    AtLeast,
+}
+
+/// A figure the fast-start work aims for. `*` in a key stands for one dotted segment (the
+/// number of idle sandboxes). Informational: printed beside the figure, never asserted.
+pub(super) struct Target {
+    pub key: &'static str,
+    pub value: f64,
+    pub goal: Goal,
+    pub unit: &'static str,
+}
+
+pub(super) const TARGETS: &[Target] = &[
+    Target {
+        key: "pool_first_exec.p50_ms",
+        value: 2.0,
+        goal: Goal::AtMost,
+        unit: "ms",
+    },
+    Target {
+        key: "pool_first_exec.p95_ms",
+        value: 5.0,
+        goal: Goal::AtMost,
+        unit: "ms",
+    },
+    Target {
+        key: "cold_first_exec.p50_ms",
+        value: 8.0,
+        goal: Goal::AtMost,
+        unit: "ms",
+    },
+    Target {
+        key: "concurrent_first_exec.p95_ms",
+        value: 60.0,
+        goal: Goal::AtMost,
+        unit: "ms",
+    },
+    Target {
+        key: "sustained.cycles_per_s",
+        value: 300.0,
+        goal: Goal::AtLeast,
+        unit: "/s",
+    },
+    Target {
+        key: "exec_rtt.p50_ms",
+        value: 1.5,
+        goal: Goal::AtMost,
+        unit: "ms",
+    },
+    Target {
+        key: "idle.*.per_sandbox_mb",
+        value: 3.0,
+        goal: Goal::AtMost,
+        unit: "MB",
+    },
+    Target {
+        key: "idle.*.agent_rss_median_mb",
+        value: 2.0,
+        goal: Goal::AtMost,
+        unit: "MB",
+    },
+    Target {
+        key: "daemon.rss_idle_mb",
+        value: 30.0,
+        goal: Goal::AtMost,
+        unit: "MB",
+    },
+];
+
+/// The target of a figure, if it has one.
+pub(super) fn target_of(key: &str) -> Option<&'static Target> {
+    TARGETS.iter().find(|t| {
+        let (mut want, mut have) = (t.key.split('.'), key.split('.'));
+        loop {
+            match (want.next(), have.next()) {
+                (None, None) => return true,
+                (Some("*"), Some(_)) => {}
+                (Some(w), Some(h)) if w == h => {}
+                _ => return false,
+            }
+        }
+    })
+}
+
+/// Figures under stable dotted names (null when not measured), why some are missing, and
+/// the latency samples behind the distributions (for the chart).
+#[derive(Debug, Default)]
+pub(super) struct Report {
+    pub figures: BTreeMap<String, Option<f64>>,
+    pub notes: BTreeMap<String, String>,
+    pub samples: BTreeMap<String, Vec<f64>>,
+    /// Pid of the daemon, when it runs on this machine.
+    pub daemon_pid: Option<i32>,
+}
+
+/// What the run was asked to do, for the headings.
+#[derive(Debug, Clone)]
+pub(super) struct Header {
+    pub url: String,
+    pub daemon_version: String,
+    pub started: String,
+    pub iterations: u32,
+    pub concurrency: u32,
+    pub workers: u32,
+    pub sustained_secs: u64,
+    pub idle: Vec<u32>,
+    pub phases: Vec<String>,
+}
+
+impl Report {
+    pub(super) fn set(&mut self, key: &str, value: Option<f64>) {
+        self.figures.insert(key.to_string(), value);
+    }
+
+    pub(super) fn get(&self, key: &str) -> Option<f64> {
+        self.figures.get(key).copied().flatten()
+    }
+
+    pub(super) fn note(&mut self, key: &str, text: impl Into<String>) {
+        self.notes.insert(key.to_string(), text.into());
+    }
+
+    /// Declares the names of a distribution (null until measured).
+    pub(super) fn declare_dist(&mut self, prefix: &str) {
+        for q in ["p50", "p95", "p99"] {
+            self.figures.entry(format!("{prefix}.{q}_ms")).or_default();
+        }
+    }
+
+    /// `<prefix>.p50_ms`, `.p95_ms` and `.p99_ms`, or nulls and a note saying why.
+    pub(super) fn set_dist(&mut self, prefix: &str, samples: Result<Vec<f64>, String>) {
+        self.declare_dist(prefix);
+        let samples = samples.and_then(|s| match Dist::of(&s) {
+            Some(d) => Ok((s, d)),
+            None => Err("no samples (0 iterations)".to_string()),
+        });
+        match samples {
+            Ok((s, d)) => {
+                self.set(&format!("{prefix}.p50_ms"), Some(d.p50));
+                self.set(&format!("{prefix}.p95_ms"), Some(d.p95));
+                self.set(&format!("{prefix}.p99_ms"), Some(d.p99));
+                self.samples.insert(prefix.to_string(), s);
+            }
+            Err(reason) => self.note(prefix, reason),
+        }
+    }
+
+    /// `ratio.<name>` = a / b when both are known.
+    pub(super) fn set_ratio(&mut self, name: &str, a: &str, b: &str) {
+        let ratio = match (self.get(a), self.get(b)) {
+            (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+            _ => None,
+        };
+        self.set(&format!("ratio.{name}"), ratio);
+    }
+
+    pub(super) fn to_json(&self, h: &Header) -> Value {
+        // Three decimals are far below the noise of any of these figures.
+        let round = |v: f64| (v * 1000.0).round() / 1000.0;
+        let figures: serde_json::Map<String, Value> = self
+            .figures
+            .iter()
+            .map(|(k, v)| (k.clone(), v.map(round).map_or(Value::Null, Value::from)))
+            .collect();
+        let targets: serde_json::Map<String, Value> = TARGETS
+            .iter()
+            .map(|t| {
+                let goal = match t.goal {
+                    Goal::AtMost => "at_most",
+                    Goal::AtLeast => "at_least",
+                };
+                (t.key.to_string(), json!({ goal: t.value }))
+            })
+            .collect();
+        let samples: serde_json::Map<String, Value> = self
+            .samples
+            .iter()
+            .map(|(k, v)| (k.clone(), v.iter().map(|x| round(*x)).collect()))
+            .collect();
+        json!({
+            "sandpit_version": env!("CARGO_PKG_VERSION"),
+            "daemon_version": h.daemon_version,
+            "url": h.url,
+            "started": h.started,
+            "daemon_pid": self.daemon_pid,
+            "phases": h.phases,
+            "iterations": h.iterations,
+            "concurrency": h.concurrency,
+            "sustained_workers": h.workers,
+            "sustained_secs": h.sustained_secs,
+            "idle": h.idle,
+            "units": "ms = milliseconds, MB = MiB (2^20 bytes), mb_per_s = MiB per second, s = seconds, per_s = per second",
+            "figures": figures,
+            "targets": targets,
+            "notes": self.notes,
+            "samples_ms": samples,
+        })
+    }
+
+    fn fmt(&self, key: &str) -> String {
+        let Some(v) = self.get(key) else {
+            return if self.figures.contains_key(key) {
+                "n/a".to_string()
+            } else {
+                String::new()
+            };
+        };
+        let unit = if key.ends_with("_ms") {
+            " ms"
+        } else if key.ends_with("_mb") {
+            " MB"
+        } else if key.ends_with("mb_per_s") {
+            " MB/s"
+        } else if key.ends_with("per_s") {
+            " /s"
+        } else if key.ends_with("_s") {
+            " s"
+        } else {
+            ""
+        };
+        if unit.is_empty() && v.fract() == 0.0 {
+            format!("{v:.0}")
+        } else if (unit == " ms" || unit == " MB") && v.abs() < 10.0 {
+            format!("{v:.2}{unit}")
+        } else {
+            format!("{v:.1}{unit}")
+        }
+    }
+
+    fn ratio(&self, key: &str) -> String {
+        match self.get(key) {
+            Some(r) if r >= 10.0 => format!("{r:.0}x"),
+            Some(r) => format!("{r:.2}x"),
+            None if key.is_empty() => String::new(),
+            None => "n/a".to_string(),
+        }
+    }
+
+    /// "p50 <= 2 ms (met)" for each of `keys` that has a target.
+    fn targets(&self, keys: &[&str]) -> String {
+        let mut out = Vec::new();
+        for key in keys {
+            let Some(t) = target_of(key) else { continue };
+            let what = key
+                .rsplit('.')
+                .next()
+                .map(|l| l.trim_end_matches("_ms").trim_end_matches("_mb"))
+                .unwrap_or_default();
+            let (op, met) = match t.goal {
+                Goal::AtMost => ("<=", self.get(key).map(|v| v <= t.value)),
+                Goal::AtLeast => (">=", self.get(key).map(|v| v >= t.value)),
+            };
+            let unreliable = self
+                .notes
+                .get(*key)
+                .is_some_and(|n| n.contains("UNRELIABLE"));
+            let verdict = match self.get(key) {
+                Some(_) if unreliable => "unreliable",
+                _ => match met {
+                    Some(true) => "met",
+                    Some(false) => "missed",
+                    None => "n/a",
+                },
+            };
+            let unit = if t.unit == "/s" { "/s" } else { t.unit };
+            out.push(format!("{what} {op} {} {unit} ({verdict})", t.value));
+        }
+        out.join(", ")
+    }
+
+    pub(super) fn to_table(&self, h: &Header) -> String {
+        let mut out = String::new();
+        let pid = self
+            .daemon_pid
+            .map_or_else(|| "not on this machine".to_string(), |p| format!("pid {p}"));
+        let _ = writeln!(
+            out,
+            "sandpit bench {}: daemon {} (version {}, {pid}); phases {}",
+            h.started,
+            h.url,
+            h.daemon_version,
+            h.phases.join(",")
+        );
+        let _ = writeln!(
+            out,
+            "{} iterations, {} concurrent creates, {} workers for {} s, idle {}; \
+             MB = MiB; latencies are wall-clock as the client sees them; targets are informational",
+            h.iterations,
+            h.concurrency,
+            h.workers,
+            h.sustained_secs,
+            h.idle
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        let _ = writeln!(out);
+        let mut t = Table::default();
+        t.row([
+            "sandpit", "p50", "p95", "p99", "baseline", "ratio", "target",
+        ]);
+
+        // A latency row: the distribution, a baseline and its ratio, and the targets.
+        let dist_row = |t: &mut Table, label: &str, prefix: &str, base: (&str, &str, &str)| {
+            let (p50, p95, p99) = (
+                format!("{prefix}.p50_ms"),
+                format!("{prefix}.p95_ms"),
+                format!("{prefix}.p99_ms"),
+            );
+            if !self.figures.contains_key(&p50) {
+                return;
+            }
+            // No baseline column for a baseline this run did not measure.
+            let (blabel, bkey, rkey) = if self.figures.contains_key(base.1) {
+                base
+            } else {
+                ("", "", "")
+            };
+            let baseline = if bkey.is_empty() {
+                String::new()
+            } else {
+                format!("{blabel} {}", self.fmt(bkey))
+            };
+            t.row([
+                label,
+                &self.fmt(&p50),
+                &self.fmt(&p95),
+                &self.fmt(&p99),
+                &baseline,
+                &self.ratio(rkey),
+                &self.targets(&[&p50, &p95]),
+            ]);
+        };
+        // A further baseline under the row above.
+        let base_row = |t: &mut Table, blabel: &str, bkey: &str, rkey: &str| {
+            if self.figures.contains_key(bkey) && self.figures.contains_key(rkey) {
+                t.row([
+                    "",
+                    "",
+                    "",
+                    "",
+                    &format!("{blabel} {}", self.fmt(bkey)),
+                    &self.ratio(rkey),
+                    "",
+                ]);
+            }
+        };
+        // A single figure in the p50 column.
+        let value_row = |t: &mut Table, label: &str, key: &str, base: (&str, &str, &str)| {
+            if !self.figures.contains_key(key) {
+                return;
+            }
+            // No baseline column for a baseline this run did not measure.
+            let (blabel, bkey, rkey) = if self.figures.contains_key(base.1) {
+                base
+            } else {
+                ("", "", "")
+            };
+            let baseline = if bkey.is_empty() {
+                String::new()
+            } else {
+                format!("{blabel} {}", self.fmt(bkey))
+            };
+            t.row([
+                label,
+                &self.fmt(key),
+                "",
+                "",
+                &baseline,
+                &self.ratio(rkey),
+                &self.targets(&[key]),
+            ]);
+        };
+        let none = ("", "", "");
+
+        dist_row(
+            &mut t,
+            "pool claim -> first exec",
+            "pool_first_exec",
+            (
+                "crun run",
+                "baseline.crun_run.p50_ms",
+                "ratio.pool_vs_crun_run",
+            ),
+        );
+        base_row(
+            &mut t,
+            "fork+exec",
+            "baseline.fork_exec.p50_ms",
+            "ratio.pool_vs_fork_exec",
+        );
+        // Counts of a pool phase that did not run would only repeat its n/a.
+        if self.get("pool.hits").is_some() {
+            value_row(&mut t, "  claims served by the pool", "pool.hits", none);
+            value_row(&mut t, "  cold misses (not timed)", "pool.misses", none);
+        }
+        dist_row(
+            &mut t,
+            "cold create -> first exec",
+            "cold_first_exec",
+            (
+                "crun run",
+                "baseline.crun_run.p50_ms",
+                "ratio.cold_vs_crun_run",
+            ),
+        );
+        base_row(
+            &mut t,
+            "crun run net",
+            "baseline.crun_run_net.p50_ms",
+            "ratio.cold_vs_crun_run_net",
+        );
+        base_row(
+            &mut t,
+            "unshare",
+            "baseline.unshare.p50_ms",
+            "ratio.cold_vs_unshare",
+        );
+        base_row(
+            &mut t,
+            "bwrap",
+            "baseline.bwrap.p50_ms",
+            "ratio.cold_vs_bwrap",
+        );
+        base_row(
+            &mut t,
+            "runsc",
+            "baseline.runsc_ptrace.p50_ms",
+            "ratio.cold_vs_runsc_ptrace",
+        );
+        dist_row(&mut t, "  delete", "delete", none);
+        dist_row(
+            &mut t,
+            &format!("{} concurrent creates -> exec", h.concurrency),
+            "concurrent_first_exec",
+            (
+                "crun run p95",
+                "baseline.crun_run_concurrent.p95_ms",
+                "ratio.concurrent_vs_crun_run_concurrent",
+            ),
+        );
+        value_row(
+            &mut t,
+            "  wall time for all",
+            "concurrent.wall_ms",
+            (
+                "crun",
+                "baseline.crun_run_concurrent.wall_ms",
+                "ratio.concurrent_wall_vs_crun",
+            ),
+        );
+        value_row(&mut t, "  failed", "concurrent.failed", none);
+        value_row(
+            &mut t,
+            &format!("sustained ({} workers)", h.workers),
+            "sustained.cycles_per_s",
+            (
+                "crun runs",
+                "baseline.crun_run_concurrent.per_s",
+                "ratio.sustained_vs_crun",
+            ),
+        );
+        dist_row(&mut t, "  create", "sustained_create", none);
+        dist_row(&mut t, "  delete", "sustained_delete", none);
+        value_row(&mut t, "  failed", "sustained.errors", none);
+        dist_row(
+            &mut t,
+            "exec round trip",
+            "exec_rtt",
+            (
+                "fork+exec",
+                "baseline.fork_exec.p50_ms",
+                "ratio.exec_vs_fork_exec",
+            ),
+        );
+        dist_row(&mut t, "daemon GET /v1/sandboxes/{id}", "daemon_get", none);
+        value_row(
+            &mut t,
+            "file write (100 MiB upload)",
+            "file_write.mb_per_s",
+            none,
+        );
+        value_row(
+            &mut t,
+            "file read (100 MiB download)",
+            "file_read.mb_per_s",
+            none,
+        );
+        value_row(&mut t, "daemon RSS idle", "daemon.rss_idle_mb", none);
+        value_row(
+            &mut t,
+            "daemon RSS peak under load",
+            "daemon.rss_load_peak_mb",
+            none,
+        );
+        for n in &h.idle {
+            let k = |name: &str| format!("idle.{n}.{name}");
+            if !self.figures.contains_key(&k("per_sandbox_mb")) {
+                continue;
+            }
+            let ratio = |name: &str| format!("ratio.idle_{n}_{name}");
+            value_row(
+                &mut t,
+                &format!("idle {n}: host memory / sandbox"),
+                &k("per_sandbox_mb"),
+                (
+                    "idle bwrap",
+                    "baseline.idle_bwrap.per_sandbox_mb",
+                    &ratio("vs_bwrap"),
+                ),
+            );
+            value_row(
+                &mut t,
+                "  agent RSS median",
+                &k("agent_rss_median_mb"),
+                (
+                    "bwrap+sleep",
+                    "baseline.idle_bwrap.rss_mb",
+                    &ratio("agent_rss_vs_bwrap"),
+                ),
+            );
+            value_row(
+                &mut t,
+                "  agent PSS median",
+                &k("agent_pss_median_mb"),
+                (
+                    "bwrap+sleep",
+                    "baseline.idle_bwrap.pss_mb",
+                    &ratio("agent_pss_vs_bwrap"),
+                ),
+            );
+            for (label, name) in [
+                ("  released on delete / sandbox", "per_sandbox_released_mb"),
+                ("  noise (sample spread / N)", "per_sandbox_noise_mb"),
+                ("  agent RSS max", "agent_rss_max_mb"),
+                ("  agent PSS max", "agent_pss_max_mb"),
+                ("  cgroup memory mean", "cgroup_memory_mb"),
+                ("  daemon RSS with them", "daemon_rss_mb"),
+                ("  daemon RSS growth / sandbox", "daemon_rss_per_sandbox_mb"),
+                ("  create all (total)", "create_total_s"),
+                ("  delete all (total)", "delete_total_s"),
+                ("  exec `true` failed", "exec_failed"),
+            ] {
+                value_row(&mut t, label, &k(name), none);
+            }
+            dist_row(&mut t, "  exec `true` in each", &k("exec"), none);
+        }
+        let baselines = self.figures.keys().any(|k| k.starts_with("baseline."));
+        if baselines {
+            t.blank();
+            t.row(["baseline", "p50", "p95", "p99", "", "", ""]);
+        }
+        for (label, prefix) in [
+            ("fork+exec /bin/true", "baseline.fork_exec"),
+            ("unshare (sandpit's ns) true", "baseline.unshare"),
+            ("bwrap --unshare-all true", "baseline.bwrap"),
+            ("crun run true", "baseline.crun_run"),
+            ("  unshare wrapper alone", "baseline.unshare_wrapper"),
+            ("crun run, N at once", "baseline.crun_run_concurrent"),
+            ("runsc --platform=ptrace run", "baseline.runsc_ptrace"),
+        ] {
+            let p50 = format!("{prefix}.p50_ms");
+            // The wrapper row exists only where the cgroup layout needs the wrapper.
+            if !self.figures.contains_key(&p50)
+                || (label.starts_with(' ') && self.get(&p50).is_none())
+            {
+                continue;
+            }
+            t.row([
+                label,
+                &self.fmt(&p50),
+                &self.fmt(&format!("{prefix}.p95_ms")),
+                &self.fmt(&format!("{prefix}.p99_ms")),
+                "",
+                "",
+                "",
+            ]);
+        }
+        for (label, key) in [
+            (
+                "idle bwrap: host memory / one",
+                "baseline.idle_bwrap.per_sandbox_mb",
+            ),
+            (
+                "  released on kill / one",
+                "baseline.idle_bwrap.per_sandbox_released_mb",
+            ),
+            ("  RSS of bwrap+sleep", "baseline.idle_bwrap.rss_mb"),
+            ("  PSS of bwrap+sleep", "baseline.idle_bwrap.pss_mb"),
+        ] {
+            if self.figures.contains_key(key) {
+                t.row([label, &self.fmt(key), "", "", "", "", ""]);
+            }
+        }
+        out.push_str(&t.render());
+        if !self.notes.is_empty() {
+            let _ = writeln!(out);
+            let _ = writeln!(out, "notes:");
+            for (k, v) in &self.notes {
+                let _ = writeln!(out, "  {k}: {v}");
+            }
+        }
+        out
+    }
+}
+
+/// Rows of seven columns, aligned when rendered.
+#[derive(Default)]
+struct Table {
+    rows: Vec<Option<[String; 7]>>,
+}
+
+impl Table {
+    fn row(&mut self, cols: [&str; 7]) {
+        self.rows.push(Some(cols.map(str::to_string)));
+    }
+
+    fn blank(&mut self) {
+        self.rows.push(None);
+    }
+
+    fn render(&self) -> String {
+        let mut width = [0usize; 7];
+        for row in self.rows.iter().flatten() {
+            for (w, c) in width.iter_mut().zip(row) {
+                *w = (*w).max(c.chars().count());
+            }
+        }
+        let mut out = String::new();
+        for row in &self.rows {
+            let Some(row) = row else {
+                out.push('\n');
+                continue;
+            };
+            let mut line = String::new();
+            for (i, (c, w)) in row.iter().zip(width).enumerate() {
+                // Numbers right-aligned, words left-aligned.
+                let cell = if matches!(i, 1..=3 | 5) {
+                    format!("{c:>w$}")
+                } else {
+                    format!("{c:<w$}")
+                };
+                line.push_str(&cell);
+                line.push_str("  ");
+            }
+            let _ = writeln!(out, "{}", line.trim_end());
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_interpolate() {
+        let s: Vec<f64> = (1..=100).map(f64::from).collect();
+        let d = Dist::of(&s).unwrap();
+        assert!((d.p50 - 50.5).abs() < 1e-9);
+        assert!((d.p95 - 95.05).abs() < 1e-9);
+        assert!((d.p99 - 99.01).abs() < 1e-9);
+        assert!(Dist::of(&[]).is_none());
+        let one = Dist::of(&[3.0]).unwrap();
+        assert_eq!((one.p50, one.p95, one.p99), (3.0, 3.0, 3.0));
+        // Order of the input does not matter.
+        assert_eq!(Dist::of(&[3.0, 1.0, 2.0]).unwrap().p50, 2.0);
+    }
+
+    #[test]
+    fn targets_match_idle_counts() {
+        assert_eq!(
+            target_of("idle.1000.per_sandbox_mb").map(|t| t.value),
+            Some(3.0)
+        );
+        assert!(target_of("idle.1000.per_sandbox_noise_mb").is_none());
+        assert!(target_of("idle.per_sandbox_mb").is_none());
+        assert_eq!(
+            target_of("sustained.cycles_per_s").map(|t| t.goal),
+            Some(Goal::AtLeast)
+        );
+    }
+
+    fn header() -> Header {
+        Header {
+            url: "http://127.0.0.1:1".into(),
+            daemon_version: "0".into(),
+            started: "20250101-000000".into(),
+            iterations: 3,
+            concurrency: 50,
+            workers: 8,
+            sustained_secs: 30,
+            idle: vec![100],
+            phases: vec!["cold".into()],
+        }
+    }
+
+    #[test]
+    fn json_shape() {
+        let mut r = Report::default();
+        r.set_dist("cold_first_exec", Ok(vec![1.0, 2.0, 3.0]));
+        r.set_dist(
+            "pool_first_exec",
+            Err("pool: not supported by this daemon".into()),
+        );
+        r.set("baseline.crun_run.p50_ms", Some(4.0));
+        r.set_ratio(
+            "cold_vs_crun_run",
+            "cold_first_exec.p50_ms",
+            "baseline.crun_run.p50_ms",
+        );
+        let j = r.to_json(&header());
+        assert_eq!(j["figures"]["cold_first_exec.p50_ms"], 2.0);
+        assert_eq!(j["figures"]["cold_first_exec.p99_ms"], 2.98);
+        assert_eq!(j["figures"]["pool_first_exec.p95_ms"], Value::Null);
+        assert_eq!(j["figures"]["ratio.cold_vs_crun_run"], 0.5);
+        assert_eq!(
+            j["notes"]["pool_first_exec"],
+            "pool: not supported by this daemon"
+        );
+        assert_eq!(j["samples_ms"]["cold_first_exec"], json!([1.0, 2.0, 3.0]));
+        assert_eq!(j["targets"]["sustained.cycles_per_s"]["at_least"], 300.0);
+        assert_eq!(j["idle"], json!([100]));
+    }
+
+    #[test]
+    fn table_shows_verdicts() {
+        let mut r = Report::default();
+        r.set_dist("cold_first_exec", Ok(vec![5.0, 6.0, 7.0]));
+        r.set("sustained.cycles_per_s", Some(120.0));
+        let table = r.to_table(&header());
+        assert!(table.contains("p50 <= 8 ms (met)"), "{table}");
+        assert!(table.contains("cycles_per_s >= 300 /s (missed)"), "{table}");
+    }
+}
