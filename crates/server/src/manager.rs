@@ -27,6 +27,8 @@ pub const CPU_RANGE: (u64, u64) = (50, 64_000);
 pub const MEMORY_RANGE: (u64, u64) = (32 << 20, 64 << 30);
 pub const DISK_RANGE: (u64, u64) = (1 << 20, 64 << 30);
 pub const PROCESSES_RANGE: (u64, u64) = (8, 65_536);
+/// Working directory of commands when a create names none.
+pub const DEFAULT_WORKDIR: &str = "/home/user";
 /// Default sandbox lifetime in seconds.
 pub const DEFAULT_TIMEOUT: u64 = 300;
 
@@ -269,7 +271,10 @@ impl Manager {
                 "metadata: at most 64 entries, keys 1..=256 and values up to 1024 bytes",
             ));
         }
-        let workdir = req.workdir.clone().unwrap_or_else(|| "/home/user".into());
+        let workdir = req
+            .workdir
+            .clone()
+            .unwrap_or_else(|| DEFAULT_WORKDIR.into());
         if !workdir.starts_with('/')
             || workdir.contains('\0')
             || workdir.split('/').any(|c| c == "..")
@@ -354,7 +359,8 @@ impl Manager {
             };
             let init = AgentInit {
                 env: &req.env,
-                workdir: Some(workdir),
+                // Pool members start in the default workdir already.
+                workdir: (workdir != DEFAULT_WORKDIR).then_some(workdir),
                 user: req.user.as_deref(),
             };
             match self.init_agent(&rec, &init).await {
@@ -388,6 +394,10 @@ impl Manager {
 
     /// `POST /init` on the agent: the caller's env, default workdir and user.
     async fn init_agent(&self, rec: &SandboxRecord, init: &AgentInit<'_>) -> Result<(), ApiError> {
+        if init.env.is_empty() && init.workdir.is_none() && init.user.is_none() {
+            // Nothing to change: spare the caller a round trip.
+            return Ok(());
+        }
         let (_, h) = self.runtime_of(rec)?;
         let conn = self.conn_for(&rec.id, &h);
         let body = serde_json::json!({
@@ -1134,7 +1144,7 @@ impl Manager {
                 plan,
                 BTreeMap::new(),
                 BTreeMap::new(),
-                "/home/user".into(),
+                DEFAULT_WORKDIR.into(),
                 // Idle pool members never expire; a claim sets the caller's deadline.
                 i64::MAX,
             )
