@@ -72,7 +72,7 @@ impl Store {
         .bind(&key.name)
         .bind(hash_key(&plaintext))
         .bind(key.created_at_ms)
-        .execute(&self.pool)
+        .execute(&self.writer)
         .await?;
         tracing::info!(key_id = %key.id, owner, name, "api key created");
         Ok((key, plaintext))
@@ -105,7 +105,7 @@ impl Store {
             sqlx::query("UPDATE api_keys SET last_used_at_ms = $1 WHERE key_hash = $2")
                 .bind(now)
                 .bind(&digest)
-                .execute(&self.pool)
+                .execute(&self.writer)
                 .await?;
             key.last_used_at_ms = Some(now);
         }
@@ -126,7 +126,7 @@ impl Store {
     pub async fn revoke_api_key(&self, id: &str) -> Result<bool, StoreError> {
         let done = sqlx::query("DELETE FROM api_keys WHERE id = $1")
             .bind(id)
-            .execute(&self.pool)
+            .execute(&self.writer)
             .await?;
         let revoked = done.rows_affected() > 0;
         if revoked {

@@ -32,10 +32,14 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// SQLite serialises writers anyway; a few connections let reads proceed beside a write.
 const MAX_FILE_CONNECTIONS: u32 = 4;
 
-/// Handle to the daemon's database; cheap to clone (clones share one connection pool).
+/// Handle to the daemon's database; cheap to clone (clones share the connection pools).
 #[derive(Debug, Clone)]
 pub struct Store {
+    /// Reads (several at once beside a write, thanks to WAL).
     pool: SqlitePool,
+    /// Writes, through one connection: concurrent writers then queue in the daemon
+    /// instead of meeting SQLITE_BUSY, whose handler sleeps a millisecond or more.
+    writer: SqlitePool,
 }
 
 impl Store {
@@ -52,23 +56,32 @@ impl Store {
             .foreign_keys(true);
         // Switching a new connection to WAL can meet SQLITE_BUSY before the busy timeout is
         // in force (another process opening the same file at that moment); retry briefly.
-        let mut attempt = 0;
-        let pool = loop {
-            let opened = SqlitePoolOptions::new()
-                .max_connections(MAX_FILE_CONNECTIONS)
-                .connect_with(options.clone())
-                .await;
-            match opened {
-                Err(sqlx::Error::Database(e)) if attempt < 50 && e.message().contains("locked") => {
-                    attempt += 1;
-                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        let connect = |max: u32| {
+            let options = options.clone();
+            async move {
+                let mut attempt = 0;
+                loop {
+                    let opened = SqlitePoolOptions::new()
+                        .max_connections(max)
+                        .connect_with(options.clone())
+                        .await;
+                    match opened {
+                        Err(sqlx::Error::Database(e))
+                            if attempt < 50 && e.message().contains("locked") =>
+                        {
+                            attempt += 1;
+                            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                        }
+                        other => break other,
+                    }
                 }
-                other => break other?,
             }
         };
-        schema::apply(&pool).await?;
+        let writer = connect(1).await?;
+        schema::apply(&writer).await?;
+        let pool = connect(MAX_FILE_CONNECTIONS).await?;
         tracing::info!(path = %path.display(), "store opened");
-        Ok(Store { pool })
+        Ok(Store { pool, writer })
     }
 
     /// Opens a fresh private in-memory database (for tests); its data is gone when dropped.
@@ -86,12 +99,16 @@ impl Store {
             .connect_with(options)
             .await?;
         schema::apply(&pool).await?;
-        Ok(Store { pool })
+        Ok(Store {
+            writer: pool.clone(),
+            pool,
+        })
     }
 
     /// Waits for in-flight queries and closes every connection (checkpointing the WAL).
     pub async fn close(&self) {
         self.pool.close().await;
+        self.writer.close().await;
     }
 }
 

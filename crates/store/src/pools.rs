@@ -64,7 +64,7 @@ impl Store {
         .bind(p.hits)
         .bind(p.misses)
         .bind(p.created_at_ms)
-        .execute(&self.pool)
+        .execute(&self.writer)
         .await?;
         Ok(())
     }
@@ -88,7 +88,7 @@ impl Store {
         .bind(p.hits)
         .bind(p.misses)
         .bind(p.created_at_ms)
-        .execute(&self.pool)
+        .execute(&self.writer)
         .await
         .map_err(|e| match StoreError::from(e) {
             StoreError::Conflict(_) => StoreError::Conflict(format!("pool {} exists", p.name)),
@@ -103,7 +103,7 @@ impl Store {
         let done = sqlx::query("DELETE FROM sandboxes WHERE owner = '' AND state IN ($1, $2)")
             .bind(SandboxState::Stopped.as_str())
             .bind(SandboxState::Error.as_str())
-            .execute(&self.pool)
+            .execute(&self.writer)
             .await?;
         Ok(done.rows_affected())
     }
@@ -130,7 +130,7 @@ impl Store {
         let done = sqlx::query("UPDATE pools SET size = $1 WHERE name = $2")
             .bind(size)
             .bind(name)
-            .execute(&self.pool)
+            .execute(&self.writer)
             .await?;
         Ok(done.rows_affected() > 0)
     }
@@ -139,7 +139,7 @@ impl Store {
     pub async fn delete_pool(&self, name: &str) -> Result<bool, StoreError> {
         let done = sqlx::query("DELETE FROM pools WHERE name = $1")
             .bind(name)
-            .execute(&self.pool)
+            .execute(&self.writer)
             .await?;
         Ok(done.rows_affected() > 0)
     }
@@ -150,7 +150,7 @@ impl Store {
             .bind(hits)
             .bind(misses)
             .bind(name)
-            .execute(&self.pool)
+            .execute(&self.writer)
             .await?;
         Ok(())
     }
@@ -191,7 +191,7 @@ impl Store {
         .bind(id)
         .bind(pool)
         .bind(SandboxState::Running.as_str())
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.writer)
         .await?;
         row.as_ref()
             .map(crate::sandboxes::sandbox_from_row)

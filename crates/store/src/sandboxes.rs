@@ -133,7 +133,7 @@ impl Store {
         .bind(&s.error)
         .bind(s.version)
         .bind(&s.pool)
-        .execute(&self.pool)
+        .execute(&self.writer)
         .await
         .map_err(|e| match StoreError::from(e) {
             StoreError::Conflict(_) => StoreError::Conflict(format!("sandbox {} exists", s.id)),
@@ -260,7 +260,7 @@ impl Store {
             .push_bind(id.to_string());
         push_state_in(&mut qb, from);
         qb.push(format!(" RETURNING {SANDBOX_COLUMNS}"));
-        let row = qb.build().fetch_optional(&self.pool).await?;
+        let row = qb.build().fetch_optional(&self.writer).await?;
         let record = row.as_ref().map(sandbox_from_row).transpose()?;
         match &record {
             Some(r) => {
@@ -286,7 +286,7 @@ impl Store {
         .bind(now_ms())
         .bind(id)
         .bind(SandboxState::Creating.as_str())
-        .execute(&self.pool)
+        .execute(&self.writer)
         .await?;
         if done.rows_affected() == 0 {
             return Err(StoreError::NotFound(format!("sandbox {id} being created")));
@@ -302,7 +302,7 @@ impl Store {
         .bind(expires_at_ms)
         .bind(now_ms())
         .bind(id)
-        .execute(&self.pool)
+        .execute(&self.writer)
         .await?;
         Ok(done.rows_affected() > 0)
     }
@@ -311,7 +311,7 @@ impl Store {
     pub async fn delete_sandbox(&self, id: &str) -> Result<bool, StoreError> {
         let done = sqlx::query("DELETE FROM sandboxes WHERE id = $1")
             .bind(id)
-            .execute(&self.pool)
+            .execute(&self.writer)
             .await?;
         let deleted = done.rows_affected() > 0;
         if deleted {

@@ -24,7 +24,7 @@ impl Store {
         .bind(&t.name)
         .bind(&t.rootfs)
         .bind(t.created_at_ms)
-        .execute(&self.pool)
+        .execute(&self.writer)
         .await?;
         tracing::info!(template = %t.name, rootfs = %t.rootfs, "template registered");
         Ok(())
@@ -51,7 +51,7 @@ impl Store {
     pub async fn delete_template(&self, name: &str) -> Result<bool, StoreError> {
         let done = sqlx::query("DELETE FROM templates WHERE name = $1")
             .bind(name)
-            .execute(&self.pool)
+            .execute(&self.writer)
             .await?;
         let deleted = done.rows_affected() > 0;
         if deleted {
