@@ -43,9 +43,43 @@ pub struct InitConfig {
     /// change its own copy of /etc or install packages).
     #[serde(default)]
     pub idmap_lower: bool,
+    /// Report when each setup phase ended (the daemon logs it at debug level).
+    #[serde(default)]
+    pub timing: bool,
 }
 
 type R<T> = Result<T, String>;
+
+static TIMING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static MARKS: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
+
+/// CLOCK_MONOTONIC in microseconds: one clock for the daemon, the helper and PID 1.
+pub fn mono_us() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1_000
+}
+
+/// Notes the end of a setup phase when the daemon asked for timings.
+pub(crate) fn mark(label: &str) {
+    if TIMING.load(std::sync::atomic::Ordering::Relaxed)
+        && let Ok(mut m) = MARKS.lock()
+    {
+        use std::fmt::Write as _;
+        let _ = write!(m, " {label}={}", mono_us());
+    }
+}
+
+fn take_marks() -> String {
+    MARKS
+        .lock()
+        .map(|mut m| std::mem::take(&mut *m))
+        .unwrap_or_default()
+}
 
 fn ctx<T, E: std::fmt::Display>(r: Result<T, E>, what: impl FnOnce() -> String) -> R<T> {
     r.map_err(|e| format!("{}: {e}", what()))
@@ -53,6 +87,7 @@ fn ctx<T, E: std::fmt::Display>(r: Result<T, E>, what: impl FnOnce() -> String) 
 
 /// Entry point of `sandpit __sandbox-init`; returns the process exit code.
 pub fn init_main() -> i32 {
+    let started = mono_us();
     let mut raw = String::new();
     if let Err(e) = std::io::stdin().read_to_string(&mut raw) {
         println!("ERR reading config: {e}");
@@ -65,9 +100,17 @@ pub fn init_main() -> i32 {
             return 1;
         }
     };
+    TIMING.store(cfg.timing, std::sync::atomic::Ordering::Relaxed);
+    if cfg.timing
+        && let Ok(mut m) = MARKS.lock()
+    {
+        use std::fmt::Write as _;
+        let _ = write!(m, " main={started}");
+    }
+    mark("config");
     match run(&cfg) {
         Ok((pid, start)) => {
-            println!("OK {pid} {start}");
+            println!("OK {pid} {start}{}", take_marks());
             0
         }
         Err(e) => {
@@ -102,6 +145,8 @@ fn run(cfg: &InitConfig) -> R<(i32, u64)> {
         ForkResult::Child => {
             drop(to_parent_r);
             drop(to_child_w);
+            // The helper reports its own marks; these would come twice.
+            take_marks();
             let mut report = std::fs::File::from(to_parent_w);
             let mut wait = std::fs::File::from(to_child_r);
             let err = child(cfg, userns.as_ref(), &mut report, &mut wait)
@@ -114,6 +159,7 @@ fn run(cfg: &InitConfig) -> R<(i32, u64)> {
         ForkResult::Parent { child } => {
             drop(to_parent_w);
             drop(to_child_r);
+            mark("fork");
             let r = parent(
                 cfg,
                 child,
@@ -159,9 +205,19 @@ fn parent(
         || "write gid_map".into(),
     )?;
     ctx(to_child.write_all(b"M"), || "signal child".into())?;
-    // The pipe closes without a message when the exec of the agent succeeded.
+    mark("idmap");
+    // The pipe closes without a message when the exec of the agent succeeded (after the
+    // child's timings, if asked for).
     let mut rest = String::new();
     let _ = from_child.read_to_string(&mut rest);
+    mark("exec");
+    let mut rest = rest.as_str();
+    if let Some((marks, after)) = rest.strip_prefix('T').and_then(|r| r.split_once('\n')) {
+        if let Ok(mut m) = MARKS.lock() {
+            m.push_str(marks);
+        }
+        rest = after;
+    }
     if let Some(msg) = rest.strip_prefix('E') {
         return Err(msg.to_string());
     }
@@ -182,6 +238,7 @@ fn child(
     ctx(report.write_all(b"U"), || "report".into())?;
     let mut b = [0u8; 1];
     ctx(wait.read_exact(&mut b), || "wait for id map".into())?;
+    mark("c_idmap");
     ctx(nix::unistd::setgroups(&[]), || "setgroups".into())?;
     ctx(
         nix::unistd::setresgid(Gid::from_raw(0), Gid::from_raw(0), Gid::from_raw(0)),
@@ -192,6 +249,7 @@ fn child(
         || "setresuid".into(),
     )?;
     crate::container::security::drop_capabilities()?;
+    mark("c_caps");
     // SAFETY: prctl with integer arguments.
     if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
         return Err(format!("no_new_privs: {}", std::io::Error::last_os_error()));
@@ -199,8 +257,14 @@ fn child(
     if cfg.host_template {
         crate::container::security::apply_landlock()?;
     }
+    mark("c_landlock");
     redirect_stdio()?;
+    mark("c_stdio");
     crate::container::security::apply_seccomp()?;
+    mark("c_seccomp");
+    if cfg.timing {
+        let _ = report.write_all(format!("T{}\n", take_marks()).as_bytes());
+    }
     exec_agent(cfg)
 }
 
@@ -311,6 +375,7 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
         unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWCGROUP),
         || "unshare mount and cgroup namespaces".into(),
     )?;
+    mark("c_mntns");
     mnt(
         None,
         Path::new("/"),
@@ -334,6 +399,7 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
     let work = layer.join("work");
     mkdir_owned(&upper, 0o755, cfg.uid_base)?;
     mkdir_owned(&work, 0o700, 0)?;
+    mark("c_layer");
     let lower = match userns {
         Some(ns) => idmapped_copy(&cfg.lower, &cfg.dir.join("lower"), ns)?,
         None => cfg.lower.clone(),
@@ -352,10 +418,12 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
         Some(&ovl),
     )?;
+    mark("c_overlay");
     for b in &cfg.host_binds {
         let target = root.join(b.strip_prefix("/").unwrap_or(b));
         bind_ro(b, &target, MsFlags::MS_NOSUID | MsFlags::MS_NODEV)?;
     }
+    mark("c_binds");
 
     // Until pivot_root the host is visible and this process is the host's root, so only
     // mount targets are touched here, each made a real directory of the overlay first: a
@@ -382,7 +450,9 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
     )?;
 
+    mark("c_agent");
     mount_proc(&root)?;
+    mark("c_proc");
     mnt(
         Some("sysfs"),
         &root.join("sys"),
@@ -391,7 +461,9 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
         None,
     )?;
     mask(&root, "sys/firmware")?;
+    mark("c_sys");
     mount_dev(&root)?;
+    mark("c_dev");
 
     ctx(nix::unistd::sethostname("sandpit"), || "sethostname".into())?;
     loopback_up()?;
@@ -400,12 +472,14 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
     // descendant, so commands cannot shield themselves again.
     let _ = std::fs::write("/proc/self/oom_adj", "-17");
 
+    mark("c_net");
     ctx(nix::unistd::chdir(&root), || "chdir rootfs".into())?;
     ctx(nix::unistd::pivot_root(".", "."), || "pivot_root".into())?;
     ctx(umount2(".", MntFlags::MNT_DETACH), || {
         "detach old root".into()
     })?;
     ctx(nix::unistd::chdir("/"), || "chdir /".into())?;
+    mark("c_pivot");
 
     // From here on only the sandbox's own tree is visible: whatever symlinks a template
     // holds resolve inside it.
@@ -427,6 +501,7 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
     write_owned(&root.join("etc/hostname"), "sandpit\n", uroot)?;
     write_owned(&root.join("etc/hosts"), crate::template::HOSTS, uroot)?;
     write_owned(&root.join("etc/resolv.conf"), "", uroot)?;
+    mark("c_files");
     Ok(())
 }
 

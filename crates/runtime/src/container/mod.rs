@@ -110,6 +110,8 @@ impl ContainerRuntime {
 
     /// Builds the sandbox in its namespaces and execs the agent.
     fn launch(&self, spec: &SandboxSpec, h: &mut SandboxHandle) -> Result<(), RuntimeError> {
+        let timing = tracing::enabled!(tracing::Level::DEBUG);
+        let t0 = crate::init::mono_us();
         let listener = self.pending.take(&spec.id)?;
         let (dir, uid_base) = (
             h.dir.clone(),
@@ -143,6 +145,7 @@ impl ContainerRuntime {
             idmap_lower: !host_template,
             agent_config: serde_json::to_string(&agent)
                 .map_err(|e| RuntimeError::Setup(e.to_string()))?,
+            timing,
         };
         let procs: Vec<CString> = self
             .cgroups
@@ -162,7 +165,8 @@ impl ContainerRuntime {
         unsafe {
             cmd.pre_exec(move || {
                 for p in &procs {
-                    // Join the cgroup first, so everything the sandbox ever runs is accounted.
+                    // Join the cgroup first, so everything the sandbox ever runs is accounted
+                    // ("0": this thread, the only one after fork; see `procs_files`).
                     let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
                     if fd < 0 || libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
                         return Err(std::io::Error::last_os_error());
@@ -182,6 +186,7 @@ impl ContainerRuntime {
             .spawn()
             .map_err(|e| RuntimeError::io("spawn sandbox init", e))?;
         drop(listener);
+        let t_spawn = crate::init::mono_us();
         let payload = serde_json::to_vec(&init).map_err(|e| RuntimeError::Setup(e.to_string()))?;
         if let Some(mut stdin) = child.stdin.take() {
             stdin
@@ -192,11 +197,15 @@ impl ContainerRuntime {
         if let Some(out) = child.stdout.take() {
             let _ = std::io::BufReader::new(out).read_line(&mut line);
         }
+        let t_reply = crate::init::mono_us();
         let _ = child.wait();
         let line = line.trim();
         let mut parts = line.split_whitespace();
         match (parts.next(), parts.next(), parts.next()) {
             (Some("OK"), Some(pid), Some(start)) => {
+                if timing {
+                    log_timing(&spec.id, t0, t_spawn, t_reply, parts);
+                }
                 let bad = || RuntimeError::Setup(format!("bad init reply {line:?}"));
                 h.pid = pid.parse().map_err(|_| bad())?;
                 h.pid_start = start.parse().map_err(|_| bad())?;
@@ -221,6 +230,36 @@ impl ContainerRuntime {
             Err(e) => Err(RuntimeError::io(format!("remove {}", dir.display()), e)),
         }
     }
+}
+
+/// Logs how long each step of a launch took, in microseconds since the step before; the
+/// helper's marks are absolute CLOCK_MONOTONIC times.
+fn log_timing<'a>(
+    id: &str,
+    t0: u64,
+    t_spawn: u64,
+    t_reply: u64,
+    marks: impl Iterator<Item = &'a str>,
+) {
+    use std::fmt::Write as _;
+    let mut marks: Vec<(u64, &str)> = marks
+        .filter_map(|m| {
+            let (label, at) = m.split_once('=')?;
+            Some((at.parse().ok()?, label))
+        })
+        .collect();
+    marks.sort_unstable();
+    let mut steps = String::new();
+    let mut prev = t_spawn;
+    let _ = write!(steps, "spawn={}", t_spawn.saturating_sub(t0));
+    for (at, label) in marks {
+        let _ = write!(steps, " {label}={}", at.saturating_sub(prev));
+        prev = at;
+    }
+    let _ = write!(steps, " reply={}", t_reply.saturating_sub(prev));
+    let done = crate::init::mono_us();
+    let _ = write!(steps, " wait={}", done.saturating_sub(t_reply));
+    tracing::debug!(id, total_us = done - t0, steps = %steps, "sandbox launched");
 }
 
 /// Names the parent cgroup after the data directory (FNV-1a of its path).

@@ -163,7 +163,9 @@ pub fn filters() -> Result<Vec<BpfProgram>, String> {
 
 /// Installs the filters on the calling thread (inherited by everything it execs).
 pub fn apply_seccomp() -> Result<(), String> {
-    for f in filters()? {
+    let filters = filters()?;
+    crate::init::mark("c_bpf");
+    for f in filters {
         seccompiler::apply_filter(&f).map_err(|e| format!("seccomp install: {e}"))?;
     }
     Ok(())
