@@ -375,7 +375,7 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
         unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWCGROUP),
         || "unshare mount and cgroup namespaces".into(),
     )?;
-    mark("c_mntns");
+    mark("c_unshare");
     mnt(
         None,
         Path::new("/"),
@@ -383,6 +383,7 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
         MsFlags::MS_REC | MsFlags::MS_PRIVATE,
         None,
     )?;
+    mark("c_private");
     let layer = cfg.dir.join("layer");
     let root = cfg.dir.join("rootfs");
     // The writable layer lives on a size-capped tmpfs: writing past it is ENOSPC and can
@@ -399,6 +400,7 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
     let work = layer.join("work");
     mkdir_owned(&upper, 0o755, cfg.uid_base)?;
     mkdir_owned(&work, 0o700, 0)?;
+    populate_upper(cfg, &upper)?;
     mark("c_layer");
     let lower = match userns {
         Some(ns) => idmapped_copy(&cfg.lower, &cfg.dir.join("lower"), ns)?,
@@ -428,21 +430,15 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
     // Until pivot_root the host is visible and this process is the host's root, so only
     // mount targets are touched here, each made a real directory of the overlay first: a
     // template's `proc -> /somewhere` symlink must not lead a mount onto a host path.
+    // `populate_upper` made them in the upper layer, which hides whatever the template
+    // has under these names; checked again on the merged tree all the same.
     for d in ["proc", "sys", "dev", ".sandpit"] {
         real_dir(&root.join(d))?;
     }
     let agent = root.join(AGENT_PATH.trim_start_matches('/'));
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        let _ = std::fs::remove_file(&agent);
-        ctx(
-            std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .custom_flags(libc::O_NOFOLLOW)
-                .open(&agent),
-            || "create the agent mount point".into(),
-        )?;
+    match std::fs::symlink_metadata(&agent) {
+        Ok(m) if m.is_file() => {}
+        _ => return Err("the agent mount point is not a plain file".into()),
     }
     bind_ro(
         &cfg.agent_exe,
@@ -484,24 +480,59 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
     // From here on only the sandbox's own tree is visible: whatever symlinks a template
     // holds resolve inside it.
     let root = Path::new("/");
+    if !cfg.host_template {
+        ensure_user_account(root, cfg.uid_base)?;
+    }
+    mark("c_files");
+    Ok(())
+}
+
+/// Writes the sandbox's own directories and files straight into the (still empty) upper
+/// layer before the overlay exists: an upper entry hides the template's entry of the same
+/// name whatever its type, and nothing has to be copied up. Only files whose content does
+/// not depend on the template; `ensure_user_account` edits the template's files later,
+/// inside the sandbox, where its symlinks cannot reach the host.
+fn populate_upper(cfg: &InitConfig, upper: &Path) -> R<()> {
     let uroot = cfg.uid_base;
     let uuser = cfg.uid_base + sandpit_agent::USER_UID;
-    mkdir_owned(&root.join("tmp"), 0o1777, uroot)?;
-    mkdir_owned(&root.join("root"), 0o700, uroot)?;
-    mkdir_owned(&root.join("home"), 0o755, uroot)?;
-    mkdir_owned(&root.join("home/user"), 0o755, uuser)?;
-    mkdir_owned(&root.join("workspace"), 0o755, uuser)?;
-    mkdir_owned(&root.join("etc"), 0o755, uroot)?;
-    if cfg.host_template {
-        write_owned(&root.join("etc/passwd"), crate::template::PASSWD, uroot)?;
-        write_owned(&root.join("etc/group"), crate::template::GROUP, uroot)?;
-    } else {
-        ensure_user_account(root, uroot)?;
+    for (d, mode, uid) in [
+        ("tmp", 0o1777, uroot),
+        ("root", 0o700, uroot),
+        ("home", 0o755, uroot),
+        ("home/user", 0o755, uuser),
+        ("workspace", 0o755, uuser),
+        ("etc", 0o755, uroot),
+        // Mount points, the host's root's like the mounts on them.
+        ("proc", 0o755, 0),
+        ("sys", 0o755, 0),
+        ("dev", 0o755, 0),
+        (".sandpit", 0o755, 0),
+    ] {
+        let p = upper.join(d);
+        ctx(std::fs::create_dir(&p), || format!("mkdir {}", p.display()))?;
+        chown_nofollow(&p, uid)?;
+        ctx(
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)),
+            || format!("chmod {}", p.display()),
+        )?;
     }
-    write_owned(&root.join("etc/hostname"), "sandpit\n", uroot)?;
-    write_owned(&root.join("etc/hosts"), crate::template::HOSTS, uroot)?;
-    write_owned(&root.join("etc/resolv.conf"), "", uroot)?;
-    mark("c_files");
+    let mut files = vec![
+        ("etc/hostname", "sandpit\n", uroot),
+        ("etc/hosts", crate::template::HOSTS, uroot),
+        ("etc/resolv.conf", "", uroot),
+        (AGENT_PATH.trim_start_matches('/'), "", 0),
+    ];
+    if cfg.host_template {
+        files.push(("etc/passwd", crate::template::PASSWD, uroot));
+        files.push(("etc/group", crate::template::GROUP, uroot));
+    }
+    for (f, content, uid) in files {
+        let p = upper.join(f);
+        ctx(std::fs::write(&p, content), || {
+            format!("write {}", p.display())
+        })?;
+        chown_nofollow(&p, uid)?;
+    }
     Ok(())
 }
 
