@@ -46,6 +46,9 @@ pub struct InitConfig {
     /// Report when each setup phase ended (the daemon logs it at debug level).
     #[serde(default)]
     pub timing: bool,
+    /// The cgroup files to write "0" into, joining the sandbox's cgroup.
+    #[serde(default)]
+    pub cgroup_tasks: Vec<PathBuf>,
 }
 
 type R<T> = Result<T, String>;
@@ -88,11 +91,13 @@ fn ctx<T, E: std::fmt::Display>(r: Result<T, E>, what: impl FnOnce() -> String) 
 /// Entry point of `sandpit __sandbox-init`; returns the process exit code.
 pub fn init_main() -> i32 {
     let started = mono_us();
-    let mut raw = String::new();
-    if let Err(e) = std::io::stdin().read_to_string(&mut raw) {
-        println!("ERR reading config: {e}");
-        return 1;
-    }
+    let (raw, listener) = match receive_config() {
+        Ok(r) => r,
+        Err(e) => {
+            println!("ERR reading config: {e}");
+            return 1;
+        }
+    };
     let cfg: InitConfig = match serde_json::from_str(&raw) {
         Ok(c) => c,
         Err(e) => {
@@ -108,6 +113,10 @@ pub fn init_main() -> i32 {
         let _ = write!(m, " main={started}");
     }
     mark("config");
+    if let Err(e) = enter_sandbox(&cfg, listener) {
+        println!("ERR {}", e.replace('\n', " "));
+        return 1;
+    }
     match run(&cfg) {
         Ok((pid, start)) => {
             println!("OK {pid} {start}{}", take_marks());
@@ -118,6 +127,67 @@ pub fn init_main() -> i32 {
             1
         }
     }
+}
+
+/// Reads the configuration from stdin, a unix socket whose first message also carries the
+/// agent's listening socket.
+fn receive_config() -> R<(String, OwnedFd)> {
+    use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+    let (n, fd) = {
+        let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+        let msg = ctx(
+            recvmsg::<()>(0, &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC),
+            || "receive config".into(),
+        )?;
+        let mut fd = None;
+        for c in msg.cmsgs().map_err(|e| format!("receive config: {e}"))? {
+            if let ControlMessageOwned::ScmRights(fds) = c {
+                for f in fds {
+                    // SAFETY: the kernel just installed this descriptor for us.
+                    let owned = unsafe { OwnedFd::from_raw_fd(f) };
+                    fd.get_or_insert(owned);
+                }
+            }
+        }
+        (msg.bytes, fd)
+    };
+    buf.truncate(n);
+    ctx(std::io::stdin().read_to_end(&mut buf), || {
+        "read config".into()
+    })?;
+    let listener = fd.ok_or("no listening socket came with the config")?;
+    let raw = String::from_utf8(buf).map_err(|e| format!("config: {e}"))?;
+    Ok((raw, listener))
+}
+
+/// Joins the sandbox's cgroup and its uts, ipc and net namespaces, and puts the agent's
+/// socket on its fd. Done here rather than between the daemon's fork and exec, so that
+/// the daemon can spawn with vfork semantics instead of copying its page tables.
+fn enter_sandbox(cfg: &InitConfig, listener: OwnedFd) -> R<()> {
+    for p in &cfg.cgroup_tasks {
+        // First, so that everything the sandbox ever runs is accounted. "0" moves only
+        // this thread (the only one), which keeps the kernel off its global lock.
+        ctx(std::fs::write(p, "0"), || format!("join {}", p.display()))?;
+    }
+    ctx(
+        unshare(CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWNET),
+        || "unshare uts, ipc and net namespaces".into(),
+    )?;
+    let fd = crate::container::LISTEN_FD;
+    if listener.as_raw_fd() == fd {
+        // Without close-on-exec it reaches the agent; `pass_fd` clears the flag.
+        ctx(crate::pass_fd(fd, fd), || "listener".into())?;
+        std::mem::forget(listener);
+    } else {
+        ctx(crate::pass_fd(listener.as_raw_fd(), fd), || {
+            "listener".into()
+        })?;
+    }
+    ctx(nix::unistd::setsid(), || "setsid".into())?;
+    mark("enter");
+    Ok(())
 }
 
 fn pipe() -> R<(OwnedFd, OwnedFd)> {
