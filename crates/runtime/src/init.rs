@@ -171,10 +171,12 @@ fn enter_sandbox(cfg: &InitConfig, listener: OwnedFd) -> R<()> {
         // this thread (the only one), which keeps the kernel off its global lock.
         ctx(std::fs::write(p, "0"), || format!("join {}", p.display()))?;
     }
+    mark("cgroup");
     ctx(
         unshare(CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWNET),
         || "unshare uts, ipc and net namespaces".into(),
     )?;
+    mark("netns");
     let fd = crate::container::LISTEN_FD;
     if listener.as_raw_fd() == fd {
         // Without close-on-exec it reaches the agent; `pass_fd` clears the flag.
