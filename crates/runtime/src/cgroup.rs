@@ -103,12 +103,17 @@ impl Cgroups {
         }
     }
 
-    /// The `cgroup.procs` files a process writes itself into to join the sandbox.
+    /// The files a single-threaded process writes "0" into to join the sandbox.
+    ///
+    /// On v1 that is `tasks`: moving only the calling thread lets the kernel skip the
+    /// global threadgroup lock, whose write side waits for an RCU grace period (7-15 ms
+    /// per sandbox here, against 60 µs). For a process of one thread it is the same move.
     pub fn procs_files(&self, id: &str) -> Vec<PathBuf> {
-        self.dirs(id)
-            .into_iter()
-            .map(|d| d.join("cgroup.procs"))
-            .collect()
+        let file = match self.layout {
+            Layout::V2 { .. } => "cgroup.procs",
+            Layout::V1 { .. } => "tasks",
+        };
+        self.dirs(id).into_iter().map(|d| d.join(file)).collect()
     }
 
     /// Creates the sandbox's cgroup with its limits.

@@ -43,9 +43,46 @@ pub struct InitConfig {
     /// change its own copy of /etc or install packages).
     #[serde(default)]
     pub idmap_lower: bool,
+    /// Report when each setup phase ended (the daemon logs it at debug level).
+    #[serde(default)]
+    pub timing: bool,
+    /// The cgroup files to write "0" into, joining the sandbox's cgroup.
+    #[serde(default)]
+    pub cgroup_tasks: Vec<PathBuf>,
 }
 
 type R<T> = Result<T, String>;
+
+static TIMING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static MARKS: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
+
+/// CLOCK_MONOTONIC in microseconds: one clock for the daemon, the helper and PID 1.
+pub fn mono_us() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1_000
+}
+
+/// Notes the end of a setup phase when the daemon asked for timings.
+pub(crate) fn mark(label: &str) {
+    if TIMING.load(std::sync::atomic::Ordering::Relaxed)
+        && let Ok(mut m) = MARKS.lock()
+    {
+        use std::fmt::Write as _;
+        let _ = write!(m, " {label}={}", mono_us());
+    }
+}
+
+fn take_marks() -> String {
+    MARKS
+        .lock()
+        .map(|mut m| std::mem::take(&mut *m))
+        .unwrap_or_default()
+}
 
 fn ctx<T, E: std::fmt::Display>(r: Result<T, E>, what: impl FnOnce() -> String) -> R<T> {
     r.map_err(|e| format!("{}: {e}", what()))
@@ -53,11 +90,14 @@ fn ctx<T, E: std::fmt::Display>(r: Result<T, E>, what: impl FnOnce() -> String) 
 
 /// Entry point of `sandpit __sandbox-init`; returns the process exit code.
 pub fn init_main() -> i32 {
-    let mut raw = String::new();
-    if let Err(e) = std::io::stdin().read_to_string(&mut raw) {
-        println!("ERR reading config: {e}");
-        return 1;
-    }
+    let started = mono_us();
+    let (raw, listener) = match receive_config() {
+        Ok(r) => r,
+        Err(e) => {
+            println!("ERR reading config: {e}");
+            return 1;
+        }
+    };
     let cfg: InitConfig = match serde_json::from_str(&raw) {
         Ok(c) => c,
         Err(e) => {
@@ -65,9 +105,21 @@ pub fn init_main() -> i32 {
             return 1;
         }
     };
+    TIMING.store(cfg.timing, std::sync::atomic::Ordering::Relaxed);
+    if cfg.timing
+        && let Ok(mut m) = MARKS.lock()
+    {
+        use std::fmt::Write as _;
+        let _ = write!(m, " main={started}");
+    }
+    mark("config");
+    if let Err(e) = enter_sandbox(&cfg, listener) {
+        println!("ERR {}", e.replace('\n', " "));
+        return 1;
+    }
     match run(&cfg) {
         Ok((pid, start)) => {
-            println!("OK {pid} {start}");
+            println!("OK {pid} {start}{}", take_marks());
             0
         }
         Err(e) => {
@@ -75,6 +127,69 @@ pub fn init_main() -> i32 {
             1
         }
     }
+}
+
+/// Reads the configuration from stdin, a unix socket whose first message also carries the
+/// agent's listening socket.
+fn receive_config() -> R<(String, OwnedFd)> {
+    use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+    let (n, fd) = {
+        let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+        let msg = ctx(
+            recvmsg::<()>(0, &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC),
+            || "receive config".into(),
+        )?;
+        let mut fd = None;
+        for c in msg.cmsgs().map_err(|e| format!("receive config: {e}"))? {
+            if let ControlMessageOwned::ScmRights(fds) = c {
+                for f in fds {
+                    // SAFETY: the kernel just installed this descriptor for us.
+                    let owned = unsafe { OwnedFd::from_raw_fd(f) };
+                    fd.get_or_insert(owned);
+                }
+            }
+        }
+        (msg.bytes, fd)
+    };
+    buf.truncate(n);
+    ctx(std::io::stdin().read_to_end(&mut buf), || {
+        "read config".into()
+    })?;
+    let listener = fd.ok_or("no listening socket came with the config")?;
+    let raw = String::from_utf8(buf).map_err(|e| format!("config: {e}"))?;
+    Ok((raw, listener))
+}
+
+/// Joins the sandbox's cgroup and its uts, ipc and net namespaces, and puts the agent's
+/// socket on its fd. Done here rather than between the daemon's fork and exec, so that
+/// the daemon can spawn with vfork semantics instead of copying its page tables.
+fn enter_sandbox(cfg: &InitConfig, listener: OwnedFd) -> R<()> {
+    for p in &cfg.cgroup_tasks {
+        // First, so that everything the sandbox ever runs is accounted. "0" moves only
+        // this thread (the only one), which keeps the kernel off its global lock.
+        ctx(std::fs::write(p, "0"), || format!("join {}", p.display()))?;
+    }
+    mark("cgroup");
+    ctx(
+        unshare(CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWNET),
+        || "unshare uts, ipc and net namespaces".into(),
+    )?;
+    mark("netns");
+    let fd = crate::container::LISTEN_FD;
+    if listener.as_raw_fd() == fd {
+        // Without close-on-exec it reaches the agent; `pass_fd` clears the flag.
+        ctx(crate::pass_fd(fd, fd), || "listener".into())?;
+        std::mem::forget(listener);
+    } else {
+        ctx(crate::pass_fd(listener.as_raw_fd(), fd), || {
+            "listener".into()
+        })?;
+    }
+    ctx(nix::unistd::setsid(), || "setsid".into())?;
+    mark("enter");
+    Ok(())
 }
 
 fn pipe() -> R<(OwnedFd, OwnedFd)> {
@@ -102,6 +217,8 @@ fn run(cfg: &InitConfig) -> R<(i32, u64)> {
         ForkResult::Child => {
             drop(to_parent_r);
             drop(to_child_w);
+            // The helper reports its own marks; these would come twice.
+            take_marks();
             let mut report = std::fs::File::from(to_parent_w);
             let mut wait = std::fs::File::from(to_child_r);
             let err = child(cfg, userns.as_ref(), &mut report, &mut wait)
@@ -114,6 +231,7 @@ fn run(cfg: &InitConfig) -> R<(i32, u64)> {
         ForkResult::Parent { child } => {
             drop(to_parent_w);
             drop(to_child_r);
+            mark("fork");
             let r = parent(
                 cfg,
                 child,
@@ -159,9 +277,19 @@ fn parent(
         || "write gid_map".into(),
     )?;
     ctx(to_child.write_all(b"M"), || "signal child".into())?;
-    // The pipe closes without a message when the exec of the agent succeeded.
+    mark("idmap");
+    // The pipe closes without a message when the exec of the agent succeeded (after the
+    // child's timings, if asked for).
     let mut rest = String::new();
     let _ = from_child.read_to_string(&mut rest);
+    mark("exec");
+    let mut rest = rest.as_str();
+    if let Some((marks, after)) = rest.strip_prefix('T').and_then(|r| r.split_once('\n')) {
+        if let Ok(mut m) = MARKS.lock() {
+            m.push_str(marks);
+        }
+        rest = after;
+    }
     if let Some(msg) = rest.strip_prefix('E') {
         return Err(msg.to_string());
     }
@@ -182,6 +310,7 @@ fn child(
     ctx(report.write_all(b"U"), || "report".into())?;
     let mut b = [0u8; 1];
     ctx(wait.read_exact(&mut b), || "wait for id map".into())?;
+    mark("c_idmap");
     ctx(nix::unistd::setgroups(&[]), || "setgroups".into())?;
     ctx(
         nix::unistd::setresgid(Gid::from_raw(0), Gid::from_raw(0), Gid::from_raw(0)),
@@ -192,6 +321,7 @@ fn child(
         || "setresuid".into(),
     )?;
     crate::container::security::drop_capabilities()?;
+    mark("c_caps");
     // SAFETY: prctl with integer arguments.
     if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
         return Err(format!("no_new_privs: {}", std::io::Error::last_os_error()));
@@ -199,8 +329,14 @@ fn child(
     if cfg.host_template {
         crate::container::security::apply_landlock()?;
     }
+    mark("c_landlock");
     redirect_stdio()?;
+    mark("c_stdio");
     crate::container::security::apply_seccomp()?;
+    mark("c_seccomp");
+    if cfg.timing {
+        let _ = report.write_all(format!("T{}\n", take_marks()).as_bytes());
+    }
     exec_agent(cfg)
 }
 
@@ -311,6 +447,7 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
         unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWCGROUP),
         || "unshare mount and cgroup namespaces".into(),
     )?;
+    mark("c_unshare");
     mnt(
         None,
         Path::new("/"),
@@ -318,6 +455,7 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
         MsFlags::MS_REC | MsFlags::MS_PRIVATE,
         None,
     )?;
+    mark("c_private");
     let layer = cfg.dir.join("layer");
     let root = cfg.dir.join("rootfs");
     // The writable layer lives on a size-capped tmpfs: writing past it is ENOSPC and can
@@ -334,6 +472,8 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
     let work = layer.join("work");
     mkdir_owned(&upper, 0o755, cfg.uid_base)?;
     mkdir_owned(&work, 0o700, 0)?;
+    populate_upper(cfg, &upper)?;
+    mark("c_layer");
     let lower = match userns {
         Some(ns) => idmapped_copy(&cfg.lower, &cfg.dir.join("lower"), ns)?,
         None => cfg.lower.clone(),
@@ -352,29 +492,25 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
         Some(&ovl),
     )?;
+    mark("c_overlay");
     for b in &cfg.host_binds {
         let target = root.join(b.strip_prefix("/").unwrap_or(b));
         bind_ro(b, &target, MsFlags::MS_NOSUID | MsFlags::MS_NODEV)?;
     }
+    mark("c_binds");
 
     // Until pivot_root the host is visible and this process is the host's root, so only
     // mount targets are touched here, each made a real directory of the overlay first: a
     // template's `proc -> /somewhere` symlink must not lead a mount onto a host path.
+    // `populate_upper` made them in the upper layer, which hides whatever the template
+    // has under these names; checked again on the merged tree all the same.
     for d in ["proc", "sys", "dev", ".sandpit"] {
         real_dir(&root.join(d))?;
     }
     let agent = root.join(AGENT_PATH.trim_start_matches('/'));
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        let _ = std::fs::remove_file(&agent);
-        ctx(
-            std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .custom_flags(libc::O_NOFOLLOW)
-                .open(&agent),
-            || "create the agent mount point".into(),
-        )?;
+    match std::fs::symlink_metadata(&agent) {
+        Ok(m) if m.is_file() => {}
+        _ => return Err("the agent mount point is not a plain file".into()),
     }
     bind_ro(
         &cfg.agent_exe,
@@ -382,7 +518,9 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
     )?;
 
+    mark("c_agent");
     mount_proc(&root)?;
+    mark("c_proc");
     mnt(
         Some("sysfs"),
         &root.join("sys"),
@@ -391,7 +529,9 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
         None,
     )?;
     mask(&root, "sys/firmware")?;
+    mark("c_sys");
     mount_dev(&root)?;
+    mark("c_dev");
 
     ctx(nix::unistd::sethostname("sandpit"), || "sethostname".into())?;
     loopback_up()?;
@@ -400,33 +540,71 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
     // descendant, so commands cannot shield themselves again.
     let _ = std::fs::write("/proc/self/oom_adj", "-17");
 
+    mark("c_net");
     ctx(nix::unistd::chdir(&root), || "chdir rootfs".into())?;
     ctx(nix::unistd::pivot_root(".", "."), || "pivot_root".into())?;
     ctx(umount2(".", MntFlags::MNT_DETACH), || {
         "detach old root".into()
     })?;
     ctx(nix::unistd::chdir("/"), || "chdir /".into())?;
+    mark("c_pivot");
 
     // From here on only the sandbox's own tree is visible: whatever symlinks a template
     // holds resolve inside it.
     let root = Path::new("/");
+    if !cfg.host_template {
+        ensure_user_account(root, cfg.uid_base)?;
+    }
+    mark("c_files");
+    Ok(())
+}
+
+/// Writes the sandbox's own directories and files straight into the (still empty) upper
+/// layer before the overlay exists: an upper entry hides the template's entry of the same
+/// name whatever its type, and nothing has to be copied up. Only files whose content does
+/// not depend on the template; `ensure_user_account` edits the template's files later,
+/// inside the sandbox, where its symlinks cannot reach the host.
+fn populate_upper(cfg: &InitConfig, upper: &Path) -> R<()> {
     let uroot = cfg.uid_base;
     let uuser = cfg.uid_base + sandpit_agent::USER_UID;
-    mkdir_owned(&root.join("tmp"), 0o1777, uroot)?;
-    mkdir_owned(&root.join("root"), 0o700, uroot)?;
-    mkdir_owned(&root.join("home"), 0o755, uroot)?;
-    mkdir_owned(&root.join("home/user"), 0o755, uuser)?;
-    mkdir_owned(&root.join("workspace"), 0o755, uuser)?;
-    mkdir_owned(&root.join("etc"), 0o755, uroot)?;
-    if cfg.host_template {
-        write_owned(&root.join("etc/passwd"), crate::template::PASSWD, uroot)?;
-        write_owned(&root.join("etc/group"), crate::template::GROUP, uroot)?;
-    } else {
-        ensure_user_account(root, uroot)?;
+    for (d, mode, uid) in [
+        ("tmp", 0o1777, uroot),
+        ("root", 0o700, uroot),
+        ("home", 0o755, uroot),
+        ("home/user", 0o755, uuser),
+        ("workspace", 0o755, uuser),
+        ("etc", 0o755, uroot),
+        // Mount points, the host's root's like the mounts on them.
+        ("proc", 0o755, 0),
+        ("sys", 0o755, 0),
+        ("dev", 0o755, 0),
+        (".sandpit", 0o755, 0),
+    ] {
+        let p = upper.join(d);
+        ctx(std::fs::create_dir(&p), || format!("mkdir {}", p.display()))?;
+        chown_nofollow(&p, uid)?;
+        ctx(
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)),
+            || format!("chmod {}", p.display()),
+        )?;
     }
-    write_owned(&root.join("etc/hostname"), "sandpit\n", uroot)?;
-    write_owned(&root.join("etc/hosts"), crate::template::HOSTS, uroot)?;
-    write_owned(&root.join("etc/resolv.conf"), "", uroot)?;
+    let mut files = vec![
+        ("etc/hostname", "sandpit\n", uroot),
+        ("etc/hosts", crate::template::HOSTS, uroot),
+        ("etc/resolv.conf", "", uroot),
+        (AGENT_PATH.trim_start_matches('/'), "", 0),
+    ];
+    if cfg.host_template {
+        files.push(("etc/passwd", crate::template::PASSWD, uroot));
+        files.push(("etc/group", crate::template::GROUP, uroot));
+    }
+    for (f, content, uid) in files {
+        let p = upper.join(f);
+        ctx(std::fs::write(&p, content), || {
+            format!("write {}", p.display())
+        })?;
+        chown_nofollow(&p, uid)?;
+    }
     Ok(())
 }
 

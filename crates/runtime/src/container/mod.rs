@@ -11,10 +11,8 @@ use crate::{
 };
 use sandpit_agent::{AgentConfig, IsolationMode};
 use std::collections::BTreeSet;
-use std::ffi::CString;
 use std::io::{BufRead, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
@@ -110,6 +108,8 @@ impl ContainerRuntime {
 
     /// Builds the sandbox in its namespaces and execs the agent.
     fn launch(&self, spec: &SandboxSpec, h: &mut SandboxHandle) -> Result<(), RuntimeError> {
+        let timing = tracing::enabled!(tracing::Level::DEBUG);
+        let t0 = crate::init::mono_us();
         let listener = self.pending.take(&spec.id)?;
         let (dir, uid_base) = (
             h.dir.clone(),
@@ -144,60 +144,48 @@ impl ContainerRuntime {
             idmap_lower: !host_template,
             agent_config: serde_json::to_string(&agent)
                 .map_err(|e| RuntimeError::Setup(e.to_string()))?,
+            timing,
+            cgroup_tasks: self.cgroups.procs_files(&spec.id),
         };
-        let procs: Vec<CString> = self
-            .cgroups
-            .procs_files(&spec.id)
-            .into_iter()
-            .map(|p| CString::new(p.into_os_string().into_encoded_bytes()))
-            .collect::<Result<_, _>>()
-            .map_err(|e| RuntimeError::Setup(e.to_string()))?;
-        let listen_raw = listener.as_raw_fd();
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair()
+            .map_err(|e| RuntimeError::io("config socket", e))?;
+        // No pre_exec: the helper joins the cgroup and namespaces itself, which lets the
+        // standard library spawn with posix_spawn (vfork semantics). A fork would copy
+        // the daemon's page tables and hold its mmap lock, stalling every other thread.
         let mut cmd = Command::new(&self.self_exe);
         cmd.arg("__sandbox-init")
             .env_clear()
-            .stdin(Stdio::piped())
+            .stdin(Stdio::from(std::os::fd::OwnedFd::from(theirs)))
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
-        // SAFETY: only raw syscalls on data prepared before the fork.
-        unsafe {
-            cmd.pre_exec(move || {
-                for p in &procs {
-                    // Join the cgroup first, so everything the sandbox ever runs is accounted.
-                    let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                    if fd < 0 || libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    libc::close(fd);
-                }
-                let flags = libc::CLONE_NEWUTS | libc::CLONE_NEWIPC | libc::CLONE_NEWNET;
-                if libc::unshare(flags) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                crate::pass_fd(listen_raw, LISTEN_FD)?;
-                libc::setsid();
-                Ok(())
-            });
-        }
         let mut child = cmd
             .spawn()
             .map_err(|e| RuntimeError::io("spawn sandbox init", e))?;
-        drop(listener);
+        drop(cmd);
+        let t_spawn = crate::init::mono_us();
         let payload = serde_json::to_vec(&init).map_err(|e| RuntimeError::Setup(e.to_string()))?;
-        if let Some(mut stdin) = child.stdin.take() {
-            stdin
-                .write_all(&payload)
-                .map_err(|e| RuntimeError::io("send init config", e))?;
+        let sent = send_with_fd(&ours, &payload, listener.as_raw_fd())
+            .map_err(|e| RuntimeError::io("send init config", e));
+        drop(listener);
+        drop(ours);
+        if let Err(e) = sent {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(e);
         }
         let mut line = String::new();
         if let Some(out) = child.stdout.take() {
             let _ = std::io::BufReader::new(out).read_line(&mut line);
         }
+        let t_reply = crate::init::mono_us();
         let _ = child.wait();
         let line = line.trim();
         let mut parts = line.split_whitespace();
         match (parts.next(), parts.next(), parts.next()) {
             (Some("OK"), Some(pid), Some(start)) => {
+                if timing {
+                    log_timing(&spec.id, t0, t_spawn, t_reply, parts);
+                }
                 let bad = || RuntimeError::Setup(format!("bad init reply {line:?}"));
                 h.pid = pid.parse().map_err(|_| bad())?;
                 h.pid_start = start.parse().map_err(|_| bad())?;
@@ -222,6 +210,55 @@ impl ContainerRuntime {
             Err(e) => Err(RuntimeError::io(format!("remove {}", dir.display()), e)),
         }
     }
+}
+
+/// Writes `payload` to `sock`, the first part together with `fd` (SCM_RIGHTS).
+fn send_with_fd(
+    sock: &std::os::unix::net::UnixStream,
+    payload: &[u8],
+    fd: std::os::fd::RawFd,
+) -> std::io::Result<()> {
+    use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
+    let fds = [fd];
+    let n = sendmsg::<()>(
+        sock.as_raw_fd(),
+        &[std::io::IoSlice::new(payload)],
+        &[ControlMessage::ScmRights(&fds)],
+        MsgFlags::empty(),
+        None,
+    )?;
+    let mut sock = sock;
+    sock.write_all(&payload[n..])
+}
+
+/// Logs how long each step of a launch took, in microseconds since the step before; the
+/// helper's marks are absolute CLOCK_MONOTONIC times.
+fn log_timing<'a>(
+    id: &str,
+    t0: u64,
+    t_spawn: u64,
+    t_reply: u64,
+    marks: impl Iterator<Item = &'a str>,
+) {
+    use std::fmt::Write as _;
+    let mut marks: Vec<(u64, &str)> = marks
+        .filter_map(|m| {
+            let (label, at) = m.split_once('=')?;
+            Some((at.parse().ok()?, label))
+        })
+        .collect();
+    marks.sort_unstable();
+    let mut steps = String::new();
+    let mut prev = t_spawn;
+    let _ = write!(steps, "spawn={}", t_spawn.saturating_sub(t0));
+    for (at, label) in marks {
+        let _ = write!(steps, " {label}={}", at.saturating_sub(prev));
+        prev = at;
+    }
+    let _ = write!(steps, " reply={}", t_reply.saturating_sub(prev));
+    let done = crate::init::mono_us();
+    let _ = write!(steps, " wait={}", done.saturating_sub(t_reply));
+    tracing::debug!(id, total_us = done - t0, steps = %steps, "sandbox launched");
 }
 
 /// Names the parent cgroup after the data directory (FNV-1a of its path).
