@@ -1,6 +1,12 @@
 //! The last layers applied before the agent is exec'd: capability bounding set, Landlock
 //! and a seccomp filter of what sandboxes never need.
 
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+    SeccompRule, TargetArch,
+};
+use std::collections::BTreeMap;
+
 /// Capabilities root inside a sandbox keeps (all relative to its own user namespace):
 /// chown, dac_override, fowner, fsetid, kill, setgid, setuid, setpcap, net_bind_service,
 /// sys_chroot, audit_write, setfcap. Docker's default set without mknod and net_raw.
@@ -91,190 +97,76 @@ const DENIED: &[i64] = &[
 ];
 
 /// Marks x32-ABI syscall numbers on x86_64.
-const X32_SYSCALL_BIT: u32 = 0x4000_0000;
+const X32_SYSCALL_BIT: i64 = 0x4000_0000;
 
-/// clone(2) flags that would create namespaces (all in the low 32 bits of the argument).
-const NS_FLAGS: u32 = (libc::CLONE_NEWUSER
-    | libc::CLONE_NEWNS
-    | libc::CLONE_NEWPID
-    | libc::CLONE_NEWNET
-    | libc::CLONE_NEWUTS
-    | libc::CLONE_NEWIPC
-    | libc::CLONE_NEWCGROUP) as u32;
+/// clone(2) flags that would create namespaces.
+const NS_FLAGS: &[u64] = &[
+    libc::CLONE_NEWUSER as u64,
+    libc::CLONE_NEWNS as u64,
+    libc::CLONE_NEWPID as u64,
+    libc::CLONE_NEWNET as u64,
+    libc::CLONE_NEWUTS as u64,
+    libc::CLONE_NEWIPC as u64,
+    libc::CLONE_NEWCGROUP as u64,
+];
 
-const AUDIT_ARCH_X86_64: u32 = 0xc000_003e;
-// Offsets into struct seccomp_data.
-const DATA_NR: u32 = 0;
-const DATA_ARCH: u32 = 4;
-const DATA_ARG0_LOW: u32 = 16;
-
-/// Where a syscall number leads.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Verdict {
-    Allow,
-    Eperm,
-    Enosys,
-    /// EPERM if the flags create a namespace, else allowed.
-    CloneFlags,
+fn arch() -> Result<TargetArch, String> {
+    TargetArch::try_from(std::env::consts::ARCH).map_err(|e| format!("seccomp arch: {e:?}"))
 }
 
-/// A jump target while the program is laid out: the next instruction, `n` instructions
-/// further on, or one of the verdict blocks at the end.
-#[derive(Clone, Copy)]
-enum To {
-    Next,
-    Skip(usize),
-    Verdict(Verdict),
-}
-
-/// An instruction being laid out: opcode (libc's constants are u32; all fit a u16), k.
-enum Ins {
-    Stmt(u32, u32),
-    Jump(u32, u32, To, To),
-}
-
-/// Compares the syscall number against `keys` (sorted) as a binary search tree: about
-/// six comparisons for any number, where a linear list costs one per entry. The kernel
-/// also replays the filter for every syscall number when it is installed (to find the
-/// ones it can allow without running it), so the tree is what keeps that step short.
-fn tree(keys: &[(u32, Verdict)]) -> Vec<Ins> {
-    use libc::{BPF_JEQ, BPF_JGE, BPF_JMP, BPF_K};
-    if keys.len() <= 3 {
-        let mut out: Vec<Ins> = keys
-            .iter()
-            .map(|&(nr, v)| Ins::Jump(BPF_JMP | BPF_JEQ | BPF_K, nr, To::Verdict(v), To::Next))
-            .collect();
-        if let Some(Ins::Jump(_, _, _, jf)) = out.last_mut() {
-            *jf = To::Verdict(Verdict::Allow);
-        }
-        return out;
-    }
-    let (left, right) = keys.split_at(keys.len() / 2);
-    let pivot = right[0].0;
-    let (left, right) = (tree(left), tree(right));
-    let mut out = vec![Ins::Jump(
-        BPF_JMP | BPF_JGE | BPF_K,
-        pivot,
-        To::Skip(left.len()),
-        To::Next,
-    )];
-    out.extend(left);
-    out.extend(right);
-    out
-}
-
-/// The filter: EPERM for the denied list and namespace-creating clones, ENOSYS for
-/// clone3 (whose flags live in memory a filter cannot read; libc falls back to clone),
-/// and death for any other architecture (i386 syscalls through int 0x80).
-pub fn filter() -> Result<Vec<libc::sock_filter>, String> {
-    use libc::{
-        BPF_ABS, BPF_ALU, BPF_AND, BPF_JEQ, BPF_JMP, BPF_JSET, BPF_K, BPF_LD, BPF_RET, BPF_W,
-    };
-    let mut keys: Vec<(u32, Verdict)> = DENIED
+/// The compiled filters: EPERM for the denied list and namespace-creating clones, ENOSYS
+/// for clone3 (whose flags live in memory a filter cannot read; libc falls back to clone).
+pub fn filters() -> Result<Vec<BpfProgram>, String> {
+    // The x32 ABI reaches the same calls with bit 30 set in the number while the filter sees
+    // the x86_64 architecture; deny those numbers too (harmless where x32 is compiled out).
+    let x32 = DENIED.iter().map(|s| s | X32_SYSCALL_BIT);
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = DENIED
         .iter()
-        .map(|&nr| (nr as u32, Verdict::Eperm))
-        .chain([
-            (libc::SYS_clone as u32, Verdict::CloneFlags),
-            (libc::SYS_clone3 as u32, Verdict::Enosys),
-        ])
+        .copied()
+        .chain(x32)
+        .map(|s| (s, vec![]))
         .collect();
-    keys.sort_unstable_by_key(|k| k.0);
-    keys.dedup_by_key(|k| k.0);
-    let mut prog = vec![
-        Ins::Stmt(BPF_LD | BPF_W | BPF_ABS, DATA_ARCH),
-        Ins::Jump(
-            BPF_JMP | BPF_JEQ | BPF_K,
-            AUDIT_ARCH_X86_64,
-            To::Skip(1),
-            To::Next,
-        ),
-        Ins::Stmt(BPF_RET | BPF_K, libc::SECCOMP_RET_KILL_PROCESS),
-        Ins::Stmt(BPF_LD | BPF_W | BPF_ABS, DATA_NR),
-        // The x32 ABI reaches the same calls with bit 30 set while the filter sees the
-        // x86_64 architecture: fold those numbers onto the native ones.
-        Ins::Stmt(BPF_ALU | BPF_AND | BPF_K, !X32_SYSCALL_BIT),
-    ];
-    prog.extend(tree(&keys));
-    // The clone block jumps on to the others, and BPF only jumps forward.
-    let verdicts = [
-        Verdict::CloneFlags,
-        Verdict::Allow,
-        Verdict::Eperm,
-        Verdict::Enosys,
-    ];
-    let mut at = [0usize; 4];
-    let errno = |e: i32| libc::SECCOMP_RET_ERRNO | (e as u32 & libc::SECCOMP_RET_DATA);
-    for (i, v) in verdicts.iter().enumerate() {
-        at[i] = prog.len();
-        match v {
-            Verdict::Allow => prog.push(Ins::Stmt(BPF_RET | BPF_K, libc::SECCOMP_RET_ALLOW)),
-            Verdict::Eperm => prog.push(Ins::Stmt(BPF_RET | BPF_K, errno(libc::EPERM))),
-            Verdict::Enosys => prog.push(Ins::Stmt(BPF_RET | BPF_K, errno(libc::ENOSYS))),
-            Verdict::CloneFlags => {
-                prog.push(Ins::Stmt(BPF_LD | BPF_W | BPF_ABS, DATA_ARG0_LOW));
-                prog.push(Ins::Jump(
-                    BPF_JMP | BPF_JSET | BPF_K,
-                    NS_FLAGS,
-                    To::Verdict(Verdict::Eperm),
-                    To::Verdict(Verdict::Allow),
-                ));
-            }
-        }
+    let mut clone_rules = Vec::new();
+    for flag in NS_FLAGS {
+        let cond = SeccompCondition::new(
+            0,
+            SeccompCmpArgLen::Qword,
+            SeccompCmpOp::MaskedEq(*flag),
+            *flag,
+        )
+        .map_err(|e| format!("seccomp rule: {e}"))?;
+        clone_rules.push(SeccompRule::new(vec![cond]).map_err(|e| format!("seccomp rule: {e}"))?);
     }
-    let target = |pc: usize, to: To| -> Result<u8, String> {
-        let dest = match to {
-            To::Next => pc + 1,
-            To::Skip(n) => pc + 1 + n,
-            To::Verdict(v) => at[verdicts.iter().position(|x| *x == v).unwrap_or(0)],
-        };
-        dest.checked_sub(pc + 1)
-            .and_then(|d| u8::try_from(d).ok())
-            .ok_or_else(|| format!("seccomp filter: jump from {pc} to {dest} out of range"))
-    };
-    prog.iter()
-        .enumerate()
-        .map(|(pc, ins)| {
-            Ok(match *ins {
-                Ins::Stmt(code, k) => libc::sock_filter {
-                    code: code as u16,
-                    jt: 0,
-                    jf: 0,
-                    k,
-                },
-                Ins::Jump(code, k, jt, jf) => libc::sock_filter {
-                    code: code as u16,
-                    jt: target(pc, jt)?,
-                    jf: target(pc, jf)?,
-                    k,
-                },
-            })
-        })
-        .collect()
+    rules.insert(libc::SYS_clone, clone_rules);
+    let deny = SeccompFilter::new(
+        rules,
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::EPERM as u32),
+        arch()?,
+    )
+    .map_err(|e| format!("seccomp filter: {e}"))?;
+    let clone3: BTreeMap<i64, Vec<SeccompRule>> =
+        [(libc::SYS_clone3, vec![])].into_iter().collect();
+    let nosys = SeccompFilter::new(
+        clone3,
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::ENOSYS as u32),
+        arch()?,
+    )
+    .map_err(|e| format!("seccomp filter: {e}"))?;
+    let mut out = Vec::new();
+    for f in [deny, nosys] {
+        out.push(BpfProgram::try_from(f).map_err(|e| format!("seccomp compile: {e}"))?);
+    }
+    Ok(out)
 }
 
-/// Installs the filter on the calling thread (inherited by everything it execs); the
-/// caller has set no_new_privs.
+/// Installs the filters on the calling thread (inherited by everything it execs).
 pub fn apply_seccomp() -> Result<(), String> {
-    let insns = filter()?;
+    let filters = filters()?;
     crate::init::mark("c_bpf");
-    let prog = libc::sock_fprog {
-        len: u16::try_from(insns.len()).map_err(|_| "seccomp filter too long".to_string())?,
-        filter: insns.as_ptr().cast_mut(),
-    };
-    // SAFETY: the program outlives the call, which copies it.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_seccomp,
-            libc::SECCOMP_SET_MODE_FILTER,
-            0,
-            &prog as *const libc::sock_fprog,
-        )
-    };
-    if r != 0 {
-        return Err(format!(
-            "seccomp install: {}",
-            std::io::Error::last_os_error()
-        ));
+    for f in filters {
+        seccompiler::apply_filter(&f).map_err(|e| format!("seccomp install: {e}"))?;
     }
     Ok(())
 }
@@ -319,92 +211,10 @@ pub fn apply_landlock() -> Result<(), String> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-
-    /// Runs the filter the way the kernel would, for the instructions it uses.
-    fn run(prog: &[libc::sock_filter], arch: u32, nr: u32, arg0: u64) -> u32 {
-        let mut acc = 0u32;
-        let mut pc = 0usize;
-        loop {
-            let i = prog[pc];
-            pc += 1;
-            match i.code as u32 {
-                c if c == (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) => {
-                    acc = match i.k {
-                        DATA_NR => nr,
-                        DATA_ARCH => arch,
-                        DATA_ARG0_LOW => arg0 as u32,
-                        k => panic!("load of offset {k}"),
-                    }
-                }
-                c if c == (libc::BPF_ALU | libc::BPF_AND | libc::BPF_K) => acc &= i.k,
-                c if c == (libc::BPF_RET | libc::BPF_K) => return i.k,
-                c => {
-                    let taken = match c & 0xf0 {
-                        libc::BPF_JEQ => acc == i.k,
-                        libc::BPF_JGE => acc >= i.k,
-                        libc::BPF_JSET => acc & i.k != 0,
-                        _ => panic!("instruction {c:#x}"),
-                    };
-                    pc += if taken { i.jt } else { i.jf } as usize;
-                }
-            }
-        }
-    }
-
     #[test]
-    fn filter_verdicts() {
-        let f = filter().unwrap();
-        let a = AUDIT_ARCH_X86_64;
-        let eperm = libc::SECCOMP_RET_ERRNO | libc::EPERM as u32;
-        let enosys = libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32;
-        let allow = libc::SECCOMP_RET_ALLOW;
-        for &nr in DENIED {
-            assert_eq!(run(&f, a, nr as u32, 0), eperm, "syscall {nr}");
-            assert_eq!(
-                run(&f, a, nr as u32 | X32_SYSCALL_BIT, 0),
-                eperm,
-                "x32 {nr}"
-            );
-        }
-        for nr in 0..600u32 {
-            let listed = DENIED.contains(&(nr as i64))
-                || nr == libc::SYS_clone as u32
-                || nr == libc::SYS_clone3 as u32;
-            if !listed {
-                assert_eq!(run(&f, a, nr, u64::MAX), allow, "syscall {nr}");
-            }
-        }
-        let clone = libc::SYS_clone as u32;
-        assert_eq!(run(&f, a, clone, libc::SIGCHLD as u64), allow);
-        let threads = (libc::CLONE_VM | libc::CLONE_THREAD | libc::CLONE_SIGHAND) as u64;
-        assert_eq!(run(&f, a, clone, threads), allow);
-        for flag in [
-            libc::CLONE_NEWUSER,
-            libc::CLONE_NEWNS,
-            libc::CLONE_NEWPID,
-            libc::CLONE_NEWNET,
-            libc::CLONE_NEWUTS,
-            libc::CLONE_NEWIPC,
-            libc::CLONE_NEWCGROUP,
-        ] {
-            let flags = flag as u64 | libc::SIGCHLD as u64;
-            assert_eq!(run(&f, a, clone, flags), eperm, "clone flag {flag:#x}");
-            assert_eq!(run(&f, a, clone | X32_SYSCALL_BIT, flags), eperm);
-        }
-        assert_eq!(run(&f, a, libc::SYS_clone3 as u32, 0), enosys);
-        assert_eq!(
-            run(&f, a, libc::SYS_clone3 as u32 | X32_SYSCALL_BIT, 0),
-            enosys
-        );
-        // i386 through int 0x80
-        assert_eq!(run(&f, 0x4000_0003, 1, 0), libc::SECCOMP_RET_KILL_PROCESS);
-    }
-
-    #[test]
-    fn filter_is_a_short_tree() {
-        let f = filter().unwrap();
-        // A linear list would be at least one comparison per entry.
-        assert!(f.len() < 2 * DENIED.len() + 20, "{} instructions", f.len());
+    fn filters_compile_for_this_arch() {
+        let f = super::filters().unwrap();
+        assert_eq!(f.len(), 2);
+        assert!(f[0].len() > 2 * super::DENIED.len());
     }
 }
