@@ -888,3 +888,24 @@ async fn deleting_a_sandbox_while_it_is_created_leaves_nothing() {
     eprintln!("deleted {caught} of 5 sandboxes while they were being created");
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_directories_live_on_a_tmpfs_that_a_clean_stop_unmounts() {
+    let d = Daemon::start().await;
+    let dir = d.data.path().join("sandboxes");
+    let mounted = |dir: &std::path::Path| {
+        std::fs::read_to_string("/proc/mounts")
+            .unwrap()
+            .lines()
+            .any(|l| l.split(' ').nth(1) == Some(dir.to_str().unwrap()) && l.contains(" tmpfs "))
+    };
+    assert!(mounted(&dir), "no tmpfs on {}", dir.display());
+    let id = d.sandbox(small()).await;
+    assert!(dir.join(&id).join("agent.sock").exists());
+    let path = dir.clone();
+    d.shutdown().await;
+    assert!(
+        !mounted(&path),
+        "the tmpfs outlived a clean stop with no sandboxes"
+    );
+}
