@@ -166,6 +166,9 @@ fn receive_config() -> R<(String, OwnedFd)> {
 /// socket on its fd. Done here rather than between the daemon's fork and exec, so that
 /// the daemon can spawn with vfork semantics instead of copying its page tables.
 fn enter_sandbox(cfg: &InitConfig, listener: OwnedFd) -> R<()> {
+    if cfg.cgroup_tasks.is_empty() {
+        return Err("no cgroup to join".into());
+    }
     for p in &cfg.cgroup_tasks {
         // First, so that everything the sandbox ever runs is accounted. "0" moves only
         // this thread (the only one), which keeps the kernel off its global lock.
@@ -368,6 +371,15 @@ fn exec_agent(cfg: &InitConfig) -> R<()> {
         CString::new("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
             .map_err(|e| e.to_string())?,
     ];
+    // Whatever the daemon inherited without close-on-exec must not reach the sandbox:
+    // only stdio and the listener (fd 3) go on.
+    // SAFETY: close_range with integer arguments; nothing else runs in this process.
+    if unsafe { libc::syscall(libc::SYS_close_range, 4u32, u32::MAX, 0u32) } != 0 {
+        return Err(format!(
+            "close inherited descriptors: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
     let e = nix::unistd::execve(&path, &argv, &env).err();
     Err(format!("exec agent: {e:?}"))
 }
@@ -759,9 +771,32 @@ fn ro_flags() -> MsFlags {
 }
 
 /// Adds the `user` account to a custom root filesystem that lacks it.
+/// Reads a template's account file as this (still fully privileged) process may: never
+/// through a symlink (it could point at /proc or /sys), never a FIFO or device (which could
+/// block or leak), and at most 1 MiB. Anything else counts as an empty file.
+fn read_account_file(p: &Path) -> String {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let Ok(f) = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(p)
+    else {
+        return String::new();
+    };
+    if !f.metadata().is_ok_and(|m| m.is_file()) {
+        return String::new();
+    }
+    let mut text = String::new();
+    match f.take(1 << 20).read_to_string(&mut text) {
+        Ok(_) => text,
+        Err(_) => String::new(),
+    }
+}
+
 fn ensure_user_account(root: &Path, uroot: u32) -> R<()> {
     let passwd = root.join("etc/passwd");
-    let cur = std::fs::read_to_string(&passwd).unwrap_or_default();
+    let cur = read_account_file(&passwd);
     if !cur.lines().any(|l| l.starts_with("user:")) {
         let base = if cur.is_empty() {
             "root:x:0:0:root:/root:/bin/sh\n".to_string()
@@ -775,7 +810,7 @@ fn ensure_user_account(root: &Path, uroot: u32) -> R<()> {
         )?;
     }
     let group = root.join("etc/group");
-    let cur = std::fs::read_to_string(&group).unwrap_or_default();
+    let cur = read_account_file(&group);
     if !cur.lines().any(|l| l.starts_with("user:")) {
         let base = if cur.is_empty() {
             "root:x:0:\n".to_string()
@@ -937,4 +972,29 @@ fn loopback_up() -> R<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod account_file_tests {
+    use super::read_account_file;
+
+    #[test]
+    fn only_regular_files_are_read_and_only_a_bounded_amount() {
+        let dir = tempfile::tempdir().unwrap();
+        let plain = dir.path().join("passwd");
+        std::fs::write(&plain, "root:x:0:0::/root:/bin/sh\n").unwrap();
+        assert_eq!(read_account_file(&plain), "root:x:0:0::/root:/bin/sh\n");
+        // A symlink (a template's passwd pointing at /proc/kallsyms, say) is not followed.
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&plain, &link).unwrap();
+        assert_eq!(read_account_file(&link), "");
+        // A FIFO neither blocks nor counts.
+        let fifo = dir.path().join("fifo");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        assert_eq!(read_account_file(&fifo), "");
+        assert_eq!(read_account_file(&dir.path().join("missing")), "");
+        let big = dir.path().join("big");
+        std::fs::write(&big, "a".repeat(3 << 20)).unwrap();
+        assert_eq!(read_account_file(&big).len(), 1 << 20);
+    }
 }

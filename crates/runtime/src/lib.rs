@@ -142,8 +142,8 @@ pub trait Runtime: Send + Sync {
     /// Tells the runtime about a sandbox that survived a daemon restart.
     fn adopt(&self, h: &SandboxHandle);
     /// Makes the sandbox unreachable at once without waiting for anything (`destroy`
-    /// follows and does the slow part): kills its agent, which as PID 1 of the sandbox's
-    /// pid namespace takes every other process with it.
+    /// follows and does the slow part). By default it kills the agent, which as PID 1 of
+    /// a pid namespace takes every other process with it; runtimes without one override it.
     fn begin_stop(&self, h: &SandboxHandle) {
         if h.pid > 0 && same_process(h.pid, h.pid_start) {
             let _ = nix::sys::signal::kill(

@@ -142,6 +142,10 @@ impl ProcessRuntime {
 }
 
 impl Runtime for ProcessRuntime {
+    /// Nothing up front: killing the agent first would orphan its commands (each in a
+    /// session of its own) before `destroy` could find them through it.
+    fn begin_stop(&self, _h: &SandboxHandle) {}
+
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             name: "process",

@@ -55,8 +55,41 @@ impl Daemon {
         Self::launch(data, port, &[]).await
     }
 
+    /// Starts a daemon that inherits an open descriptor without close-on-exec on fd 9
+    /// (as from a careless launcher), to check that it never reaches a sandbox.
+    pub async fn start_with_stray_fd() -> Daemon {
+        let data = tempfile::Builder::new()
+            .prefix("sandpit-test-")
+            .tempdir_in("/var/tmp")
+            .expect("tempdir");
+        Self::launch_with(data, free_port(), &[], true).await
+    }
+
     async fn launch(data: tempfile::TempDir, port: u16, extra: &[&str]) -> Daemon {
-        let child = Command::new(sandpit_bin())
+        Self::launch_with(data, port, extra, false).await
+    }
+
+    async fn launch_with(
+        data: tempfile::TempDir,
+        port: u16,
+        extra: &[&str],
+        stray_fd: bool,
+    ) -> Daemon {
+        let mut cmd = Command::new(sandpit_bin());
+        if stray_fd {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: only async-signal-safe calls between fork and exec.
+            unsafe {
+                cmd.pre_exec(|| {
+                    let fd = libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY);
+                    if fd < 0 || libc::dup2(fd, 9) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let child = cmd
             .args([
                 "serve",
                 "--listen",

@@ -909,3 +909,70 @@ async fn sandbox_directories_live_on_a_tmpfs_that_a_clean_stop_unmounts() {
         "the tmpfs outlived a clean stop with no sandboxes"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn descriptors_the_daemon_inherited_never_reach_a_sandbox() {
+    let d = Daemon::start_with_stray_fd().await;
+    let c = d.client();
+    let id = d.sandbox(small()).await;
+    // The stray descriptor is /dev/null: beyond stdio, neither the agent (PID 1) nor a
+    // command may hold one.
+    let agent = sh_root(
+        &c,
+        &id,
+        "for f in /proc/1/fd/*; do n=${f##*/}; [ $n -gt 2 ] && readlink $f; done; true",
+    )
+    .await;
+    assert!(!agent.stdout.contains("/dev/null"), "{agent:?}");
+    let own = sh(&c, &id, "for f in /proc/$$/fd/*; do echo ${f##*/}; done").await;
+    let fds: Vec<&str> = own.stdout.lines().collect();
+    assert!(!fds.contains(&"9"), "fd 9 leaked into a command: {fds:?}");
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_a_process_sandbox_kills_its_commands() {
+    let d = Daemon::start_with(&["--allow-process-runtime"]).await;
+    let c = d.client();
+    let sb = c
+        .create_sandbox(&CreateSandboxRequest {
+            runtime: Some("process".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let marker = format!("sleep 4{}", std::process::id() % 100_000);
+    let bg = RunCommandRequest {
+        argv: vec!["bash".into(), "-c".into(), format!("{marker} & {marker}")],
+        background: true,
+        ..Default::default()
+    };
+    c.run_background(&sb.id, &bg).await.unwrap();
+    let running = || {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+            .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+            .filter(|c| c.trim() == marker)
+            .count()
+    };
+    for _ in 0..100 {
+        if running() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(running(), 2);
+    c.delete_sandbox(&sb.id).await.unwrap();
+    let mut left = running();
+    for _ in 0..100 {
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        left = running();
+    }
+    assert_eq!(left, 0, "commands of a deleted process sandbox still run");
+    d.shutdown().await;
+}

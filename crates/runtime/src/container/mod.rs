@@ -159,12 +159,14 @@ impl ContainerRuntime {
             .stdin(Stdio::from(std::os::fd::OwnedFd::from(theirs)))
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
+        // Serialized before the spawn: a failure must not leave the helper waiting.
+        let payload = serde_json::to_vec(&init).map_err(|e| RuntimeError::Setup(e.to_string()))?;
         let mut child = cmd
             .spawn()
             .map_err(|e| RuntimeError::io("spawn sandbox init", e))?;
         drop(cmd);
         let t_spawn = crate::init::mono_us();
-        let payload = serde_json::to_vec(&init).map_err(|e| RuntimeError::Setup(e.to_string()))?;
+
         let sent = send_with_fd(&ours, &payload, listener.as_raw_fd())
             .map_err(|e| RuntimeError::io("send init config", e));
         drop(listener);
@@ -301,8 +303,12 @@ fn release_tmpfs(dir: &Path) {
         _ => false,
     };
     let empty = std::fs::read_dir(dir).is_ok_and(|mut rd| rd.next().is_none());
+    // Only a tmpfs, as `ensure_tmpfs` mounts: a volume an operator put here stays.
+    let tmpfs = nix::sys::statfs::statfs(dir)
+        .is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC);
     if mounted
         && empty
+        && tmpfs
         && let Err(e) = nix::mount::umount2(dir, nix::mount::MntFlags::MNT_DETACH)
     {
         tracing::warn!(dir = %dir.display(), error = %e, "unmounting the sandboxes tmpfs failed");
