@@ -30,7 +30,8 @@ pub struct ContainerRuntime {
     host_binds: Vec<PathBuf>,
     self_exe: PathBuf,
     cgroups: Cgroups,
-    slots: Mutex<BTreeSet<u32>>,
+    /// Uid-range slots in use, each with the sandbox that holds it.
+    slots: Mutex<std::collections::BTreeMap<u32, String>>,
     /// Agent sockets of sandboxes created but not started yet.
     pending: crate::PendingSockets,
 }
@@ -62,21 +63,26 @@ impl ContainerRuntime {
         })
     }
 
-    fn alloc_slot(&self) -> Result<u32, RuntimeError> {
+    fn alloc_slot(&self, id: &str) -> Result<u32, RuntimeError> {
         let mut slots = self
             .slots
             .lock()
             .map_err(|_| RuntimeError::Setup("slot table poisoned".into()))?;
         let free = (0..MAX_SLOTS)
-            .find(|s| !slots.contains(s))
+            .find(|s| !slots.contains_key(s))
             .ok_or_else(|| RuntimeError::Setup("no free uid range".into()))?;
-        slots.insert(free);
+        slots.insert(free, id.to_string());
         Ok(free)
     }
 
-    fn free_slot(&self, uid_base: Option<u32>) {
+    /// Frees the slot of sandbox `id`; a slot that another sandbox holds by now is left
+    /// alone, so a repeated teardown can never hand a live sandbox's uids to a new one.
+    fn free_slot(&self, uid_base: Option<u32>, id: &str) {
         if let (Some(base), Ok(mut slots)) = (uid_base, self.slots.lock()) {
-            slots.remove(&((base - UID_FLOOR) / ID_RANGE));
+            let slot = (base - UID_FLOOR) / ID_RANGE;
+            if slots.get(&slot).is_some_and(|holder| holder == id) {
+                slots.remove(&slot);
+            }
         }
     }
 
@@ -357,11 +363,11 @@ impl Runtime for ContainerRuntime {
         if let TemplateSource::Rootfs { path } = &spec.template {
             crate::template::check_rootfs(path)?;
         }
-        let slot = self.alloc_slot()?;
+        let slot = self.alloc_slot(&spec.id)?;
         let uid_base = UID_FLOOR + slot * ID_RANGE;
         let dir = self.dir_of(&spec.id);
         if dir.exists() {
-            self.free_slot(Some(uid_base));
+            self.free_slot(Some(uid_base), &spec.id);
             return Err(RuntimeError::InvalidSpec(format!(
                 "sandbox {} already exists",
                 spec.id
@@ -373,7 +379,7 @@ impl Runtime for ContainerRuntime {
                 if let Err(c) = self.cleanup(&spec.id) {
                     tracing::error!(id = %spec.id, error = %c, "cleanup after failed create");
                 }
-                self.free_slot(Some(uid_base));
+                self.free_slot(Some(uid_base), &spec.id);
                 Err(e)
             }
         }
@@ -415,7 +421,7 @@ impl Runtime for ContainerRuntime {
         self.cgroups.kill_all(&h.id)?;
         reap(h.pid);
         self.cleanup(&h.id)?;
-        self.free_slot(h.uid_base);
+        self.free_slot(h.uid_base, &h.id);
         Ok(())
     }
 
@@ -446,7 +452,7 @@ impl Runtime for ContainerRuntime {
 
     fn adopt(&self, h: &SandboxHandle) {
         if let (Some(base), Ok(mut slots)) = (h.uid_base, self.slots.lock()) {
-            slots.insert((base - UID_FLOOR) / ID_RANGE);
+            slots.insert((base - UID_FLOOR) / ID_RANGE, h.id.clone());
         }
     }
 
