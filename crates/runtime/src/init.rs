@@ -1,9 +1,9 @@
 //! `sandpit __sandbox-init`: the short-lived process that builds a container sandbox.
 //!
-//! The daemon starts it already inside new uts, ipc and net namespaces and in the
-//! sandbox's cgroup. It enters a new pid namespace and forks its PID 1, which (still real
-//! root, in a mount namespace of its own, in namespaces owned by the host's user
-//! namespace) mounts the root filesystem, pivots
+//! The daemon spawns it with the sandbox's config and the agent's listener on a socket.
+//! It joins the sandbox's cgroup and new uts, ipc and net namespaces, enters a new pid
+//! namespace and forks its PID 1, which (still real root, in a mount namespace of its own,
+//! in namespaces owned by the host's user namespace) mounts the root filesystem, pivots
 //! into it, then enters a fresh user namespace whose uid 0 is an unprivileged host uid.
 //! Because the mount and network namespaces stay owned by the host's user namespace,
 //! root inside the sandbox can never mount, unmount or reconfigure the network. Last
