@@ -186,6 +186,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
         })
         .await
         .map_err(|e| ServerError::Io("serve".into(), e))?;
+    manager.stop_pools(Duration::from_secs(30)).await;
     manager.drain_teardowns(Duration::from_secs(30)).await;
     for rt in manager.runtimes.values() {
         rt.release();

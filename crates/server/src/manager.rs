@@ -53,6 +53,8 @@ pub struct Manager {
     pool_wake: tokio::sync::Notify,
     /// Refills in flight.
     refilling: AtomicUsize,
+    /// Set at shutdown: no new refills start.
+    pools_stopped: std::sync::atomic::AtomicBool,
     /// When a sandbox was last claimed from a pool (refills hold back briefly after one).
     last_claim: Mutex<Option<std::time::Instant>>,
     /// Background teardowns in flight (a clean shutdown waits for them).
@@ -153,6 +155,7 @@ impl Manager {
             pools: Pools::default(),
             pool_wake: tokio::sync::Notify::new(),
             refilling: AtomicUsize::new(0),
+            pools_stopped: Default::default(),
             teardowns: Arc::default(),
             last_claim: Mutex::default(),
         })
@@ -683,6 +686,18 @@ impl Manager {
         Ok(())
     }
 
+    /// At shutdown: starts no more refills and waits (up to `max`) for those under way,
+    /// so that none finishes unrecorded or for a pool deleted meanwhile after the daemon
+    /// has gone (their own teardowns are then awaited by [`Self::drain_teardowns`]).
+    pub async fn stop_pools(&self, max: Duration) {
+        self.pools_stopped.store(true, Ordering::Release);
+        self.pool_wake.notify_one();
+        let deadline = tokio::time::Instant::now() + max;
+        while self.refilling.load(Ordering::Acquire) > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     /// Waits (up to `max`) for background teardowns to finish; what is left is finished by
     /// the next start's reconcile.
     pub async fn drain_teardowns(&self, max: Duration) {
@@ -1103,6 +1118,9 @@ impl Manager {
                 }
             }
             held_since = None;
+            if self.pools_stopped.load(Ordering::Acquire) {
+                return;
+            }
             let budget = crate::pools::REFILL_CONCURRENCY
                 .saturating_sub(self.refilling.load(Ordering::Acquire));
             for refill in self.pools.plan_refills(budget) {

@@ -429,3 +429,25 @@ async fn the_default_user_applies_to_claimed_and_cold_sandboxes() {
     );
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_right_after_deleting_a_filling_pool_leaves_nothing() {
+    for round in 0..3 {
+        let d = Daemon::start().await;
+        let c = d.client();
+        c.create_pool(&pool("brief", 2)).await.unwrap();
+        // Refills are under way (or about to be) when the pool goes and the daemon stops.
+        tokio::time::sleep(Duration::from_millis(3 * round)).await;
+        let dir = d.data.path().join("sandboxes");
+        d.shutdown().await;
+        // A sandbox left running keeps its directory, so the sandboxes tmpfs would stay.
+        let still_mounted = std::fs::read_to_string("/proc/mounts")
+            .unwrap()
+            .lines()
+            .any(|l| l.split(' ').nth(1) == dir.to_str());
+        assert!(
+            !still_mounted,
+            "round {round}: a refill outlived the daemon"
+        );
+    }
+}
