@@ -190,15 +190,9 @@ struct ServeArgs {
     config: Option<std::path::PathBuf>,
 }
 
-/// Options a sandbox is created with (shared by `create` and `run`).
+/// Resource limits of a sandbox (of `create`, `run` and `pool create`).
 #[derive(Debug, Clone, Args)]
-struct SandboxOpts {
-    /// Template to start from [default: host].
-    #[arg(long)]
-    template: Option<String>,
-    /// `container` (isolated, the default) or `process` (unisolated, development only).
-    #[arg(long)]
-    runtime: Option<String>,
+struct LimitArgs {
     /// CPU limit in thousandths of a core (1000 = one core).
     #[arg(long, value_name = "MILLIS")]
     cpu: Option<u64>,
@@ -211,6 +205,31 @@ struct SandboxOpts {
     /// Most processes the sandbox may have at once.
     #[arg(long, value_name = "N")]
     max_processes: Option<u64>,
+}
+
+impl LimitArgs {
+    /// The limits as the API takes them (unset ones take the daemon's defaults).
+    fn spec(&self) -> sandpit_api::LimitsSpec {
+        sandpit_api::LimitsSpec {
+            cpu_millis: self.cpu,
+            memory_bytes: self.memory,
+            disk_bytes: self.disk,
+            max_processes: self.max_processes,
+        }
+    }
+}
+
+/// Options a sandbox is created with (shared by `create` and `run`).
+#[derive(Debug, Clone, Args)]
+struct SandboxOpts {
+    /// Template to start from [default: host].
+    #[arg(long)]
+    template: Option<String>,
+    /// `container` (isolated, the default) or `process` (unisolated, development only).
+    #[arg(long)]
+    runtime: Option<String>,
+    #[command(flatten)]
+    limits: LimitArgs,
     /// Metadata label (repeatable).
     #[arg(long = "meta", value_name = "K=V", value_parser = parse_key_value)]
     meta: Vec<(String, String)>,
@@ -368,18 +387,8 @@ enum PoolCommand {
         /// Runtime [default: the daemon's].
         #[arg(long)]
         runtime: Option<String>,
-        /// CPU limit in thousandths of a core.
-        #[arg(long, value_name = "MILLIS")]
-        cpu: Option<u64>,
-        /// Memory limit (512M, 1G).
-        #[arg(long, value_name = "SIZE", value_parser = parse_size)]
-        memory: Option<u64>,
-        /// Writable disk size (512M, 10G).
-        #[arg(long, value_name = "SIZE", value_parser = parse_size)]
-        disk: Option<u64>,
-        /// Most processes per sandbox.
-        #[arg(long, value_name = "N")]
-        max_processes: Option<u64>,
+        #[command(flatten)]
+        limits: LimitArgs,
     },
     /// Change how many idle sandboxes a pool keeps (admin key).
     Resize {

@@ -1,6 +1,6 @@
 //! `sandpit pool`: warm pools through the daemon's API.
 
-use sandpit_api::{LimitsSpec, Pool, PoolSpec};
+use sandpit_api::{Pool, PoolSpec};
 
 use crate::util::{human_bytes, print_json, print_table};
 use crate::{Ctx, PoolCommand};
@@ -30,21 +30,13 @@ pub async fn run(ctx: &Ctx, cmd: PoolCommand) -> anyhow::Result<()> {
             size,
             template,
             runtime,
-            cpu,
-            memory,
-            disk,
-            max_processes,
+            limits,
         } => {
             let spec = PoolSpec {
                 name,
                 template,
                 runtime,
-                limits: LimitsSpec {
-                    cpu_millis: cpu,
-                    memory_bytes: memory,
-                    disk_bytes: disk,
-                    max_processes,
-                },
+                limits: limits.spec(),
                 size,
             };
             let pool = client.create_pool(&spec).await?;

@@ -1,7 +1,7 @@
 //! Sandbox lifecycle subcommands through the daemon's API: create, ls, info, rm, timeout,
 //! template ls.
 
-use sandpit_api::{CreateSandboxRequest, LimitsSpec, Sandbox, SandboxList};
+use sandpit_api::{CreateSandboxRequest, Sandbox, SandboxList};
 
 use crate::util::{human_bytes, print_json, print_table, time_since, time_until};
 use crate::{CreateArgs, Ctx, LsArgs, SandboxOpts};
@@ -16,12 +16,7 @@ pub fn create_request(
         template: opts.template.clone(),
         runtime: opts.runtime.clone(),
         timeout,
-        limits: LimitsSpec {
-            cpu_millis: opts.cpu,
-            memory_bytes: opts.memory,
-            disk_bytes: opts.disk,
-            max_processes: opts.max_processes,
-        },
+        limits: opts.limits.spec(),
         env: env.iter().cloned().collect(),
         metadata: opts.meta.iter().cloned().collect(),
         workdir: opts.workdir.clone(),

@@ -43,14 +43,31 @@ pub struct Claim<'a> {
 impl Store {
     /// Creates a pool or replaces its definition, keeping its counters and creation time.
     pub async fn upsert_pool(&self, p: &PoolRecord) -> Result<(), StoreError> {
-        sqlx::query(&format!(
-            "INSERT INTO pools ({POOL_COLUMNS}) VALUES \
-             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
-             ON CONFLICT (name) DO UPDATE SET template = excluded.template, \
+        self.write_pool(
+            p,
+            " ON CONFLICT (name) DO UPDATE SET template = excluded.template, \
              runtime = excluded.runtime, cpu_millis = excluded.cpu_millis, \
              memory_bytes = excluded.memory_bytes, disk_bytes = excluded.disk_bytes, \
              max_processes = excluded.max_processes, size = excluded.size, \
-             source = excluded.source"
+             source = excluded.source",
+        )
+        .await
+    }
+
+    /// Inserts a new pool; an existing name yields [`StoreError::Conflict`].
+    pub async fn insert_pool(&self, p: &PoolRecord) -> Result<(), StoreError> {
+        // A plain INSERT: the primary key decides between two concurrent creators.
+        self.write_pool(p, "").await.map_err(|e| match e {
+            StoreError::Conflict(_) => StoreError::Conflict(format!("pool {} exists", p.name)),
+            other => other,
+        })
+    }
+
+    /// `INSERT` of every column of `p`, followed by `on_conflict`.
+    async fn write_pool(&self, p: &PoolRecord, on_conflict: &str) -> Result<(), StoreError> {
+        sqlx::query(&format!(
+            "INSERT INTO pools ({POOL_COLUMNS}) VALUES \
+             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12){on_conflict}"
         ))
         .bind(&p.name)
         .bind(&p.template)
@@ -66,34 +83,6 @@ impl Store {
         .bind(p.created_at_ms)
         .execute(&self.writer)
         .await?;
-        Ok(())
-    }
-
-    /// Inserts a new pool; an existing name yields [`StoreError::Conflict`].
-    pub async fn insert_pool(&self, p: &PoolRecord) -> Result<(), StoreError> {
-        // A plain INSERT: the primary key decides between two concurrent creators.
-        sqlx::query(&format!(
-            "INSERT INTO pools ({POOL_COLUMNS}) VALUES \
-             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
-        ))
-        .bind(&p.name)
-        .bind(&p.template)
-        .bind(&p.runtime)
-        .bind(p.cpu_millis)
-        .bind(p.memory_bytes)
-        .bind(p.disk_bytes)
-        .bind(p.max_processes)
-        .bind(p.size)
-        .bind(&p.source)
-        .bind(p.hits)
-        .bind(p.misses)
-        .bind(p.created_at_ms)
-        .execute(&self.writer)
-        .await
-        .map_err(|e| match StoreError::from(e) {
-            StoreError::Conflict(_) => StoreError::Conflict(format!("pool {} exists", p.name)),
-            other => other,
-        })?;
         Ok(())
     }
 
