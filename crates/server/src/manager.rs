@@ -127,6 +127,14 @@ fn check_pool_size(size: u32) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// Waits until `count` is zero, or `max` has passed.
+async fn wait_for_zero(count: &AtomicUsize, max: Duration) {
+    let deadline = tokio::time::Instant::now() + max;
+    while count.load(Ordering::Acquire) > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// `Runtime::destroy` on a blocking thread.
 async fn run_destroy(rt: Arc<dyn Runtime>, h: SandboxHandle) -> Result<(), String> {
     match tokio::task::spawn_blocking(move || rt.destroy(&h)).await {
@@ -168,8 +176,7 @@ impl Manager {
     }
 
     /// The effective limits of a request, validated.
-    pub fn limits(req: &CreateSandboxRequest) -> Result<Limits, ApiError> {
-        let l = &req.limits;
+    pub fn limits(l: &sandpit_api::LimitsSpec) -> Result<Limits, ApiError> {
         Ok(Limits {
             cpu_millis: in_range(
                 "cpu_millis",
@@ -237,10 +244,7 @@ impl Manager {
         let runtime = self.runtime(&runtime_name)?.clone();
         let template_name = template.unwrap_or("host").to_string();
         let template = self.template(&template_name).await?;
-        let limits = Self::limits(&CreateSandboxRequest {
-            limits: *limits,
-            ..Default::default()
-        })?;
+        let limits = Self::limits(limits)?;
         Ok(Plan {
             runtime,
             key: PoolKey {
@@ -692,19 +696,13 @@ impl Manager {
     pub async fn stop_pools(&self, max: Duration) {
         self.pools_stopped.store(true, Ordering::Release);
         self.pool_wake.notify_one();
-        let deadline = tokio::time::Instant::now() + max;
-        while self.refilling.load(Ordering::Acquire) > 0 && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        wait_for_zero(&self.refilling, max).await;
     }
 
     /// Waits (up to `max`) for background teardowns to finish; what is left is finished by
     /// the next start's reconcile.
     pub async fn drain_teardowns(&self, max: Duration) {
-        let deadline = tokio::time::Instant::now() + max;
-        while self.teardowns.load(Ordering::Acquire) > 0 && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        wait_for_zero(&self.teardowns, max).await;
     }
 
     /// Freezes every process of a running sandbox (memory stays in RAM).
@@ -1063,16 +1061,7 @@ impl Manager {
             }
             // A member is adopted only into a pool whose definition it still matches (the
             // config file may have changed the limits while the daemon was down).
-            let own_key = PoolKey {
-                template: rec.template.clone(),
-                runtime: rec.runtime.clone(),
-                limits: sandpit_api::Limits {
-                    cpu_millis: rec.cpu_millis as u64,
-                    memory_bytes: rec.memory_bytes as u64,
-                    disk_bytes: rec.disk_bytes as u64,
-                    max_processes: rec.max_processes as u64,
-                },
-            };
+            let own_key = PoolKey::of_sandbox(&rec);
             let pool = rec.pool.clone().unwrap_or_default();
             let fits = self.pools.key(&pool).is_some_and(|k| k == own_key);
             if fits && rec.state == SandboxState::Running {

@@ -32,6 +32,20 @@ pub struct PoolKey {
 }
 
 impl PoolKey {
+    /// The kind of sandbox a record describes (what a pool member must still match).
+    pub fn of_sandbox(r: &sandpit_store::SandboxRecord) -> Self {
+        PoolKey {
+            template: r.template.clone(),
+            runtime: r.runtime.clone(),
+            limits: Limits {
+                cpu_millis: r.cpu_millis as u64,
+                memory_bytes: r.memory_bytes as u64,
+                disk_bytes: r.disk_bytes as u64,
+                max_processes: r.max_processes as u64,
+            },
+        }
+    }
+
     /// The key of a stored pool definition.
     pub fn of(p: &PoolRecord) -> Self {
         PoolKey {
@@ -61,6 +75,16 @@ struct PoolState {
     /// Tells a pool from an earlier one of the same name (refills report to the one that
     /// started them).
     generation: u64,
+}
+
+impl PoolState {
+    fn view(&self) -> PoolView {
+        PoolView {
+            def: self.def.clone(),
+            ready: self.ready.len() as u32,
+            starting: self.starting,
+        }
+    }
 }
 
 /// A pool's definition and live counts.
@@ -249,24 +273,12 @@ impl Pools {
 
     /// One pool's definition and counts.
     pub fn view(&self, name: &str) -> Option<PoolView> {
-        self.lock().get(name).map(|p| PoolView {
-            def: p.def.clone(),
-            ready: p.ready.len() as u32,
-            starting: p.starting,
-        })
+        self.lock().get(name).map(PoolState::view)
     }
 
     /// Every pool, by name.
     pub fn views(&self) -> Vec<PoolView> {
-        let mut v: Vec<PoolView> = self
-            .lock()
-            .values()
-            .map(|p| PoolView {
-                def: p.def.clone(),
-                ready: p.ready.len() as u32,
-                starting: p.starting,
-            })
-            .collect();
+        let mut v: Vec<PoolView> = self.lock().values().map(PoolState::view).collect();
         v.sort_by(|a, b| a.def.name.cmp(&b.def.name));
         v
     }

@@ -221,6 +221,14 @@ pub async fn sh_root(c: &Client, id: &str, script: &str) -> sandpit_api::RunComm
     c.run(id, &req).await.expect("run command")
 }
 
+/// Whether a tmpfs is mounted on `dir` (the daemon's sandboxes directory, say).
+pub fn tmpfs_mounted_on(dir: &std::path::Path) -> bool {
+    std::fs::read_to_string("/proc/mounts")
+        .unwrap()
+        .lines()
+        .any(|l| l.split(' ').nth(1) == dir.to_str() && l.split(' ').nth(2) == Some("tmpfs"))
+}
+
 /// What remains on the host of sandbox `id`: mounts, its directory, cgroups.
 pub fn leftovers(d: &Daemon, id: &str) -> Vec<String> {
     let mut found = Vec::new();

@@ -2,7 +2,7 @@
 //! its own daemon (own data dir, own cgroup parent) and removes what it made.
 
 use sandpit_api::{CommandEvent, CreateSandboxRequest, LimitsSpec, RunCommandRequest};
-use sandpit_tests::{Daemon, leftovers, sh, sh_root, wait_no_leftovers};
+use sandpit_tests::{Daemon, leftovers, sh, sh_root, tmpfs_mounted_on, wait_no_leftovers};
 use sha2::{Digest, Sha256};
 use std::time::Duration;
 
@@ -556,8 +556,6 @@ async fn sigkill_of_the_daemon_then_restart_reconciles() {
     c.pause(&paused).await.unwrap();
     d.kill9();
     // kill one sandbox while the daemon is down
-    let pid_file = std::fs::read_to_string("/proc/mounts").unwrap();
-    let _ = pid_file;
     let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
         .await
         .unwrap();
@@ -893,19 +891,13 @@ async fn deleting_a_sandbox_while_it_is_created_leaves_nothing() {
 async fn sandbox_directories_live_on_a_tmpfs_that_a_clean_stop_unmounts() {
     let d = Daemon::start().await;
     let dir = d.data.path().join("sandboxes");
-    let mounted = |dir: &std::path::Path| {
-        std::fs::read_to_string("/proc/mounts")
-            .unwrap()
-            .lines()
-            .any(|l| l.split(' ').nth(1) == Some(dir.to_str().unwrap()) && l.contains(" tmpfs "))
-    };
-    assert!(mounted(&dir), "no tmpfs on {}", dir.display());
+    assert!(tmpfs_mounted_on(&dir), "no tmpfs on {}", dir.display());
     let id = d.sandbox(small()).await;
     assert!(dir.join(&id).join("agent.sock").exists());
     let path = dir.clone();
     d.shutdown().await;
     assert!(
-        !mounted(&path),
+        !tmpfs_mounted_on(&path),
         "the tmpfs outlived a clean stop with no sandboxes"
     );
 }

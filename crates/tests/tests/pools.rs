@@ -3,7 +3,7 @@
 
 use sandpit_api::{CreateSandboxRequest, LimitsSpec, PoolSpec, RunCommandRequest};
 use sandpit_client::Client;
-use sandpit_tests::{Daemon, leftovers, sh, wait_no_leftovers};
+use sandpit_tests::{Daemon, leftovers, sh, tmpfs_mounted_on, wait_no_leftovers};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
@@ -441,10 +441,7 @@ async fn a_stop_right_after_deleting_a_filling_pool_leaves_nothing() {
         let dir = d.data.path().join("sandboxes");
         d.shutdown().await;
         // A sandbox left running keeps its directory, so the sandboxes tmpfs would stay.
-        let still_mounted = std::fs::read_to_string("/proc/mounts")
-            .unwrap()
-            .lines()
-            .any(|l| l.split(' ').nth(1) == dir.to_str());
+        let still_mounted = tmpfs_mounted_on(&dir);
         assert!(
             !still_mounted,
             "round {round}: a refill outlived the daemon"

@@ -126,19 +126,7 @@ impl Bench {
              growth / N as for the sandboxes; rss_mb and pss_mb: median over the sandboxes of \
              the sum over their processes (bwrap, its pid-1 bwrap, sleep)"
         );
-        if !unsettled.is_empty() {
-            note.push_str(&format!(
-                "; host memory did not settle within {}s {}",
-                QUIET_TIMEOUT.as_secs(),
-                unsettled.join(", ")
-            ));
-        }
-        if !credible(grown, released, noise) {
-            note.push_str(&format!(
-                "; UNRELIABLE in this run (growth {grown:.1} MB vs release {released:.1} MB \
-                 each, sample spread {noise:.1} MB): other activity on the machine"
-            ));
-        }
+        note.push_str(&caveats(&unsettled, grown, released, noise, "each", ""));
         report.note(&key("per_sandbox_mb"), note);
         Ok(())
     }
@@ -261,20 +249,14 @@ impl Bench {
                         includes the daemon's growth; per_sandbox_released_mb is the same \
                         measured on deletion"
             .to_string();
-        if !unsettled.is_empty() {
-            note.push_str(&format!(
-                "; host memory did not settle within {}s {}",
-                QUIET_TIMEOUT.as_secs(),
-                unsettled.join(", ")
-            ));
-        }
-        if !credible(grown, released, noise) {
-            note.push_str(&format!(
-                "; UNRELIABLE in this run (growth {grown:.1} MB vs release {released:.1} MB per \
-                 sandbox, sample spread {noise:.1} MB): other activity on the machine; trust \
-                 cgroup_memory_mb + agent_pss_median_mb instead, or rerun on a quiet machine"
-            ));
-        }
+        note.push_str(&caveats(
+            &unsettled,
+            grown,
+            released,
+            noise,
+            "per sandbox",
+            "; trust cgroup_memory_mb + agent_pss_median_mb instead, or rerun on a quiet machine",
+        ));
         report.note(&key("per_sandbox_mb"), note);
         Ok(())
     }
@@ -407,6 +389,33 @@ impl Bench {
         report.set_dist(&format!("idle.{n}.exec"), Ok(samples));
         Ok(())
     }
+}
+
+/// What to add to a host-memory note when the readings cannot be trusted: memory that did
+/// not settle, or growth and release that disagree (`per` names the unit, `advice` ends it).
+fn caveats(
+    unsettled: &[&str],
+    grown: f64,
+    released: f64,
+    noise: f64,
+    per: &str,
+    advice: &str,
+) -> String {
+    let mut out = String::new();
+    if !unsettled.is_empty() {
+        out.push_str(&format!(
+            "; host memory did not settle within {}s {}",
+            QUIET_TIMEOUT.as_secs(),
+            unsettled.join(", ")
+        ));
+    }
+    if !credible(grown, released, noise) {
+        out.push_str(&format!(
+            "; UNRELIABLE in this run (growth {grown:.1} MB vs release {released:.1} MB {per}, \
+             sample spread {noise:.1} MB): other activity on the machine{advice}"
+        ));
+    }
+    out
 }
 
 #[cfg(test)]

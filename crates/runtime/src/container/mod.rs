@@ -276,8 +276,7 @@ fn log_timing<'a>(
 /// else in a create (`recently_deleted` scans in the inode allocator). A restart finds
 /// the tmpfs of the previous run, with its live sandboxes' sockets, and keeps it.
 fn ensure_tmpfs(dir: &Path) -> Result<(), RuntimeError> {
-    use nix::sys::statfs::{TMPFS_MAGIC, statfs};
-    if statfs(dir).is_ok_and(|s| s.filesystem_type() == TMPFS_MAGIC) {
+    if is_tmpfs(dir) {
         return Ok(());
     }
     let busy = std::fs::read_dir(dir)
@@ -299,6 +298,11 @@ fn ensure_tmpfs(dir: &Path) -> Result<(), RuntimeError> {
     .map_err(|e| RuntimeError::io(format!("mount tmpfs on {}", dir.display()), e.into()))
 }
 
+fn is_tmpfs(dir: &Path) -> bool {
+    nix::sys::statfs::statfs(dir)
+        .is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC)
+}
+
 /// On a clean stop with no sandbox left, unmounts the sandboxes' tmpfs (a data directory
 /// that is itself on a tmpfs has no mount of its own here and is left alone).
 fn release_tmpfs(dir: &Path) {
@@ -310,11 +314,9 @@ fn release_tmpfs(dir: &Path) {
     };
     let empty = std::fs::read_dir(dir).is_ok_and(|mut rd| rd.next().is_none());
     // Only a tmpfs, as `ensure_tmpfs` mounts: a volume an operator put here stays.
-    let tmpfs = nix::sys::statfs::statfs(dir)
-        .is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC);
     if mounted
         && empty
-        && tmpfs
+        && is_tmpfs(dir)
         && let Err(e) = nix::mount::umount2(dir, nix::mount::MntFlags::MNT_DETACH)
     {
         tracing::warn!(dir = %dir.display(), error = %e, "unmounting the sandboxes tmpfs failed");

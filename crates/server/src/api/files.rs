@@ -117,6 +117,24 @@ fn files_uri(q: &PathQuery) -> Result<String, ApiError> {
     Ok(uri)
 }
 
+/// Sends a request to the agent's HTTP side; a failure or error status becomes an API error.
+async fn send_to_agent(
+    conn: &crate::agent_client::AgentConn,
+    req: http::Request<Body>,
+) -> Result<http::Response<hyper::body::Incoming>, ApiError> {
+    let resp = conn.http.request(req).await.map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "unavailable",
+            format!("agent: {e}"),
+        )
+    })?;
+    if !resp.status().is_success() {
+        return Err(agent_error(resp).await);
+    }
+    Ok(resp)
+}
+
 /// Download a file (streamed).
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files", params(PathQuery), responses((status = 200, description = "file bytes"), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)))]
 pub async fn download(
@@ -131,16 +149,7 @@ pub async fn download(
     let req = http::Request::get(uri)
         .body(Body::empty())
         .map_err(|e| ApiError::internal(e.to_string()))?;
-    let resp = conn.http.request(req).await.map_err(|e| {
-        ApiError::new(
-            StatusCode::BAD_GATEWAY,
-            "unavailable",
-            format!("agent: {e}"),
-        )
-    })?;
-    if !resp.status().is_success() {
-        return Err(agent_error(resp).await);
-    }
+    let resp = send_to_agent(&conn, req).await?;
     let (parts, body) = resp.into_parts();
     let mut out = Response::new(Body::new(body));
     for h in [
@@ -172,16 +181,7 @@ pub async fn upload(
         .header(http::header::CONTENT_TYPE, "application/octet-stream")
         .body(request.into_body())
         .map_err(|e| ApiError::internal(e.to_string()))?;
-    let resp = conn.http.request(req).await.map_err(|e| {
-        ApiError::new(
-            StatusCode::BAD_GATEWAY,
-            "unavailable",
-            format!("agent: {e}"),
-        )
-    })?;
-    if !resp.status().is_success() {
-        return Err(agent_error(resp).await);
-    }
+    send_to_agent(&conn, req).await?;
     let opts = as_user(q.user.as_deref())?;
     let st = conn
         .fs
