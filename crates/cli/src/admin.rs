@@ -142,6 +142,8 @@ pub async fn template_add(ctx: &Ctx, name: &str, rootfs: &Path) -> anyhow::Resul
         name: name.to_string(),
         rootfs,
         created_at_ms: now_ms(),
+        updated_at_ms: now_ms(),
+        ..Default::default()
     };
     store.upsert_template(&record).await?;
     store.close().await;

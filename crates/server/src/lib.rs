@@ -6,6 +6,7 @@ pub mod config;
 pub mod error;
 pub mod manager;
 pub mod pools;
+pub mod templates;
 
 use manager::{Manager, ManagerConfig};
 use sandpit_runtime::Runtime;
@@ -137,11 +138,13 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
             max_timeout_secs: cfg.max_timeout_secs,
             default_runtime: "container".into(),
             allow_process_runtime: cfg.allow_process_runtime,
+            data_dir: cfg.data_dir.clone(),
         },
     );
     if let Err(e) = manager.reconcile().await {
         tracing::warn!(error = %e.message, "reconcile failed");
     }
+    manager.templates.recover(&manager.store).await;
     if let Err(e) = manager.load_pools(&file.pools).await {
         tracing::warn!(error = %e.message, "loading warm pools failed");
     }

@@ -39,6 +39,8 @@ pub struct ManagerConfig {
     pub default_runtime: String,
     /// Whether clients may ask for the unisolated `process` runtime.
     pub allow_process_runtime: bool,
+    /// The daemon's state directory (template builds live below it).
+    pub data_dir: std::path::PathBuf,
 }
 
 /// Owns sandbox lifecycles.
@@ -59,6 +61,8 @@ pub struct Manager {
     last_claim: Mutex<Option<std::time::Instant>>,
     /// Background teardowns in flight (a clean shutdown waits for them).
     teardowns: Arc<AtomicUsize>,
+    /// Template builds, and creates holding templates.
+    pub templates: crate::templates::Templates,
 }
 
 /// What the agent's `/init` sets.
@@ -74,6 +78,8 @@ struct Plan {
     runtime: Arc<dyn Runtime>,
     key: PoolKey,
     template: TemplateSource,
+    /// The template's settings, start command and readiness check.
+    defaults: crate::templates::Defaults,
 }
 
 pub fn now_ms() -> i64 {
@@ -156,6 +162,7 @@ impl Manager {
         cfg: ManagerConfig,
     ) -> Arc<Self> {
         Arc::new(Self {
+            templates: crate::templates::Templates::new(&cfg.data_dir),
             store,
             runtimes,
             cfg,
@@ -212,18 +219,6 @@ impl Manager {
         Ok(t)
     }
 
-    async fn template(&self, name: &str) -> Result<TemplateSource, ApiError> {
-        if name == "host" {
-            return Ok(TemplateSource::Host);
-        }
-        match self.store.get_template(name).await? {
-            Some(t) => Ok(TemplateSource::Rootfs {
-                path: t.rootfs.into(),
-            }),
-            None => Err(ApiError::bad_request(format!("unknown template {name:?}"))),
-        }
-    }
-
     /// Validates runtime, template and limits of a create or a pool definition.
     async fn plan(
         &self,
@@ -243,7 +238,7 @@ impl Manager {
         }
         let runtime = self.runtime(&runtime_name)?.clone();
         let template_name = template.unwrap_or("host").to_string();
-        let template = self.template(&template_name).await?;
+        let (template, defaults) = self.templates.resolve(&self.store, &template_name).await?;
         let limits = Self::limits(limits)?;
         Ok(Plan {
             runtime,
@@ -253,6 +248,7 @@ impl Manager {
                 limits,
             },
             template,
+            defaults,
         })
     }
 
@@ -266,6 +262,7 @@ impl Manager {
         let plan = self
             .plan(req.template.as_deref(), req.runtime.as_deref(), &req.limits)
             .await?;
+        let req = crate::templates::with_defaults(req, &plan.defaults);
         let timeout = self.timeout(req.timeout)?;
         check_env(&req.env)?;
         if req.metadata.len() > 64
@@ -518,7 +515,11 @@ impl Manager {
                 other => other.into(),
             });
         }
-        match self.wait_ready(&rec, &handle).await {
+        let ready = async {
+            crate::templates::start_services(self, &rec, &handle, &plan.defaults).await?;
+            self.wait_ready(&rec, &handle).await
+        };
+        match ready.await {
             Ok(r) => Ok(r),
             Err(e) => {
                 // Whoever moves the record out of `creating` tears it down; if a delete
@@ -569,7 +570,7 @@ impl Manager {
             .ok_or_else(|| ApiError::conflict("sandbox was deleted while it was being created"))
     }
 
-    fn conn_for(&self, id: &str, handle: &SandboxHandle) -> Arc<AgentConn> {
+    pub(crate) fn conn_for(&self, id: &str, handle: &SandboxHandle) -> Arc<AgentConn> {
         let Ok(mut conns) = self.conns.lock() else {
             return Arc::new(AgentConn::new(handle.socket.clone()));
         };

@@ -21,9 +21,10 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 pub use error::StoreError;
 pub use model::{
     ApiKey, ParseSandboxStateError, PoolRecord, SandboxFilter, SandboxPage, SandboxRecord,
-    SandboxState, TemplateRecord,
+    SandboxState, TemplateRecord, TemplateState,
 };
 pub use pools::Claim;
+pub use templates::TemplateUsers;
 pub use schema::SCHEMA_VERSION;
 
 /// How long a connection waits on another writer's lock before failing with "database is locked".
@@ -140,7 +141,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("schema.db");
         let store = Store::open(&path).await.unwrap();
-        let all: Vec<i64> = (1..=SCHEMA_VERSION).collect();
+        let all: Vec<i64> = schema::MIGRATIONS.iter().map(|(v, _)| *v).collect();
         assert_eq!(schema_rows(&store).await, all);
         // Applying again on a live database changes nothing and does not fail.
         schema::apply(&store.pool).await.unwrap();

@@ -7,7 +7,7 @@ use crate::StoreError;
 
 /// Ordered migrations: (version, statements). Statements are kept one per entry because
 /// PostgreSQL cannot prepare several statements at once, and plain DDL so they port.
-const MIGRATIONS: &[(i64, &[&str])] = &[
+pub(crate) const MIGRATIONS: &[(i64, &[&str])] = &[
     (
         1,
         &[
@@ -72,10 +72,32 @@ const MIGRATIONS: &[(i64, &[&str])] = &[
         )",
         ],
     ),
+    (
+        6,
+        &[
+            // Templates built by the daemon: settings sandboxes start with, where the root
+            // filesystem came from, and the state of its build. Rows registered before
+            // (`sandpit template add`) are ready, with no settings.
+            "ALTER TABLE templates ADD COLUMN default_user TEXT",
+            "ALTER TABLE templates ADD COLUMN workdir TEXT",
+            "ALTER TABLE templates ADD COLUMN env TEXT NOT NULL DEFAULT '{}'",
+            "ALTER TABLE templates ADD COLUMN start_cmd TEXT",
+            "ALTER TABLE templates ADD COLUMN ready_cmd TEXT",
+            "ALTER TABLE templates ADD COLUMN ready_timeout_secs BIGINT",
+            "ALTER TABLE templates ADD COLUMN source TEXT NOT NULL DEFAULT 'null'",
+            "ALTER TABLE templates ADD COLUMN size_bytes BIGINT NOT NULL DEFAULT 0",
+            "ALTER TABLE templates ADD COLUMN state TEXT NOT NULL DEFAULT 'ready'",
+            "ALTER TABLE templates ADD COLUMN error TEXT",
+            "ALTER TABLE templates ADD COLUMN updated_at_ms BIGINT NOT NULL DEFAULT 0",
+            "ALTER TABLE templates ADD COLUMN build_id TEXT",
+            // Deleting a template asks whether any sandbox still uses it.
+            "CREATE INDEX sandboxes_template_idx ON sandboxes (template)",
+        ],
+    ),
 ];
 
 /// Highest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 2;
+pub const SCHEMA_VERSION: i64 = 6;
 
 /// Brings the database up to [`SCHEMA_VERSION`]; a no-op when it is already there.
 pub(crate) async fn apply(pool: &SqlitePool) -> Result<(), StoreError> {

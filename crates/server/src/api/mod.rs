@@ -5,6 +5,7 @@ pub mod files;
 pub mod passthrough;
 pub mod pools;
 pub mod sandboxes;
+pub mod templates;
 
 use crate::error::ApiError;
 use crate::manager::Manager;
@@ -173,10 +174,11 @@ async fn authenticate(
         sandboxes::create, sandboxes::list, sandboxes::get, sandboxes::delete, sandboxes::set_timeout,
         sandboxes::keepalive,
         sandboxes::pause,
-        sandboxes::resume, sandboxes::stats, sandboxes::info, sandboxes::templates,
+        sandboxes::resume, sandboxes::stats, sandboxes::info,
         commands::run, commands::list, commands::signal, commands::stdin, commands::stream, commands::attach,
         files::download, files::upload, files::list, files::stat, files::mkdir, files::move_path, files::copy, files::remove,
         pools::list, pools::get, pools::create, pools::resize, pools::delete,
+        templates::list, templates::get, templates::build, templates::progress, templates::delete,
     ),
     components(schemas(sandpit_api::ErrorBody, sandpit_api::CommandEvent, sandpit_api::ClientMessage)),
     modifiers(&BearerAuth)
@@ -210,7 +212,12 @@ pub fn router(state: AppState) -> Router {
     let doc = openapi();
     let authed = Router::new()
         .route("/v1/info", get(sandboxes::info))
-        .route("/v1/templates", get(sandboxes::templates))
+        .route("/v1/templates", get(templates::list).post(templates::build))
+        .route(
+            "/v1/templates/{name}",
+            get(templates::get).delete(templates::delete),
+        )
+        .route("/v1/templates/{name}/build", get(templates::progress))
         .route("/v1/pools", get(pools::list).post(pools::create))
         .route(
             "/v1/pools/{name}",
