@@ -367,12 +367,13 @@ mod tests {
         let src = t.path().join("src");
         std::fs::create_dir_all(src.join("usr/bin")).unwrap();
         std::fs::write(src.join("usr/bin/tool"), b"#!/bin/sh\necho hi\n").unwrap();
+        // chown clears the setuid bit, so the mode comes after it (as in the copy).
+        std::os::unix::fs::chown(src.join("usr/bin/tool"), Some(1000), Some(1001)).unwrap();
         std::fs::set_permissions(
             src.join("usr/bin/tool"),
             std::fs::Permissions::from_mode(0o4755),
         )
         .unwrap();
-        std::os::unix::fs::chown(src.join("usr/bin/tool"), Some(1000), Some(1001)).unwrap();
         std::fs::hard_link(src.join("usr/bin/tool"), src.join("usr/bin/tool2")).unwrap();
         std::os::unix::fs::symlink("/etc/passwd", src.join("leak")).unwrap();
         std::os::unix::fs::symlink("../../etc/shadow", src.join("usr/bin/up")).unwrap();

@@ -227,7 +227,6 @@ mod tests {
             "-http://x",
             "http://x/de bian",
             "http://x/\n",
-            "http:///path",
             "not a url",
         ] {
             assert!(check_mirror(bad).is_err(), "{bad:?}");
