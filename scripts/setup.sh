@@ -4,9 +4,10 @@
 #   crun, bubblewrap:  baselines of `sandpit bench`
 #   fonts-dejavu-core: the text of `sandpit bench`'s chart
 #   python3, procps:   what the quickstart and the tests run inside host-template sandboxes
+#   debootstrap:       `sandpit template build --debootstrap` (and its test)
 set -euo pipefail
 need=()
-for pkg in protobuf-compiler crun bubblewrap fonts-dejavu-core python3 procps; do
+for pkg in protobuf-compiler crun bubblewrap fonts-dejavu-core python3 procps debootstrap; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then

@@ -74,8 +74,7 @@ pub fn copy_tree(
         cancelled,
         src_root: src.to_path_buf(),
     };
-    copy.dir(&src_fd, &dst_fd, &PathBuf::new(), 0)?;
-    copy.attrs(&dst_fd, &root_stat, dst)?;
+    copy.tree(src_fd, dst_fd, root_stat)?;
     let s = copy.stats;
     (copy.log)(format!(
         "copied {} files ({}), {} directories, {} symlinks, {} hard links; skipped {} device nodes/FIFOs/sockets and {} other filesystems",
@@ -146,53 +145,77 @@ impl Copier<'_> {
         Ok(())
     }
 
-    fn dir(
-        &mut self,
-        src: &OwnedFd,
-        dst: &OwnedFd,
-        rel: &Path,
-        depth: usize,
-    ) -> Result<(), BuildError> {
-        if depth >= MAX_DEPTH {
-            return Err(BuildError::Failed(format!(
-                "{}: the tree is deeper than {MAX_DEPTH} levels",
-                self.src_root.join(rel).display()
-            )));
-        }
-        let listing = src
-            .try_clone()
-            .map_err(|e| BuildError::io("dup", &self.src_root.join(rel), e))?;
-        let mut entries = Dir::from_fd(listing).map_err(io("list", &self.src_root))?;
+    /// The sorted names in an open directory.
+    fn list(&self, src: &OwnedFd, rel: &Path) -> Result<Vec<Vec<u8>>, BuildError> {
+        let shown = self.src_root.join(rel);
+        let listing = src.try_clone().map_err(|e| BuildError::io("dup", &shown, e))?;
+        let mut entries = Dir::from_fd(listing).map_err(io("list", &shown))?;
         let mut names: Vec<Vec<u8>> = Vec::new();
         for entry in entries.iter() {
-            let entry = entry.map_err(io("list", &self.src_root.join(rel)))?;
+            let entry = entry.map_err(io("list", &shown))?;
             let name = entry.file_name().to_bytes();
             if name != b"." && name != b".." {
                 names.push(name.to_vec());
             }
         }
-        drop(entries);
         names.sort();
-        for name in names {
+        Ok(names)
+    }
+
+    /// Copies the tree below `src` into `dst` with an explicit stack of open directories
+    /// (a deep tree must not exhaust a thread's stack), then gives `dst` the attributes
+    /// of `root`.
+    fn tree(&mut self, src: OwnedFd, dst: OwnedFd, root: FileStat) -> Result<(), BuildError> {
+        let names = self.list(&src, Path::new(""))?;
+        let mut stack = vec![Frame {
+            names: names.into_iter(),
+            src,
+            dst,
+            rel: PathBuf::new(),
+            st: root,
+        }];
+        while let Some(top) = stack.last_mut() {
+            let Some(name) = top.names.next() else {
+                if let Some(done) = stack.pop() {
+                    self.attrs(&done.dst, &done.st, &done.rel)?;
+                }
+                continue;
+            };
             if (self.cancelled)() {
                 return Err(BuildError::Cancelled);
             }
-            let name_os = OsStr::from_bytes(&name);
-            let rel_child = rel.join(name_os);
-            self.entry(src, dst, name_os, &rel_child, depth)?;
+            let name = OsStr::from_bytes(&name);
+            let rel = top.rel.join(name);
+            if let Some(sub) = self.entry(&top.src, &top.dst, name, &rel)? {
+                if stack.len() >= MAX_DEPTH {
+                    return Err(BuildError::Failed(format!(
+                        "{}: the tree is deeper than {MAX_DEPTH} levels",
+                        self.src_root.join(&rel).display()
+                    )));
+                }
+                let names = self.list(&sub.0, &rel)?;
+                stack.push(Frame {
+                    names: names.into_iter(),
+                    src: sub.0,
+                    dst: sub.1,
+                    rel,
+                    st: sub.2,
+                });
+            }
             self.progress();
         }
         Ok(())
     }
 
+    /// Copies one entry; a directory to descend into comes back open (source,
+    /// destination, its attributes), to be filled and finished by the caller.
     fn entry(
         &mut self,
         src: &OwnedFd,
         dst: &OwnedFd,
         name: &OsStr,
         rel: &Path,
-        depth: usize,
-    ) -> Result<(), BuildError> {
+    ) -> Result<Option<(OwnedFd, OwnedFd, FileStat)>, BuildError> {
         let shown = self.src_root.join(rel);
         let st = fstatat(src, name, AtFlags::AT_SYMLINK_NOFOLLOW).map_err(io("stat", &shown))?;
         let kind = SFlag::from_bits_truncate(st.st_mode & SFlag::S_IFMT.bits());
@@ -207,12 +230,12 @@ impl Copier<'_> {
                     "not entering {}: another filesystem is mounted there",
                     shown.display()
                 ));
-            } else {
-                let s = openat(src, name, flags, Mode::empty()).map_err(io("open", &shown))?;
-                same_file(&s, &st, &shown)?;
-                self.dir(&s, &d, rel, depth + 1)?;
+                self.attrs(&d, &st, rel)?;
+                return Ok(None);
             }
-            self.attrs(&d, &st, rel)?;
+            let s = openat(src, name, flags, Mode::empty()).map_err(io("open", &shown))?;
+            same_file(&s, &st, &shown)?;
+            return Ok(Some((s, d, st)));
         } else if kind == SFlag::S_IFREG {
             if st.st_nlink > 1
                 && let Some(first) = self.links.get(&(st.st_dev, st.st_ino))
@@ -220,7 +243,7 @@ impl Copier<'_> {
                 linkat(&self.dst_root, first.as_path(), dst, name, AtFlags::empty())
                     .map_err(io("link", rel))?;
                 self.stats.hardlinks += 1;
-                return Ok(());
+                return Ok(None);
             }
             let flags = OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC;
             let s = openat(src, name, flags, Mode::empty()).map_err(io("open", &shown))?;
@@ -271,8 +294,18 @@ impl Copier<'_> {
                 ));
             }
         }
-        Ok(())
+        Ok(None)
     }
+}
+
+/// A directory being copied: what is left to copy in it, and its attributes, which are
+/// set once it is full (a read-only mode would stop the copy into it).
+struct Frame {
+    names: std::vec::IntoIter<Vec<u8>>,
+    src: OwnedFd,
+    dst: OwnedFd,
+    rel: PathBuf,
+    st: FileStat,
 }
 
 /// The entry opened is the one stat'ed: a swap between the two is refused.
@@ -423,6 +456,51 @@ mod tests {
         std::fs::write(real.join("f"), "x").unwrap();
         let err = copy_tree(&real, &t.path().join("e"), &mut |_| {}, &|| true).unwrap_err();
         assert!(matches!(err, BuildError::Cancelled), "{err}");
+    }
+
+    #[test]
+    fn a_tree_too_deep_is_refused_without_exhausting_the_stack() {
+        let t = tempfile::tempdir().unwrap();
+        let mut p = t.path().join("src");
+        for _ in 0..(MAX_DEPTH + 20) {
+            p = p.join("d");
+        }
+        std::fs::create_dir_all(&p).unwrap();
+        let err = copy_tree(&t.path().join("src"), &t.path().join("dst"), &mut |_| {}, &|| false)
+            .unwrap_err();
+        assert!(err.to_string().contains("deeper than"), "{err}");
+        // One level less than the limit copies.
+        let mut p = t.path().join("ok");
+        for _ in 0..(MAX_DEPTH - 1) {
+            p = p.join("d");
+        }
+        std::fs::create_dir_all(&p).unwrap();
+        std::fs::write(p.join("f"), "deep").unwrap();
+        let s = copy_tree(&t.path().join("ok"), &t.path().join("ok2"), &mut |_| {}, &|| false)
+            .unwrap();
+        assert_eq!((s.dirs, s.files), (MAX_DEPTH as u64 - 1, 1));
+        let mut q = t.path().join("ok2");
+        for _ in 0..(MAX_DEPTH - 1) {
+            q = q.join("d");
+        }
+        assert_eq!(std::fs::read(q.join("f")).unwrap(), b"deep");
+    }
+
+    #[test]
+    fn read_only_directories_are_filled_before_their_mode_is_set() {
+        use std::os::unix::fs::PermissionsExt;
+        let t = tempfile::tempdir().unwrap();
+        let src = t.path().join("src");
+        std::fs::create_dir_all(src.join("ro/sub")).unwrap();
+        std::fs::write(src.join("ro/sub/f"), "x").unwrap();
+        std::fs::set_permissions(src.join("ro/sub"), std::fs::Permissions::from_mode(0o555)).unwrap();
+        std::fs::set_permissions(src.join("ro"), std::fs::Permissions::from_mode(0o500)).unwrap();
+        let dst = t.path().join("dst");
+        copy_tree(&src, &dst, &mut |_| {}, &|| false).unwrap();
+        assert_eq!(std::fs::read(dst.join("ro/sub/f")).unwrap(), b"x");
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode(&dst.join("ro")), 0o500);
+        assert_eq!(mode(&dst.join("ro/sub")), 0o555);
     }
 
     #[test]
