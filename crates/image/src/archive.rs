@@ -64,7 +64,7 @@ pub struct UnpackStats {
 /// which is what such a file would show as anyway.
 pub(crate) const OVERFLOW_ID: u32 = 65534;
 /// Bytes a member's headers (GNU long names, PAX records) may take.
-const HEADER_WINDOW: u64 = 1 << 20;
+pub(crate) const HEADER_WINDOW: u64 = 1 << 20;
 
 // ---------------------------------------------------------------------------------------
 // Writing
@@ -394,7 +394,7 @@ pub(crate) struct Counters {
 }
 
 /// The decompressed stream of a layer, its compression told by magic bytes.
-enum Decoded<Rd: Read> {
+pub(crate) enum Decoded<Rd: Read> {
     Plain(BufReader<Rd>),
     Gzip(Box<flate2::bufread::MultiGzDecoder<BufReader<Rd>>>),
     Zstd(Box<zstd::stream::read::Decoder<'static, BufReader<Rd>>>),
@@ -410,9 +410,9 @@ impl<Rd: Read> Read for Decoded<Rd> {
     }
 }
 
-type Head<Rd> = io::Chain<io::Cursor<Vec<u8>>, Rd>;
+pub(crate) type Head<Rd> = io::Chain<io::Cursor<Vec<u8>>, Rd>;
 
-fn decompress<Rd: Read>(mut src: Rd) -> R<Decoded<Head<Rd>>> {
+pub(crate) fn decompress<Rd: Read>(mut src: Rd) -> R<Decoded<Head<Rd>>> {
     let mut head = [0u8; 4];
     let mut n = 0;
     while n < head.len() {
@@ -510,7 +510,6 @@ pub(crate) fn sanitize(raw: &[u8]) -> R<PathBuf> {
 pub(crate) struct Extracted {
     pub stats: UnpackStats,
     /// sha256 (hex) of the decompressed tar stream, when asked for.
-    #[allow(dead_code)] // read by the OCI import, which lands next
     pub tar_sha256: Option<String>,
 }
 
@@ -824,10 +823,7 @@ impl Extractor<'_> {
                 Ok(0) => break,
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) if meter.borrow().exceeded => {
-                    let _ = e;
-                    return Err(too_big());
-                }
+                Err(_) if meter.borrow().exceeded => return Err(too_big()),
                 Err(e) => return Err(ImageError::BadArchive(format!("{}: {e}", show(rel)))),
             };
             written += n as u64;

@@ -69,10 +69,10 @@ pub enum ImageError {
 }
 
 impl ImageError {
-    /// True when the input (archive, image, manifest) is at fault rather than the host: the
-    /// API answers those with a 4xx status.
+    /// True when the input (archive, image, manifest) is at fault rather than the host or a
+    /// race with a running sandbox: the API answers those with a 4xx status.
     pub fn is_input_error(&self) -> bool {
-        !matches!(self, ImageError::Io { .. })
+        !matches!(self, ImageError::Io { .. } | ImageError::Changed { .. })
     }
 
     pub(crate) fn io(

@@ -10,6 +10,7 @@ mod copy;
 mod error;
 mod fsx;
 mod manifest;
+mod oci;
 
 pub use archive::{
     LayerStats, UnpackLimits, UnpackStats, apply_oci_layer, unpack_layer, write_layer,
@@ -17,6 +18,7 @@ pub use archive::{
 pub use copy::{CopyStats, copy_layer, merge_layer};
 pub use error::ImageError;
 pub use manifest::{Entry, EntryKind, ID_RANGE, Layer, Manifest, ManifestDiff, Stack, WalkStats};
+pub use oci::{ImageConfig, ImportProgress, import_image, import_image_with};
 
 #[cfg(test)]
 mod tests;

@@ -273,7 +273,6 @@ impl Stack {
                         _ => false,
                     });
                 }
-                check_name(v.rel, v.name)?;
                 let (kind, mode, uid, gid) = match v.node.kind {
                     // Whiteouts carry no ownership: overlayfs makes them as its mounter.
                     NodeKind::Whiteout => (EntryKind::Whiteout, 0, 0, 0),
@@ -315,6 +314,7 @@ impl Stack {
                         (kind, mode, uid, gid)
                     }
                 };
+                check_name(v.rel, v.name)?;
                 out.insert(
                     key.to_string(),
                     (

@@ -353,7 +353,8 @@ fn entry_and_byte_limits_hold() {
     // A header that claims megabytes of PAX records is cut off, not buffered.
     let mut t = RawTar::new();
     let mut pax = Vec::new();
-    let rec = format!("{} comment={}\n", 2_000_000 + 11 + 7, "c".repeat(2_000_000));
+    let rec = format!("{} comment={}\n", 2_000_017, "c".repeat(2_000_000));
+    assert_eq!(rec.len(), 2_000_017);
     pax.extend_from_slice(rec.as_bytes());
     t.raw(b"pax", EntryType::XHeader, b"", 0o644, 0, &pax);
     t.file("after", b"x");

@@ -2,6 +2,7 @@
 
 mod hostile;
 mod layers;
+mod oci;
 
 use std::collections::BTreeMap;
 use std::fs;
