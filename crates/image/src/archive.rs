@@ -526,6 +526,7 @@ struct Extractor<'a> {
     this_layer: HashSet<PathBuf>,
     /// Directory mtimes, set last (writing children changes them).
     dir_times: BTreeMap<PathBuf, i64>,
+    buf: Vec<u8>,
 }
 
 /// Extracts a tar stream (gzip/zstd/plain) beneath `root`.
@@ -573,6 +574,7 @@ pub(crate) fn extract(
         files: HashSet::new(),
         this_layer: HashSet::new(),
         dir_times: BTreeMap::new(),
+        buf: vec![0u8; 128 * 1024],
     };
     {
         let mut entries = ar.entries().map_err(|e| read_err(e, &meter))?;
@@ -816,10 +818,9 @@ impl Extractor<'_> {
         }
         let (pfd, name, _) = self.clear_for(rel, false)?;
         let mut f = fsx::create_file(&pfd, name, rel)?;
-        let mut buf = vec![0u8; 128 * 1024];
         let mut written = 0u64;
         loop {
-            let n = match entry.read(&mut buf) {
+            let n = match entry.read(&mut self.buf) {
                 Ok(0) => break,
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -830,7 +831,7 @@ impl Extractor<'_> {
             if written > left {
                 return Err(too_big());
             }
-            f.write_all(&buf[..n])
+            f.write_all(&self.buf[..n])
                 .map_err(|e| ImageError::io("write", show(rel), e))?;
         }
         self.counters.bytes += written;

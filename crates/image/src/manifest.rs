@@ -212,12 +212,11 @@ pub(crate) fn check_name(rel: &Path, name: &OsStr) -> R<()> {
 }
 
 /// Streams a reader through sha256: (hex digest, bytes read).
-pub(crate) fn hash_reader(mut r: impl Read, rel: &Path) -> R<(String, u64)> {
+pub(crate) fn hash_reader(mut r: impl Read, rel: &Path, buf: &mut [u8]) -> R<(String, u64)> {
     let mut h = Sha256::new();
-    let mut buf = vec![0u8; 128 * 1024];
     let mut n = 0u64;
     loop {
-        let k = match r.read(&mut buf) {
+        let k = match r.read(buf) {
             Ok(0) => break,
             Ok(k) => k,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -248,6 +247,7 @@ impl Stack {
         // deeper layers have there, as in the merged view.
         let mut blocked: HashSet<String> = HashSet::new();
         let mut stats = WalkStats::default();
+        let mut buf = vec![0u8; 128 * 1024];
         for (i, layer) in self.0.iter().enumerate() {
             let root = Root::open(&layer.dir)?;
             let mut hashed: HashMap<u64, (String, u64)> = HashMap::new();
@@ -301,7 +301,7 @@ impl Stack {
                                     Some(h) => h.clone(),
                                     None => {
                                         let (f, _) = root.open_file(v.rel)?;
-                                        let h = hash_reader(f, v.rel)?;
+                                        let h = hash_reader(f, v.rel, &mut buf)?;
                                         if v.node.nlink > 1 {
                                             hashed.insert(v.node.ino, h.clone());
                                         }
