@@ -1,6 +1,7 @@
 //! Templates: building root filesystems in the background with a progress log (a copy of
-//! a directory, debootstrap), resolving a template for a create, and the start command
-//! and readiness check its sandboxes run before they are handed out.
+//! a directory, debootstrap, an OCI image or `docker save` tarball through
+//! `sandpit-image`), resolving a template for a create, and the start command and
+//! readiness check its sandboxes run before they are handed out.
 //!
 //! A build works in `DATA_DIR/templates/<name>-<build id>/`, which it owns: a failed or
 //! cancelled build removes it, and the record says why. Templates registered in place
@@ -224,6 +225,7 @@ impl Drop for Hold {
 /// What a build makes the root filesystem from, validated.
 enum Source {
     Dir(PathBuf),
+    Oci(PathBuf),
     Debootstrap {
         suite: String,
         packages: Vec<String>,
@@ -306,27 +308,34 @@ fn check_settings(req: &BuildTemplateRequest) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// A directory on the host to copy: it must exist, look like a root filesystem, and
-/// neither hold nor lie inside the daemon's data directory (whose keys and database no
-/// template may carry, and which a copy would otherwise copy into itself).
-fn check_source_dir(path: &str, data_dir: &Path) -> Result<PathBuf, ApiError> {
+/// A path on the host a build reads: absolute, existing, and neither holding nor inside
+/// the daemon's data directory (whose keys and database no template may carry, and which
+/// a copy would otherwise copy into itself). Returns it with symlinks resolved.
+fn check_host_path(path: &str, data_dir: &Path) -> Result<PathBuf, ApiError> {
     if !path.starts_with('/') || path.len() > 4096 || path.contains('\0') {
         return Err(ApiError::bad_request(format!(
             "source path {path:?} must be an absolute path"
         )));
     }
-    let dir = std::fs::canonicalize(path)
+    let found = std::fs::canonicalize(path)
         .map_err(|e| ApiError::bad_request(format!("source path {path}: {e}")))?;
-    if !dir.is_dir() {
-        return Err(ApiError::bad_request(format!(
-            "source path {path} is not a directory"
-        )));
-    }
     let data = std::fs::canonicalize(data_dir).unwrap_or_else(|_| data_dir.to_path_buf());
-    if data.starts_with(&dir) || dir.starts_with(&data) {
+    if data.starts_with(&found) || found.starts_with(&data) {
         return Err(ApiError::bad_request(format!(
             "source path {path} overlaps the daemon's data directory {}",
             data.display()
+        )));
+    }
+    Ok(found)
+}
+
+/// A directory on the host to copy: see [`check_host_path`]; it must also look like a
+/// root filesystem.
+fn check_source_dir(path: &str, data_dir: &Path) -> Result<PathBuf, ApiError> {
+    let dir = check_host_path(path, data_dir)?;
+    if !dir.is_dir() {
+        return Err(ApiError::bad_request(format!(
+            "source path {path} is not a directory"
         )));
     }
     let has = |p: &str| std::fs::symlink_metadata(dir.join(p)).is_ok();
@@ -359,11 +368,15 @@ fn check_source(source: &TemplateSourceSpec, data_dir: &Path) -> Result<Source, 
                 mirror,
             })
         }
-        TemplateSourceSpec::Oci { .. } => Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "unsupported",
-            "building from an OCI image is not available in this build of sandpit",
-        )),
+        TemplateSourceSpec::Oci { path } => {
+            let found = check_host_path(path, data_dir)?;
+            if !found.is_dir() && !found.is_file() {
+                return Err(ApiError::bad_request(format!(
+                    "{path} is neither an image directory nor a tarball"
+                )));
+            }
+            Ok(Source::Oci(found))
+        }
         TemplateSourceSpec::Path { .. } => Err(ApiError::bad_request(
             "kind \"path\" registers a directory in place, which is local administration \
              (`sandpit template add`); a build copies: use kind \"dir\"",
@@ -830,7 +843,7 @@ async fn run_build(
             let (b, src, dst) = (build.clone(), src.clone(), rootfs.clone());
             tokio::task::spawn_blocking(move || {
                 let cancelled = || b.cancel.is_cancelled();
-                copy::copy_tree(&src, &dst, &mut |line| b.push(line), &cancelled).map(drop)
+                copy::copy_tree(&src, &dst, &mut |line| b.push(line), &cancelled).map(|_| None)
             })
             .await
             .unwrap_or_else(|e| Err(BuildError::Failed(format!("copy task: {e}"))))
@@ -839,10 +852,38 @@ async fn run_build(
             suite,
             packages,
             mirror,
-        } => debootstrap::run(&build, suite, packages, mirror.as_deref(), &rootfs).await,
+        } => debootstrap::run(&build, suite, packages, mirror.as_deref(), &rootfs)
+            .await
+            .map(|()| None),
+        Source::Oci(src) => {
+            build.push(format!("importing the image {}", src.display()));
+            let (b, src, dst) = (build.clone(), src.clone(), rootfs.clone());
+            tokio::task::spawn_blocking(move || {
+                sandpit_image::import_image(&src, &dst, &mut |p| {
+                    b.push(format!(
+                        "applied layer {}/{} ({})",
+                        p.index,
+                        p.total,
+                        copy::human(p.bytes)
+                    ))
+                })
+                .map(Some)
+                .map_err(|e| BuildError::Failed(format!("image import: {e}")))
+            })
+            .await
+            .unwrap_or_else(|e| Err(BuildError::Failed(format!("import task: {e}"))))
+        }
+    };
+    // An import cannot stop half-way; a removal asked for meanwhile takes effect here.
+    let made = match made {
+        Ok(_) if build.cancel.is_cancelled() => Err(BuildError::Cancelled),
+        other => other,
     };
     let made = match made {
-        Ok(()) => {
+        Ok(image) => {
+            if let Some(config) = image {
+                apply_image_config(&build, &mut rec, config, &rootfs);
+            }
             let (b, r, settings) = (build.clone(), rootfs.clone(), rec.clone());
             tokio::task::spawn_blocking(move || finish_rootfs(&b, &r, &settings))
                 .await
@@ -898,6 +939,79 @@ async fn run_build(
                 tracing::warn!(template = %rec.name, error = %se, "recording a failed build failed");
             }
             build.finish(TemplateState::Failed, Some(msg));
+        }
+    }
+}
+
+/// Quotes one argument for `/bin/sh`.
+fn shell_quote(arg: &str) -> String {
+    let plain = !arg.is_empty()
+        && arg
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"_@%+=:,./-".contains(&b));
+    if plain {
+        arg.to_string()
+    } else {
+        format!("'{}'", arg.replace('\'', "'\\''"))
+    }
+}
+
+/// The sandbox account an image's `user` (`name`, `uid`, `name:group`...) runs as:
+/// an image without one, or with root's, runs as `root`; any other as `user`.
+fn account_of_image_user(user: Option<&str>) -> &'static str {
+    let name = user.unwrap_or("").split(':').next().unwrap_or("").trim();
+    if name.is_empty() || name == "root" || name == "0" {
+        "root"
+    } else {
+        "user"
+    }
+}
+
+/// Fills what the build request left out from the image's config: its env (under the
+/// request's), user, workdir, and entrypoint + cmd as the start command. Values a sandbox
+/// could not take are left out, with a line in the log.
+fn apply_image_config(
+    build: &Build,
+    rec: &mut TemplateRecord,
+    config: sandpit_image::ImageConfig,
+    rootfs: &Path,
+) {
+    let mut env = BTreeMap::new();
+    for kv in &config.env {
+        match kv.split_once('=') {
+            Some((k, v)) if crate::manager::check_env(&[(k.to_string(), v.to_string())].into()).is_ok() => {
+                env.insert(k.to_string(), v.to_string());
+            }
+            _ => build.push(format!("warning: the image's env entry {kv:?} is not used")),
+        }
+    }
+    env.extend(std::mem::take(&mut rec.env));
+    rec.env = env;
+    if rec.default_user.is_none() {
+        let account = account_of_image_user(config.user.as_deref());
+        if let Some(u) = config.user.as_deref().filter(|u| !u.is_empty()) {
+            build.push(format!("the image's user {u:?} runs as `{account}`"));
+        }
+        rec.default_user = Some(account.to_string());
+    }
+    if rec.workdir.is_none()
+        && let Some(w) = config.workdir.as_deref().filter(|w| !w.is_empty())
+    {
+        if w.starts_with('/') && !w.contains('\0') && !w.split('/').any(|c| c == "..") {
+            rec.workdir = Some(w.to_string());
+        } else {
+            build.push(format!("warning: the image's workdir {w:?} is not used"));
+        }
+    }
+    let argv: Vec<&String> = config.entrypoint.iter().chain(&config.cmd).collect();
+    if rec.start_cmd.is_none() && !argv.is_empty() {
+        if std::fs::symlink_metadata(rootfs.join("bin/sh")).is_ok() {
+            let line: Vec<String> = argv.iter().map(|a| shell_quote(a)).collect();
+            rec.start_cmd = Some(format!("exec {}", line.join(" ")));
+        } else {
+            build.push(
+                "warning: the image's entrypoint and cmd are not used as the start command: the image has no /bin/sh",
+            );
         }
     }
 }
@@ -1136,6 +1250,48 @@ mod tests {
         assert_eq!(got.user.as_deref(), Some("root"));
         let plain = with_defaults(CreateSandboxRequest::default(), &Defaults::default());
         assert!(plain.env.is_empty() && plain.workdir.is_none() && plain.user.is_none());
+    }
+
+    #[test]
+    fn image_commands_are_quoted_and_users_mapped() {
+        assert_eq!(shell_quote("/bin/sh"), "/bin/sh");
+        assert_eq!(shell_quote("echo hi; rm x"), "'echo hi; rm x'");
+        assert_eq!(shell_quote("it's"), "'it'\\''s'");
+        assert_eq!(shell_quote(""), "''");
+        assert_eq!(shell_quote("$HOME"), "'$HOME'");
+        for root in [None, Some(""), Some("root"), Some("0"), Some("0:0"), Some("root:wheel")] {
+            assert_eq!(account_of_image_user(root), "root", "{root:?}");
+        }
+        for other in [Some("1000"), Some("nginx"), Some("1000:1000"), Some("app:app")] {
+            assert_eq!(account_of_image_user(other), "user", "{other:?}");
+        }
+        let b = Build::new("b".into());
+        let t = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(t.path().join("bin")).unwrap();
+        std::fs::write(t.path().join("bin/sh"), "").unwrap();
+        let mut rec = TemplateRecord {
+            env: [("B".to_string(), "mine".to_string())].into(),
+            ..Default::default()
+        };
+        let config = sandpit_image::ImageConfig {
+            env: vec!["A=1".into(), "B=image".into(), "broken".into()],
+            user: Some("1000".into()),
+            workdir: Some("/srv/../etc".into()),
+            entrypoint: vec!["/bin/sh".into(), "-c".into()],
+            cmd: vec!["echo $X > /tmp/y".into()],
+            ..Default::default()
+        };
+        apply_image_config(&b, &mut rec, config, t.path());
+        assert_eq!(rec.env["A"], "1");
+        assert_eq!(rec.env["B"], "mine", "the request wins over the image");
+        assert!(!rec.env.contains_key("broken"));
+        assert_eq!(rec.default_user.as_deref(), Some("user"));
+        assert_eq!(rec.workdir, None, "a workdir with '..' is not taken");
+        assert_eq!(
+            rec.start_cmd.as_deref(),
+            Some("exec /bin/sh -c 'echo $X > /tmp/y'")
+        );
+        assert!(b.last_line(|l| l.contains("broken")).is_some());
     }
 
     #[test]

@@ -59,8 +59,8 @@ pub async fn get(
     Ok(Json(to_api(rec)))
 }
 
-/// Build a template (admin) from a directory on the daemon's host or with debootstrap;
-/// answers at once, the build goes on in the background.
+/// Build a template (admin) from a directory or an OCI image / `docker save` tarball on the
+/// daemon's host, or with debootstrap; answers at once, the build goes on in the background.
 #[utoipa::path(post, path = "/v1/templates", request_body = BuildTemplateRequest,
     responses((status = 202, body = Template), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
 pub async fn build(
