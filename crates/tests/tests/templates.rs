@@ -709,3 +709,217 @@ async fn debootstrap_builds_a_debian_template_and_a_cancelled_build_leaves_nothi
     assert!(!Path::new(&t.rootfs).exists());
     d.shutdown().await;
 }
+
+fn sha256_hex(b: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(b))
+}
+
+/// A tar of the directory `dir` (symlinks kept as symlinks).
+fn tar_of_dir(dir: &Path) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    b.follow_symlinks(false);
+    b.append_dir_all(".", dir).unwrap();
+    b.into_inner().unwrap()
+}
+
+/// A layer tar of (name, contents) files; names are written raw, so `..` gets through.
+fn raw_layer(files: &[(&str, &[u8])]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (name, data) in files {
+        let mut h = tar::Header::new_gnu();
+        h.as_gnu_mut().unwrap().name[..name.len()].copy_from_slice(name.as_bytes());
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_mode(0o644);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_size(data.len() as u64);
+        h.set_mtime(1_700_000_000);
+        h.set_cksum();
+        b.append(&h, *data).unwrap();
+    }
+    b.into_inner().unwrap()
+}
+
+fn image_config(layers: &[&[u8]], config: serde_json::Value) -> Vec<u8> {
+    let ids: Vec<String> = layers
+        .iter()
+        .map(|l| format!("sha256:{}", sha256_hex(l)))
+        .collect();
+    serde_json::to_vec(&serde_json::json!({
+        "architecture": "amd64",
+        "os": "linux",
+        "config": config,
+        "rootfs": {"type": "layers", "diff_ids": ids},
+    }))
+    .unwrap()
+}
+
+/// Writes an OCI image layout of uncompressed layers at `dir`.
+fn oci_layout(dir: &Path, layers: &[Vec<u8>], config: serde_json::Value) {
+    let blobs = dir.join("blobs/sha256");
+    std::fs::create_dir_all(&blobs).unwrap();
+    let blob = |media: &str, data: &[u8]| {
+        let h = sha256_hex(data);
+        std::fs::write(blobs.join(&h), data).unwrap();
+        serde_json::json!({"mediaType": media, "digest": format!("sha256:{h}"), "size": data.len()})
+    };
+    let refs: Vec<&[u8]> = layers.iter().map(Vec::as_slice).collect();
+    let cfg = blob(
+        "application/vnd.oci.image.config.v1+json",
+        &image_config(&refs, config),
+    );
+    let descs: Vec<serde_json::Value> = layers
+        .iter()
+        .map(|l| blob("application/vnd.oci.image.layer.v1.tar", l))
+        .collect();
+    let manifest = serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": cfg,
+        "layers": descs,
+    }))
+    .unwrap();
+    let m = blob("application/vnd.oci.image.manifest.v1+json", &manifest);
+    std::fs::write(dir.join("oci-layout"), br#"{"imageLayoutVersion":"1.0.0"}"#).unwrap();
+    std::fs::write(
+        dir.join("index.json"),
+        serde_json::to_vec(&serde_json::json!({"schemaVersion": 2, "manifests": [m]})).unwrap(),
+    )
+    .unwrap();
+}
+
+fn oci_build(name: &str, path: &Path) -> BuildTemplateRequest {
+    BuildTemplateRequest {
+        source: TemplateSourceSpec::Oci {
+            path: path.to_str().unwrap().into(),
+        },
+        ..dir_build(name, path)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oci_image_becomes_a_template_with_its_config() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let base = tempdir("sandpit-tsrc-");
+    shell_rootfs(base.path());
+    std::fs::write(base.path().join("etc/motd"), "base\n").unwrap();
+    // Layer 2 replaces a file, adds one, and deletes `cat` with a whiteout.
+    let top = raw_layer(&[
+        ("etc/motd", b"from the second layer\n"),
+        ("app/hello", b"hello\n"),
+        ("usr/bin/.wh.cat", b""),
+    ]);
+    let image = tempdir("sandpit-image-");
+    oci_layout(
+        image.path(),
+        &[tar_of_dir(base.path()), top],
+        serde_json::json!({
+            "Env": ["PATH=/usr/bin:/bin", "FROM_IMAGE=yes", "SHARED=image"],
+            "WorkingDir": "/app",
+            "Entrypoint": ["/bin/sh", "-c"],
+            "Cmd": ["echo started > /tmp/started; while :; do sleep 1; done"],
+        }),
+    );
+    let req = BuildTemplateRequest {
+        env: [("SHARED".to_string(), "mine".to_string())].into(),
+        ready_cmd: Some("test -f /tmp/started".into()),
+        ..oci_build("img", image.path())
+    };
+    c.build_template(&req).await.unwrap();
+    let (t, log) = wait_built(&c, "img", Duration::from_secs(300)).await;
+    assert_eq!(t.state, "ready", "{t:?} {log:#?}");
+    assert!(log.iter().any(|l| l.starts_with("applied layer 2/2")), "{log:#?}");
+    let s = &t.settings;
+    assert_eq!(s.env.get("FROM_IMAGE").map(String::as_str), Some("yes"));
+    assert_eq!(s.env.get("SHARED").map(String::as_str), Some("mine"));
+    assert_eq!(s.workdir.as_deref(), Some("/app"));
+    assert_eq!(s.default_user.as_deref(), Some("root"));
+    assert_eq!(
+        s.start_cmd.as_deref(),
+        Some("exec /bin/sh -c 'echo started > /tmp/started; while :; do sleep 1; done'")
+    );
+    let sb = c.create_sandbox(&from("img")).await.unwrap();
+    let r = c
+        .run(&sb.id, &shell(&format!("echo $FROM_IMAGE $SHARED; pwd; {UID}")))
+        .await
+        .unwrap();
+    assert_eq!((r.exit_code, r.stdout.as_str()), (0, "yes mine\n/app\n0\n"), "{r:?}");
+    // The image's command ran before the sandbox was handed out.
+    assert_eq!(
+        c.read_file(&sb.id, "/tmp/started").await.unwrap().as_ref(),
+        b"started\n"
+    );
+    assert_eq!(
+        c.read_file(&sb.id, "/etc/motd").await.unwrap().as_ref(),
+        b"from the second layer\n"
+    );
+    assert_eq!(c.read_file(&sb.id, "/app/hello").await.unwrap().as_ref(), b"hello\n");
+    assert_eq!(status(c.stat(&sb.id, "/usr/bin/cat").await), Some(404));
+    assert!(c.stat(&sb.id, "/usr/bin/sleep").await.is_ok());
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_docker_save_tarball_with_a_path_traversal_is_refused() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let good = raw_layer(&[("usr/bin/tool", b"x"), ("etc/os-release", b"ok")]);
+    let evil = raw_layer(&[("../../escaped", b"owned")]);
+    let config = image_config(&[&good, &evil], serde_json::json!({}));
+    // `docker save`: manifest.json, the config and one directory per layer, in a tarball.
+    let mut outer = tar::Builder::new(Vec::new());
+    let mut add = |name: &str, data: &[u8]| {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(1_700_000_000);
+        h.set_cksum();
+        outer.append_data(&mut h, name, data).unwrap();
+    };
+    add(
+        "manifest.json",
+        &serde_json::to_vec(&serde_json::json!([{
+            "Config": "config.json",
+            "RepoTags": ["evil:latest"],
+            "Layers": ["aaa/layer.tar", "bbb/layer.tar"],
+        }]))
+        .unwrap(),
+    );
+    add("config.json", &config);
+    add("aaa/layer.tar", &good);
+    add("bbb/layer.tar", &evil);
+    let tarball = tempdir("sandpit-image-");
+    let path = tarball.path().join("evil.tar");
+    std::fs::write(&path, outer.into_inner().unwrap()).unwrap();
+    let started = c.build_template(&oci_build("evil", &path)).await.unwrap();
+    let (t, log) = wait_built(&c, "evil", Duration::from_secs(120)).await;
+    assert_eq!(t.state, "failed", "{t:?} {log:#?}");
+    let why = t.error.unwrap_or_default();
+    assert!(why.contains("unsafe member name"), "{why}");
+    // Nothing of the build is left, and nothing escaped it.
+    let work = Path::new(&started.rootfs).parent().unwrap().to_path_buf();
+    assert!(!work.exists());
+    let templates = d.data.path().join("templates");
+    for p in [templates.join("escaped"), d.data.path().join("escaped")] {
+        assert!(!p.exists(), "{} was written", p.display());
+    }
+    let left: Vec<String> = std::fs::read_dir(&templates)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("evil"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    assert_eq!(status(c.create_sandbox(&from("evil")).await), Some(409));
+    // A path that is neither a directory nor a tarball of an image fails the same way.
+    let junk = tarball.path().join("junk.tar");
+    std::fs::write(&junk, b"not a tarball").unwrap();
+    c.build_template(&oci_build("junk", &junk)).await.unwrap();
+    let (t, _) = wait_built(&c, "junk", Duration::from_secs(60)).await;
+    assert_eq!(t.state, "failed", "{t:?}");
+    d.shutdown().await;
+}
