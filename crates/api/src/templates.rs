@@ -145,7 +145,9 @@ mod tests {
             serde_json::from_str::<TemplateSourceSpec>(r#"{"kind":"dir","path":"/x","extra":1}"#)
                 .is_err()
         );
-        assert!(serde_json::from_str::<TemplateSourceSpec>(r#"{"kind":"http","path":"/x"}"#).is_err());
+        assert!(
+            serde_json::from_str::<TemplateSourceSpec>(r#"{"kind":"http","path":"/x"}"#).is_err()
+        );
         let req: Result<BuildTemplateRequest, _> = serde_json::from_str(
             r#"{"name":"t","source":{"kind":"dir","path":"/x"},"startCmd":"x"}"#,
         );

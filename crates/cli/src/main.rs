@@ -355,7 +355,7 @@ enum KeysCommand {
 enum TemplateCommand {
     /// Build a template (admin key) and follow its progress; Ctrl-C stops following, the
     /// build goes on (`template rm` cancels it).
-    Build(templates::BuildArgs),
+    Build(Box<templates::BuildArgs>),
     /// List templates (through the daemon).
     Ls,
     /// Show a template: settings, source, size, build state (JSON).

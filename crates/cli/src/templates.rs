@@ -37,7 +37,12 @@ pub struct BuildArgs {
     #[command(flatten)]
     source: SourceArgs,
     /// Extra packages for --debootstrap (comma-separated).
-    #[arg(long, value_name = "PKGS", value_delimiter = ',', requires = "debootstrap")]
+    #[arg(
+        long,
+        value_name = "PKGS",
+        value_delimiter = ',',
+        requires = "debootstrap"
+    )]
     packages: Vec<String>,
     /// Mirror for --debootstrap (http or https).
     #[arg(long, value_name = "URL", requires = "debootstrap")]
@@ -68,7 +73,9 @@ pub struct BuildArgs {
 /// Runs one `template` subcommand.
 pub async fn run(ctx: &Ctx, cmd: TemplateCommand) -> anyhow::Result<()> {
     match cmd {
-        TemplateCommand::Add { name, rootfs } => crate::admin::template_add(ctx, &name, &rootfs).await,
+        TemplateCommand::Add { name, rootfs } => {
+            crate::admin::template_add(ctx, &name, &rootfs).await
+        }
         TemplateCommand::Ls => {
             let templates = ctx.client()?.list_templates().await?;
             if ctx.json {
@@ -94,7 +101,7 @@ pub async fn run(ctx: &Ctx, cmd: TemplateCommand) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        TemplateCommand::Build(args) => build(ctx, args).await,
+        TemplateCommand::Build(args) => build(ctx, *args).await,
     }
 }
 
@@ -179,7 +186,9 @@ async fn follow(client: &Client, name: &str, quiet: bool) -> anyhow::Result<Temp
             .template_build(name, offset, 25_000)
             .await
             .with_context(|| {
-                format!("lost the build of {name} (it goes on; see `sandpit template inspect {name}`)")
+                format!(
+                    "lost the build of {name} (it goes on; see `sandpit template inspect {name}`)"
+                )
             })?;
         let first = b.lines.first().map(|l| l.offset);
         if b.truncated || first.is_some_and(|f| f > offset) {
@@ -215,10 +224,14 @@ fn describe(t: &Template) -> String {
     match &t.source {
         None => "host".into(),
         Some(TemplateSourceSpec::Dir { path }) => format!("copy of {path}"),
-        Some(TemplateSourceSpec::Debootstrap { suite, packages, .. }) if packages.is_empty() => {
+        Some(TemplateSourceSpec::Debootstrap {
+            suite, packages, ..
+        }) if packages.is_empty() => {
             format!("debootstrap {suite}")
         }
-        Some(TemplateSourceSpec::Debootstrap { suite, packages, .. }) => {
+        Some(TemplateSourceSpec::Debootstrap {
+            suite, packages, ..
+        }) => {
             format!("debootstrap {suite} +{}", packages.join(","))
         }
         Some(TemplateSourceSpec::Oci { path }) => format!("image {path}"),

@@ -8,14 +8,18 @@ use crate::{Client, ClientError};
 impl Client {
     /// `POST /v1/templates` (admin key): starts a build and returns the template in state
     /// `building`; follow it with [`Client::template_build`].
-    pub async fn build_template(&self, req: &BuildTemplateRequest) -> Result<Template, ClientError> {
+    pub async fn build_template(
+        &self,
+        req: &BuildTemplateRequest,
+    ) -> Result<Template, ClientError> {
         self.json(self.req(Method::POST, &["templates"])?.json(req))
             .await
     }
 
     /// `GET /v1/templates/{name}`.
     pub async fn get_template(&self, name: &str) -> Result<Template, ClientError> {
-        self.json(self.req(Method::GET, &["templates", name])?).await
+        self.json(self.req(Method::GET, &["templates", name])?)
+            .await
     }
 
     /// `GET /v1/templates/{name}/build`: the build's state and its log lines from

@@ -170,7 +170,10 @@ impl Build {
         let mut rx = self.version.subscribe();
         let deadline = tokio::time::Instant::now() + max;
         while self.state() == TemplateState::Building {
-            if tokio::time::timeout_at(deadline, rx.changed()).await.is_err() {
+            if tokio::time::timeout_at(deadline, rx.changed())
+                .await
+                .is_err()
+            {
                 return;
             }
         }
@@ -546,13 +549,16 @@ impl Templates {
             updated_at_ms: now,
             build_id: Some(id.clone()),
         };
-        store.insert_template_build(&rec).await.map_err(|e| match e {
-            StoreError::Conflict(_) => ApiError::conflict(format!(
-                "template {} exists; remove it first (`sandpit template rm {}`)",
-                req.name, req.name
-            )),
-            other => other.into(),
-        })?;
+        store
+            .insert_template_build(&rec)
+            .await
+            .map_err(|e| match e {
+                StoreError::Conflict(_) => ApiError::conflict(format!(
+                    "template {} exists; remove it first (`sandpit template rm {}`)",
+                    req.name, req.name
+                )),
+                other => other.into(),
+            })?;
         let build = Arc::new(Build::new(id));
         if let Ok(mut builds) = self.builds.lock() {
             builds.insert(req.name.clone(), build.clone());
@@ -606,7 +612,11 @@ impl Templates {
         loop {
             let (lines, next, truncated, state, error) = build.read(offset);
             let waiting = lines.is_empty() && state == TemplateState::Building;
-            if !waiting || tokio::time::timeout_at(deadline, rx.changed()).await.is_err() {
+            if !waiting
+                || tokio::time::timeout_at(deadline, rx.changed())
+                    .await
+                    .is_err()
+            {
                 // A build that ended reports the record's state, which it wrote first.
                 let state = if state == TemplateState::Building {
                     state
@@ -806,7 +816,12 @@ impl Templates {
 }
 
 async fn rec_state_now(store: &Store, name: &str) -> Option<TemplateState> {
-    store.get_template(name).await.ok().flatten().map(|r| r.state)
+    store
+        .get_template(name)
+        .await
+        .ok()
+        .flatten()
+        .map(|r| r.state)
 }
 
 /// Makes the build's own directory (private to the daemon: a template may hold setuid
@@ -979,7 +994,9 @@ fn apply_image_config(
     let mut env = BTreeMap::new();
     for kv in &config.env {
         match kv.split_once('=') {
-            Some((k, v)) if crate::manager::check_env(&[(k.to_string(), v.to_string())].into()).is_ok() => {
+            Some((k, v))
+                if crate::manager::check_env(&[(k.to_string(), v.to_string())].into()).is_ok() =>
+            {
                 env.insert(k.to_string(), v.to_string());
             }
             _ => build.push(format!("warning: the image's env entry {kv:?} is not used")),
@@ -1162,8 +1179,10 @@ async fn wait_until_ready(
             }
             Err(_) => last = "the agent did not answer".into(),
         }
-        tokio::time::sleep(delay.min(deadline.saturating_duration_since(tokio::time::Instant::now())))
-            .await;
+        tokio::time::sleep(
+            delay.min(deadline.saturating_duration_since(tokio::time::Instant::now())),
+        )
+        .await;
         delay = (delay * 2).min(Duration::from_millis(500));
     }
     Err(ApiError::new(
@@ -1195,7 +1214,16 @@ mod tests {
         for ok in ["ubuntu-24.04", "py_3", "a"] {
             assert!(check_name(ok).is_ok(), "{ok}");
         }
-        for bad in ["", "host", "a/b", "..", ".hidden", "-x", "a b", &"x".repeat(65)] {
+        for bad in [
+            "",
+            "host",
+            "a/b",
+            "..",
+            ".hidden",
+            "-x",
+            "a b",
+            &"x".repeat(65),
+        ] {
             assert!(check_name(bad).is_err(), "{bad:?}");
         }
     }
@@ -1259,10 +1287,22 @@ mod tests {
         assert_eq!(shell_quote("it's"), "'it'\\''s'");
         assert_eq!(shell_quote(""), "''");
         assert_eq!(shell_quote("$HOME"), "'$HOME'");
-        for root in [None, Some(""), Some("root"), Some("0"), Some("0:0"), Some("root:wheel")] {
+        for root in [
+            None,
+            Some(""),
+            Some("root"),
+            Some("0"),
+            Some("0:0"),
+            Some("root:wheel"),
+        ] {
             assert_eq!(account_of_image_user(root), "root", "{root:?}");
         }
-        for other in [Some("1000"), Some("nginx"), Some("1000:1000"), Some("app:app")] {
+        for other in [
+            Some("1000"),
+            Some("nginx"),
+            Some("1000:1000"),
+            Some("app:app"),
+        ] {
             assert_eq!(account_of_image_user(other), "user", "{other:?}");
         }
         let b = Build::new("b".into());
@@ -1302,12 +1342,16 @@ mod tests {
         let p = src.path().to_str().unwrap();
         assert!(check_source_dir(p, data.path()).is_ok());
         assert_eq!(
-            check_source_dir("relative/x", data.path()).unwrap_err().status,
+            check_source_dir("relative/x", data.path())
+                .unwrap_err()
+                .status,
             StatusCode::BAD_REQUEST
         );
         assert!(check_source_dir("/nonexistent-sandpit-dir", data.path()).is_err());
         // Not a root filesystem.
-        assert!(check_source_dir(data.path().parent().unwrap().to_str().unwrap(), data.path()).is_err());
+        assert!(
+            check_source_dir(data.path().parent().unwrap().to_str().unwrap(), data.path()).is_err()
+        );
         // The data directory, a parent of it, or a directory inside it.
         std::fs::create_dir_all(data.path().join("x/usr/bin")).unwrap();
         assert!(check_source_dir(data.path().join("x").to_str().unwrap(), data.path()).is_err());

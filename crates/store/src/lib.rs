@@ -24,8 +24,8 @@ pub use model::{
     SandboxState, TemplateRecord, TemplateState,
 };
 pub use pools::Claim;
-pub use templates::TemplateUsers;
 pub use schema::SCHEMA_VERSION;
+pub use templates::TemplateUsers;
 
 /// How long a connection waits on another writer's lock before failing with "database is locked".
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);

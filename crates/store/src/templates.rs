@@ -130,10 +130,7 @@ impl Store {
             )
             .await?;
         if changed == 0 {
-            return Err(StoreError::Conflict(format!(
-                "template {} exists",
-                t.name
-            )));
+            return Err(StoreError::Conflict(format!("template {} exists", t.name)));
         }
         Ok(())
     }
@@ -216,11 +213,7 @@ impl Store {
     }
 
     /// Sandboxes (up to `max`) and pools that use the template.
-    pub async fn template_users(
-        &self,
-        name: &str,
-        max: u32,
-    ) -> Result<TemplateUsers, StoreError> {
+    pub async fn template_users(&self, name: &str, max: u32) -> Result<TemplateUsers, StoreError> {
         // Read through the writer: a decision to delete must see every committed create.
         let sandboxes: Vec<(String, String)> = sqlx::query_as(
             "SELECT id, state FROM sandboxes WHERE template = $1 ORDER BY id LIMIT $2",
@@ -278,7 +271,10 @@ mod tests {
     #[tokio::test]
     async fn a_build_replaces_only_a_failed_template_and_finishes_once() {
         let store = Store::open_in_memory().await.unwrap();
-        store.insert_template_build(&building("t", "b1")).await.unwrap();
+        store
+            .insert_template_build(&building("t", "b1"))
+            .await
+            .unwrap();
         // A second build of the same name while the first runs is a conflict.
         let err = store
             .insert_template_build(&building("t", "b2"))
@@ -286,7 +282,10 @@ mod tests {
             .unwrap_err();
         assert!(matches!(err, StoreError::Conflict(_)), "{err:?}");
         // Registering in place cannot take over a template being built.
-        let err = store.upsert_template(&building("t", "b3")).await.unwrap_err();
+        let err = store
+            .upsert_template(&building("t", "b3"))
+            .await
+            .unwrap_err();
         assert!(matches!(err, StoreError::Conflict(_)), "{err:?}");
         // Only the build that owns the record may finish it.
         let mut done = building("t", "other");
@@ -303,7 +302,10 @@ mod tests {
         assert_eq!(got.env.get("A").map(String::as_str), Some("1"));
         assert_eq!(got.source["kind"], "dir");
         // A failed template makes way for a new build of the same name.
-        store.insert_template_build(&building("t", "b4")).await.unwrap();
+        store
+            .insert_template_build(&building("t", "b4"))
+            .await
+            .unwrap();
         let got = store.get_template("t").await.unwrap().unwrap();
         assert_eq!(
             (got.state, got.build_id.as_deref()),

@@ -5,8 +5,8 @@
 //! Debian template.
 
 use sandpit_api::{
-    BuildTemplateRequest, CreateSandboxRequest, LimitsSpec, PoolSpec, RunCommandRequest,
-    Template, TemplateSourceSpec,
+    BuildTemplateRequest, CreateSandboxRequest, LimitsSpec, PoolSpec, RunCommandRequest, Template,
+    TemplateSourceSpec,
 };
 use sandpit_client::Client;
 use sandpit_tests::{Daemon, sandpit_bin};
@@ -45,7 +45,11 @@ fn shell_rootfs(dir: &Path) {
     for d in ["usr/bin", "usr/lib", "usr/lib64", "etc"] {
         std::fs::create_dir_all(dir.join(d)).unwrap();
     }
-    for (link, target) in [("bin", "usr/bin"), ("lib", "usr/lib"), ("lib64", "usr/lib64")] {
+    for (link, target) in [
+        ("bin", "usr/bin"),
+        ("lib", "usr/lib"),
+        ("lib64", "usr/lib64"),
+    ] {
         std::os::unix::fs::symlink(target, dir.join(link)).unwrap();
     }
     for (host, inside) in [
@@ -54,7 +58,10 @@ fn shell_rootfs(dir: &Path) {
         ("/bin/cat", "usr/bin/cat"),
     ] {
         std::fs::copy(host, dir.join(inside)).unwrap();
-        let out = std::process::Command::new("ldd").arg(host).output().unwrap();
+        let out = std::process::Command::new("ldd")
+            .arg(host)
+            .output()
+            .unwrap();
         for word in String::from_utf8_lossy(&out.stdout).split_whitespace() {
             if word.starts_with('/') {
                 let to = dir.join(word.trim_start_matches('/'));
@@ -155,7 +162,10 @@ async fn a_directory_build_copies_without_following_symlinks() {
     assert!(stderr.contains("template tiny is ready"), "{stderr}");
     let t = c.get_template("tiny").await.unwrap();
     assert_eq!(t.state, "ready");
-    assert_eq!(t.settings.env.get("GREETING").map(String::as_str), Some("hi"));
+    assert_eq!(
+        t.settings.env.get("GREETING").map(String::as_str),
+        Some("hi")
+    );
     assert_eq!(
         t.source,
         Some(TemplateSourceSpec::Dir {
@@ -233,7 +243,11 @@ async fn a_directory_build_copies_without_following_symlinks() {
         .env("SANDPIT_DATA_DIR", d.data.path())
         .output()
         .unwrap();
-    assert!(rm.status.success(), "{}", String::from_utf8_lossy(&rm.stderr));
+    assert!(
+        rm.status.success(),
+        "{}",
+        String::from_utf8_lossy(&rm.stderr)
+    );
     assert!(!rootfs.exists(), "the build's directory is removed with it");
     assert!(!rootfs.parent().unwrap().exists());
     assert_eq!(status(c.get_template("tiny").await), Some(404));
@@ -259,7 +273,11 @@ async fn template_settings_apply_and_a_create_overrides_them() {
     // The template's settings.
     let sb = c.create_sandbox(&from("sh")).await.unwrap();
     let r = c.run(&sb.id, &shell(&probe)).await.unwrap();
-    assert_eq!((r.exit_code, r.stdout.as_str()), (0, "tmpl tmpl\n/srv/app\n0\n"), "{r:?}");
+    assert_eq!(
+        (r.exit_code, r.stdout.as_str()),
+        (0, "tmpl tmpl\n/srv/app\n0\n"),
+        "{r:?}"
+    );
     // The workdir was made in the template, for its default user.
     let st = c.stat(&sb.id, "/srv/app").await.unwrap();
     assert_eq!((st.r#type.as_str(), st.owner.as_str()), ("dir", "root"));
@@ -272,7 +290,11 @@ async fn template_settings_apply_and_a_create_overrides_them() {
     };
     let sb2 = c.create_sandbox(&mine).await.unwrap();
     let r = c.run(&sb2.id, &shell(&probe)).await.unwrap();
-    assert_eq!((r.exit_code, r.stdout.as_str()), (0, "tmpl mine\n/tmp\n1000\n"), "{r:?}");
+    assert_eq!(
+        (r.exit_code, r.stdout.as_str()),
+        (0, "tmpl mine\n/tmp\n1000\n"),
+        "{r:?}"
+    );
     // A command's own env still wins over both.
     let r = c
         .run(
@@ -316,12 +338,16 @@ async fn a_start_command_and_readiness_check_gate_sandboxes_and_pool_members() {
     // The service keeps running in the background, as the default user.
     let cmds = c.list_commands(&sb.id).await.unwrap();
     assert!(
-        cmds.iter().any(|p| p.tag.as_deref() == Some("template-start")),
+        cmds.iter()
+            .any(|p| p.tag.as_deref() == Some("template-start")),
         "{cmds:?}"
     );
     assert_eq!(c.stat(&sb.id, "/tmp/ready").await.unwrap().owner, "user");
     let r = c
-        .run(&sb.id, &shell("a=$(cat /tmp/count); sleep 1; b=$(cat /tmp/count); [ $b -gt $a ]"))
+        .run(
+            &sb.id,
+            &shell("a=$(cat /tmp/count); sleep 1; b=$(cat /tmp/count); [ $b -gt $a ]"),
+        )
         .await
         .unwrap();
     assert_eq!(r.exit_code, 0, "the service goes on counting: {r:?}");
@@ -358,7 +384,10 @@ async fn a_start_command_and_readiness_check_gate_sandboxes_and_pool_members() {
         .unwrap();
     assert_eq!(claimed.pool.as_deref(), Some("svc-pool"));
     assert_eq!(
-        c.read_file(&claimed.id, "/tmp/ready").await.unwrap().as_ref(),
+        c.read_file(&claimed.id, "/tmp/ready")
+            .await
+            .unwrap()
+            .as_ref(),
         b"up\n"
     );
     d.shutdown().await;
@@ -466,7 +495,16 @@ async fn bad_names_paths_and_sources_are_refused() {
     let src = tempdir("sandpit-tsrc-");
     tiny_rootfs(src.path());
     let ok = dir_build("good", src.path());
-    for name in ["", "host", "../x", "a/b", ".x", "-x", "a b", &"n".repeat(65)] {
+    for name in [
+        "",
+        "host",
+        "../x",
+        "a/b",
+        ".x",
+        "-x",
+        "a b",
+        &"n".repeat(65),
+    ] {
         let e = c
             .build_template(&BuildTemplateRequest {
                 name: name.to_string(),
@@ -484,7 +522,12 @@ async fn bad_names_paths_and_sources_are_refused() {
         file.to_str().unwrap().to_string(),
         not_rootfs.path().to_str().unwrap().to_string(),
         d.data.path().to_str().unwrap().to_string(),
-        d.data.path().join("templates").to_str().unwrap().to_string(),
+        d.data
+            .path()
+            .join("templates")
+            .to_str()
+            .unwrap()
+            .to_string(),
         format!("{}/../x", src.path().display()),
     ] {
         let e = c
@@ -593,7 +636,10 @@ async fn bad_names_paths_and_sources_are_refused() {
         p = p.join("d");
     }
     std::fs::create_dir_all(&p).unwrap();
-    let started = c.build_template(&dir_build("deep", deep.path())).await.unwrap();
+    let started = c
+        .build_template(&dir_build("deep", deep.path()))
+        .await
+        .unwrap();
     let (t, log) = wait_built(&c, "deep", Duration::from_secs(120)).await;
     assert_eq!(t.state, "failed", "{t:?}");
     let why = t.error.clone().unwrap_or_default();
@@ -689,7 +735,11 @@ async fn debootstrap_builds_a_debian_template_and_a_cancelled_build_leaves_nothi
     let (t, log) = wait_built(&c, "bookworm", Duration::from_secs(900)).await;
     assert_eq!(t.state, "ready", "{t:?}\n{}", log.join("\n"));
     assert!(log.iter().any(|l| l.starts_with("I: Retriev")), "{log:#?}");
-    assert!(log.iter().any(|l| l.contains("Base system installed successfully")), "{log:#?}");
+    assert!(
+        log.iter()
+            .any(|l| l.contains("Base system installed successfully")),
+        "{log:#?}"
+    );
     assert!(t.size_bytes > 100 << 20, "{t:?}");
     let sb = c.create_sandbox(&from("bookworm")).await.unwrap();
     let r = c
@@ -830,7 +880,10 @@ async fn an_oci_image_becomes_a_template_with_its_config() {
     c.build_template(&req).await.unwrap();
     let (t, log) = wait_built(&c, "img", Duration::from_secs(300)).await;
     assert_eq!(t.state, "ready", "{t:?} {log:#?}");
-    assert!(log.iter().any(|l| l.starts_with("applied layer 2/2")), "{log:#?}");
+    assert!(
+        log.iter().any(|l| l.starts_with("applied layer 2/2")),
+        "{log:#?}"
+    );
     let s = &t.settings;
     assert_eq!(s.env.get("FROM_IMAGE").map(String::as_str), Some("yes"));
     assert_eq!(s.env.get("SHARED").map(String::as_str), Some("mine"));
@@ -842,10 +895,17 @@ async fn an_oci_image_becomes_a_template_with_its_config() {
     );
     let sb = c.create_sandbox(&from("img")).await.unwrap();
     let r = c
-        .run(&sb.id, &shell(&format!("echo $FROM_IMAGE $SHARED; pwd; {UID}")))
+        .run(
+            &sb.id,
+            &shell(&format!("echo $FROM_IMAGE $SHARED; pwd; {UID}")),
+        )
         .await
         .unwrap();
-    assert_eq!((r.exit_code, r.stdout.as_str()), (0, "yes mine\n/app\n0\n"), "{r:?}");
+    assert_eq!(
+        (r.exit_code, r.stdout.as_str()),
+        (0, "yes mine\n/app\n0\n"),
+        "{r:?}"
+    );
     // The image's command ran before the sandbox was handed out.
     assert_eq!(
         c.read_file(&sb.id, "/tmp/started").await.unwrap().as_ref(),
@@ -855,7 +915,10 @@ async fn an_oci_image_becomes_a_template_with_its_config() {
         c.read_file(&sb.id, "/etc/motd").await.unwrap().as_ref(),
         b"from the second layer\n"
     );
-    assert_eq!(c.read_file(&sb.id, "/app/hello").await.unwrap().as_ref(), b"hello\n");
+    assert_eq!(
+        c.read_file(&sb.id, "/app/hello").await.unwrap().as_ref(),
+        b"hello\n"
+    );
     assert_eq!(status(c.stat(&sb.id, "/usr/bin/cat").await), Some(404));
     assert!(c.stat(&sb.id, "/usr/bin/sleep").await.is_ok());
     d.shutdown().await;

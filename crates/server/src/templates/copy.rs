@@ -66,7 +66,9 @@ pub fn copy_tree(
     let mut copy = Copier {
         stats: CopyStats::default(),
         root_dev: root_stat.st_dev,
-        dst_root: dst_fd.try_clone().map_err(|e| BuildError::io("dup", dst, e))?,
+        dst_root: dst_fd
+            .try_clone()
+            .map_err(|e| BuildError::io("dup", dst, e))?,
         links: HashMap::new(),
         next_entries: REPORT_EVERY_ENTRIES,
         next_bytes: REPORT_EVERY_BYTES,
@@ -126,7 +128,11 @@ impl Copier<'_> {
     fn progress(&mut self) {
         let s = self.stats;
         if s.entries() >= self.next_entries || s.bytes >= self.next_bytes {
-            (self.log)(format!("copied {} entries ({})", s.entries(), human(s.bytes)));
+            (self.log)(format!(
+                "copied {} entries ({})",
+                s.entries(),
+                human(s.bytes)
+            ));
             self.next_entries = s.entries() + REPORT_EVERY_ENTRIES;
             self.next_bytes = s.bytes + REPORT_EVERY_BYTES;
         }
@@ -148,7 +154,9 @@ impl Copier<'_> {
     /// The sorted names in an open directory.
     fn list(&self, src: &OwnedFd, rel: &Path) -> Result<Vec<Vec<u8>>, BuildError> {
         let shown = self.src_root.join(rel);
-        let listing = src.try_clone().map_err(|e| BuildError::io("dup", &shown, e))?;
+        let listing = src
+            .try_clone()
+            .map_err(|e| BuildError::io("dup", &shown, e))?;
         let mut entries = Dir::from_fd(listing).map_err(io("list", &shown))?;
         let mut names: Vec<Vec<u8>> = Vec::new();
         for entry in entries.iter() {
@@ -257,7 +265,8 @@ impl Copier<'_> {
                 .map_err(io("create", rel))?;
             let mut from = std::fs::File::from(s);
             let mut to = std::fs::File::from(d);
-            let n = std::io::copy(&mut from, &mut to).map_err(|e| BuildError::io("copy", &shown, e))?;
+            let n =
+                std::io::copy(&mut from, &mut to).map_err(|e| BuildError::io("copy", &shown, e))?;
             let d = OwnedFd::from(to);
             self.attrs(&d, &st, rel)?;
             self.stats.files += 1;
@@ -361,8 +370,8 @@ pub fn tree_size(root: &Path) -> u64 {
 /// component that is a symlink or a file stops it (`false`).
 pub fn ensure_dir(root: &Path, inside: &str, uid: u32, gid: u32) -> Result<bool, BuildError> {
     let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-    let mut fd = openat(nix::fcntl::AT_FDCWD, root, flags, Mode::empty())
-        .map_err(io("open", root))?;
+    let mut fd =
+        openat(nix::fcntl::AT_FDCWD, root, flags, Mode::empty()).map_err(io("open", root))?;
     for part in inside.split('/').filter(|p| !p.is_empty() && *p != ".") {
         let name = OsStr::new(part);
         match mkdirat(&fd, name, Mode::from_bits_truncate(0o755)) {
@@ -445,8 +454,13 @@ mod tests {
         let real = t.path().join("real");
         std::fs::create_dir(&real).unwrap();
         std::os::unix::fs::symlink(&real, t.path().join("link")).unwrap();
-        let err = copy_tree(&t.path().join("link"), &t.path().join("d"), &mut |_| {}, &|| false)
-            .unwrap_err();
+        let err = copy_tree(
+            &t.path().join("link"),
+            &t.path().join("d"),
+            &mut |_| {},
+            &|| false,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("open"), "{err}");
         let err = copy_tree(&real, &real, &mut |_| {}, &|| false).unwrap_err();
         assert!(err.to_string().contains("create"), "{err}");
@@ -466,8 +480,13 @@ mod tests {
             p = p.join("d");
         }
         std::fs::create_dir_all(&p).unwrap();
-        let err = copy_tree(&t.path().join("src"), &t.path().join("dst"), &mut |_| {}, &|| false)
-            .unwrap_err();
+        let err = copy_tree(
+            &t.path().join("src"),
+            &t.path().join("dst"),
+            &mut |_| {},
+            &|| false,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("deeper than"), "{err}");
         // One level less than the limit copies.
         let mut p = t.path().join("ok");
@@ -476,8 +495,13 @@ mod tests {
         }
         std::fs::create_dir_all(&p).unwrap();
         std::fs::write(p.join("f"), "deep").unwrap();
-        let s = copy_tree(&t.path().join("ok"), &t.path().join("ok2"), &mut |_| {}, &|| false)
-            .unwrap();
+        let s = copy_tree(
+            &t.path().join("ok"),
+            &t.path().join("ok2"),
+            &mut |_| {},
+            &|| false,
+        )
+        .unwrap();
         assert_eq!((s.dirs, s.files), (MAX_DEPTH as u64 - 1, 1));
         let mut q = t.path().join("ok2");
         for _ in 0..(MAX_DEPTH - 1) {
@@ -493,7 +517,8 @@ mod tests {
         let src = t.path().join("src");
         std::fs::create_dir_all(src.join("ro/sub")).unwrap();
         std::fs::write(src.join("ro/sub/f"), "x").unwrap();
-        std::fs::set_permissions(src.join("ro/sub"), std::fs::Permissions::from_mode(0o555)).unwrap();
+        std::fs::set_permissions(src.join("ro/sub"), std::fs::Permissions::from_mode(0o555))
+            .unwrap();
         std::fs::set_permissions(src.join("ro"), std::fs::Permissions::from_mode(0o500)).unwrap();
         let dst = t.path().join("dst");
         copy_tree(&src, &dst, &mut |_| {}, &|| false).unwrap();

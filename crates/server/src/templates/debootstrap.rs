@@ -207,7 +207,16 @@ mod tests {
     fn arguments_are_checked_strictly() {
         assert!(check_suite("bookworm").is_ok());
         assert!(check_suite("bookworm-backports").is_ok());
-        for bad in ["", "-v", "Bookworm", "book worm", "a/b", "../x", "x;rm", "1x"] {
+        for bad in [
+            "",
+            "-v",
+            "Bookworm",
+            "book worm",
+            "a/b",
+            "../x",
+            "x;rm",
+            "1x",
+        ] {
             assert!(check_suite(bad).is_err(), "{bad:?}");
         }
         assert!(check_packages(&["curl".into(), "g++".into(), "python3.11".into()]).is_ok());

@@ -14,7 +14,11 @@ fn unescape(field: &str) -> PathBuf {
         let octal = (b[i] == b'\\'
             && i + 3 < b.len()
             && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)))
-        .then(|| b[i + 1..i + 4].iter().fold(0u32, |v, c| v * 8 + u32::from(c - b'0')))
+        .then(|| {
+            b[i + 1..i + 4]
+                .iter()
+                .fold(0u32, |v, c| v * 8 + u32::from(c - b'0'))
+        })
         .and_then(|v| u8::try_from(v).ok());
         if let Some(byte) = octal {
             out.push(byte);
