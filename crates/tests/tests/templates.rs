@@ -986,3 +986,52 @@ async fn a_docker_save_tarball_with_a_path_traversal_is_refused() {
     assert_eq!(t.state, "failed", "{t:?}");
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_cut_short_by_a_daemon_stop_is_failed_and_cleaned_at_the_next_start() {
+    let mut d = Daemon::start().await;
+    let c = d.client();
+    let src = tempdir("sandpit-tsrc-");
+    tiny_rootfs(src.path());
+    let kept = build_ready(&c, &dir_build("kept", src.path())).await;
+    d.stop();
+    // What a daemon killed mid-build leaves: a `building` record and its half-made
+    // directory; and a build directory whose record is gone altogether.
+    let templates = d.data.path().join("templates");
+    let half = templates.join("half-abc123");
+    let stray = templates.join("stray-def456");
+    for dir in [&half, &stray] {
+        std::fs::create_dir_all(dir.join("rootfs/usr/bin")).unwrap();
+        std::fs::write(dir.join("sandpit-build.json"), "{}").unwrap();
+    }
+    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
+        .await
+        .unwrap();
+    db.insert_template_build(&sandpit_store::TemplateRecord {
+        name: "half".into(),
+        rootfs: half.join("rootfs").to_str().unwrap().into(),
+        source: serde_json::json!({"kind": "dir", "path": "/x"}),
+        state: sandpit_store::TemplateState::Building,
+        build_id: Some("abc123".into()),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    db.close().await;
+    let port = d.port;
+    let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
+    drop(d);
+    let d = Daemon::start_in(data, port).await;
+    let c = d.client();
+    let t = c.get_template("half").await.unwrap();
+    assert_eq!(t.state, "failed", "{t:?}");
+    assert!(t.error.unwrap_or_default().contains("interrupted"));
+    assert!(!half.exists() && !stray.exists());
+    // The finished template and the host skeleton are untouched.
+    assert!(Path::new(&kept.rootfs).join("usr/bin/sandpit").is_file());
+    let sb = c.create_sandbox(&from("kept")).await.unwrap();
+    assert_eq!(sb.state, "running");
+    // The failed name can be built again.
+    build_ready(&c, &dir_build("half", src.path())).await;
+    d.shutdown().await;
+}
