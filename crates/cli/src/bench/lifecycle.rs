@@ -214,7 +214,8 @@ impl Bench {
 fn raw_freeze(n: usize) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
     let name = format!("sandpit-bench-freeze-{}", std::process::id());
     let v1 = Path::new("/sys/fs/cgroup/freezer");
-    let (dir, state, frozen, thawed, wait) = if v1.join("freezer.state").exists() {
+    // The root of a v1 freezer hierarchy has no freezer.state of its own.
+    let (dir, state, frozen, thawed, wait) = if v1.join("cgroup.procs").exists() {
         (
             v1.join(&name),
             "freezer.state",
