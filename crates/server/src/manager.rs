@@ -1026,6 +1026,24 @@ impl Manager {
                 // Nothing of it runs; its files are in its layers.
                 continue;
             }
+            if rec.state == SandboxState::Creating && rec.life.paused_at_ms.is_some() {
+                // A wake from hibernation cut short: whatever it started goes, and the
+                // sandbox is hibernated again on the files it had.
+                tracing::info!(id = %rec.id, "finishing an interrupted wake: back to hibernated");
+                if let Err(e) = self.teardown_now(&rec).await {
+                    tracing::warn!(id = %rec.id, error = %e, "removing a half-woken sandbox failed");
+                }
+                let _ = self
+                    .store
+                    .transition(
+                        &rec.id,
+                        &[SandboxState::Creating],
+                        SandboxState::Hibernated,
+                        None,
+                    )
+                    .await;
+                continue;
+            }
             let usable = match self.runtime_of(&rec) {
                 Ok((rt, h)) => {
                     let (rt2, h2) = (rt.clone(), h.clone());

@@ -777,3 +777,36 @@ async fn the_layer_mount_cannot_be_entered_or_redirected_from_inside() {
     c.delete_sandbox(&id).await.unwrap();
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wake_cut_short_by_a_crash_leaves_the_sandbox_hibernated_with_its_files() {
+    let mut d = Daemon::start().await;
+    let c = d.client();
+    let id = create(&c, CreateSandboxRequest::default()).await;
+    sh(&c, &id, "echo survived > /home/user/f").await;
+    assert_eq!(c.hibernate(&id).await.unwrap().state, "hibernated");
+    // As if the daemon died in the middle of a wake: the record says `creating`.
+    let port = d.port;
+    d.kill9();
+    {
+        let store = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
+            .await
+            .unwrap();
+        let moved = store
+            .transition(
+                &id,
+                &[sandpit_store::SandboxState::Hibernated],
+                sandpit_store::SandboxState::Creating,
+                None,
+            )
+            .await
+            .unwrap();
+        assert!(moved.is_some());
+    }
+    let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
+    let d = Daemon::start_in(data, port).await;
+    let c = d.client();
+    assert_eq!(c.get_sandbox(&id).await.unwrap().state, "hibernated");
+    assert_eq!(sh(&c, &id, "cat /home/user/f").await.stdout, "survived\n");
+    d.shutdown().await;
+}
