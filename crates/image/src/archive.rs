@@ -155,11 +155,9 @@ pub(crate) fn plan<'a>(
     let keys: Vec<String> = plan.keys().cloned().collect();
     for k in &keys {
         for a in ancestors(k) {
-            if plan.contains_key(a) {
-                continue;
-            }
-            match current.entries.get_key_value(a) {
-                Some((ak, e)) if matches!(e.kind, EntryKind::Dir { .. }) => {
+            match (plan.get(a), current.entries.get_key_value(a)) {
+                (Some(Planned::Entry(e, _)), _) if matches!(e.kind, EntryKind::Dir { .. }) => {}
+                (None, Some((ak, e))) if matches!(e.kind, EntryKind::Dir { .. }) => {
                     plan.insert(ak.clone(), Planned::Entry(e, false));
                 }
                 _ => {
@@ -351,7 +349,7 @@ fn write_plan(
                 match b.append_data(&mut h, key, &mut ex) {
                     Ok(()) => {}
                     Err(_) if ex.short => return Err(changed()),
-                    Err(e) => return Err(werr(e)),
+                    Err(err) => return Err(werr(err)),
                 }
                 if hex::encode(ex.hash.finalize()) != *sha256 {
                     return Err(changed());

@@ -461,7 +461,13 @@ pub(crate) fn link(root: &Root, from: &Path, to: &Path) -> R<()> {
 /// An empty directory we may fill, created when absent. Returns whether it was created.
 pub(crate) fn prepare_empty_dir(dir: &Path) -> R<bool> {
     match std::fs::create_dir(dir) {
-        Ok(()) => return Ok(true),
+        Ok(()) => {
+            // Whatever the daemon's umask: a layer or rootfs root is 0755, as `/` is.
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
+                .map_err(|e| ImageError::io("chmod", dir.display().to_string(), e))?;
+            return Ok(true);
+        }
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
         Err(e) => {
             return Err(ImageError::io(

@@ -396,6 +396,25 @@ fn new_build_id() -> String {
         .collect()
 }
 
+/// The settings a template record gives its sandboxes.
+fn defaults_of(t: TemplateRecord) -> Defaults {
+    let ready_timeout = t
+        .ready_timeout_secs
+        .and_then(|s| u64::try_from(s).ok())
+        .filter(|s| *s > 0)
+        .map_or(DEFAULT_READY_TIMEOUT, Duration::from_secs);
+    Defaults {
+        template: t.name,
+        user: t.default_user,
+        workdir: t.workdir,
+        env: t.env,
+        start_cmd: t.start_cmd,
+        ready_cmd: t.ready_cmd,
+        ready_timeout,
+        _hold: None,
+    }
+}
+
 /// The API's view of a template record.
 pub fn to_api(rec: TemplateRecord) -> Template {
     let source = if rec.source.is_null() {
@@ -496,24 +515,13 @@ impl Templates {
                 )));
             }
         }
-        let ready_timeout = t
-            .ready_timeout_secs
-            .and_then(|s| u64::try_from(s).ok())
-            .filter(|s| *s > 0)
-            .map_or(DEFAULT_READY_TIMEOUT, Duration::from_secs);
         Ok((
             TemplateSource::Rootfs {
-                path: t.rootfs.into(),
+                path: t.rootfs.clone().into(),
             },
             Defaults {
-                template: t.name,
-                user: t.default_user,
-                workdir: t.workdir,
-                env: t.env,
-                start_cmd: t.start_cmd,
-                ready_cmd: t.ready_cmd,
-                ready_timeout,
                 _hold: Some(Arc::new(hold)),
+                ..defaults_of(t)
             },
         ))
     }
@@ -1070,18 +1078,26 @@ pub fn with_defaults(mut req: CreateSandboxRequest, d: &Defaults) -> CreateSandb
     req
 }
 
-/// After a sandbox's agent is up: starts the template's start command in the background
-/// and runs its readiness check until it passes. An error means the sandbox must not be
-/// handed out (the caller destroys it).
+/// After a sandbox's agent is up (a new sandbox, a pool member, one woken from
+/// hibernation, a fork or restore): starts its template's start command in the background
+/// and runs the readiness check until it passes. An error means the sandbox must not be
+/// handed out (the caller tears it down).
 pub async fn start_services(
     manager: &Manager,
     rec: &SandboxRecord,
     handle: &SandboxHandle,
-    d: &Defaults,
 ) -> Result<(), ApiError> {
-    if d.start_cmd.is_none() && d.ready_cmd.is_none() {
+    if rec.template == "host" {
         return Ok(());
     }
+    // The record cannot go while this sandbox exists (a delete would be refused).
+    let Some(t) = manager.store.get_template(&rec.template).await? else {
+        return Ok(());
+    };
+    if t.start_cmd.is_none() && t.ready_cmd.is_none() {
+        return Ok(());
+    }
+    let d = &defaults_of(t);
     let conn = manager.conn_for(&rec.id, handle);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while !conn.healthy().await {

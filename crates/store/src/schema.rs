@@ -73,6 +73,31 @@ pub(crate) const MIGRATIONS: &[(i64, &[&str])] = &[
         ],
     ),
     (
+        3,
+        &[
+            // Lifecycle settings and state of a sandbox (idle rules, layers, snapshot
+            // lineage), one JSON document: read whole, written whole or by field.
+            "ALTER TABLE sandboxes ADD COLUMN life TEXT NOT NULL DEFAULT '{}'",
+            "CREATE TABLE snapshots (
+            id TEXT PRIMARY KEY NOT NULL,
+            owner TEXT NOT NULL,
+            name TEXT NOT NULL,
+            sandbox_id TEXT NOT NULL,
+            parent TEXT,
+            template TEXT NOT NULL,
+            runtime TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            size_bytes BIGINT NOT NULL,
+            entries BIGINT NOT NULL,
+            digest TEXT NOT NULL,
+            settings TEXT NOT NULL,
+            created_at_ms BIGINT NOT NULL
+        )",
+            "CREATE UNIQUE INDEX snapshots_owner_name_idx ON snapshots (owner, name)",
+            "CREATE INDEX snapshots_parent_idx ON snapshots (parent)",
+        ],
+    ),
+    (
         6,
         &[
             // Templates built by the daemon: settings sandboxes start with, where the root
@@ -121,7 +146,15 @@ pub(crate) async fn apply(pool: &SqlitePool) -> Result<(), StoreError> {
             supported: SCHEMA_VERSION,
         });
     }
-    for (version, statements) in MIGRATIONS.iter().filter(|(v, _)| *v > current) {
+    // Versions are handed out per feature and may land out of order (a database made by a
+    // build with 1, 2, 6 later meets 3): every migration not yet recorded runs.
+    let applied: Vec<(i64,)> = sqlx::query_as("SELECT version FROM schema_version")
+        .fetch_all(&mut *tx)
+        .await?;
+    let missing = MIGRATIONS
+        .iter()
+        .filter(|(v, _)| !applied.iter().any(|(a,)| a == v));
+    for (version, statements) in missing {
         tracing::info!(version, "applying store schema migration");
         for statement in statements.iter() {
             sqlx::query(statement).execute(&mut *tx).await?;
