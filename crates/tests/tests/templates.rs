@@ -1035,3 +1035,52 @@ async fn a_build_cut_short_by_a_daemon_stop_is_failed_and_cleaned_at_the_next_st
     build_ready(&c, &dir_build("half", src.path())).await;
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_woken_or_forked_sandbox_runs_its_start_command_again() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let src = tempdir("sandpit-tsrc-");
+    shell_rootfs(src.path());
+    // Counts its starts in a file that the sandbox's files keep.
+    let req = BuildTemplateRequest {
+        start_cmd: Some(
+            "n=$(cat /home/user/starts 2>/dev/null || echo 0); echo $((n+1)) > /home/user/starts; : > /tmp/up; while :; do sleep 1; done"
+                .into(),
+        ),
+        ready_cmd: Some("test -f /tmp/up".into()),
+        ..dir_build("counted", src.path())
+    };
+    build_ready(&c, &req).await;
+    let sb = c.create_sandbox(&from("counted")).await.unwrap();
+    let starts = |id: String| {
+        let c = c.clone();
+        async move { c.read_file(&id, "/home/user/starts").await.unwrap() }
+    };
+    assert_eq!(starts(sb.id.clone()).await.as_ref(), b"1\n");
+    // Hibernation ends the processes; the wake starts the service again on the same files.
+    assert_eq!(c.hibernate(&sb.id).await.unwrap().state, "hibernated");
+    assert_eq!(c.resume(&sb.id).await.unwrap().state, "running");
+    assert_eq!(starts(sb.id.clone()).await.as_ref(), b"2\n");
+    let cmds = c.list_commands(&sb.id).await.unwrap();
+    assert!(
+        cmds.iter()
+            .any(|p| p.tag.as_deref() == Some("template-start")),
+        "{cmds:?}"
+    );
+    // A fork gets the files and a service of its own.
+    let forks = c
+        .fork(
+            &sb.id,
+            &sandpit_api::ForkRequest {
+                count: Some(1),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(forks.len(), 1);
+    assert_eq!(starts(forks[0].id.clone()).await.as_ref(), b"3\n");
+    assert_eq!(starts(sb.id.clone()).await.as_ref(), b"2\n");
+    d.shutdown().await;
+}
