@@ -15,6 +15,9 @@ use std::sync::Arc;
 /// files: mount points and the agent.
 pub const SKIP_TOP: &[&str] = &["proc", "sys", "dev", ".sandpit"];
 
+/// How long an automatic pause or hibernation that failed waits before it is tried again.
+const AUTO_RETRY: std::time::Duration = std::time::Duration::from_secs(600);
+
 /// Daemon-wide idle and lifetime rules (`[lifecycle]` in the config file).
 #[derive(Debug, Clone, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -479,13 +482,24 @@ impl Manager {
         }
     }
 
+    /// Pauses in the background; after a failure the sandbox is left alone for
+    /// [`AUTO_RETRY`], so that a sandbox that cannot be paused is not retried every tick.
     fn spawn_pause(self: &Arc<Self>, rec: &SandboxRecord, why: &'static str, memory: bool) {
+        if let Ok(mut failed) = self.auto_failures.lock() {
+            failed.retain(|_, at| at.elapsed() < AUTO_RETRY);
+            if failed.contains_key(&rec.id) {
+                return;
+            }
+        }
         let (me, rec) = (self.clone(), rec.clone());
         tokio::spawn(async move {
             match me.pause(&rec, memory).await {
                 Ok(r) => tracing::info!(id = %rec.id, why, state = %r.state, "sandbox paused"),
                 Err(e) => {
-                    tracing::warn!(id = %rec.id, why, error = %e.message, "automatic pause failed")
+                    tracing::warn!(id = %rec.id, why, error = %e.message, "automatic pause failed");
+                    if let Ok(mut failed) = me.auto_failures.lock() {
+                        failed.insert(rec.id.clone(), std::time::Instant::now());
+                    }
                 }
             }
         });
@@ -549,7 +563,7 @@ pub(crate) fn copy_into_new_layer(
             .map_err(|e| ApiError::internal(format!("create {}: {e}", parent.display())))?;
     }
     let done = sandpit_image::copy_layer(from, &tmp, SKIP_TOP)
-        .map_err(|e| ApiError::internal(format!("copy the writable layer: {e}")))
+        .map_err(crate::snapshots::image_err)
         .and_then(|_| {
             std::fs::rename(&tmp, dest)
                 .map_err(|e| ApiError::internal(format!("rename {}: {e}", tmp.display())))

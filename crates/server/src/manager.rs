@@ -75,6 +75,8 @@ pub struct Manager {
     pub(crate) gc_wanted: Arc<std::sync::atomic::AtomicBool>,
     /// Where snapshot archives are stored.
     pub snapshot_store: crate::snapshots::SnapshotStore,
+    /// Sandboxes whose automatic pause failed, and when.
+    pub(crate) auto_failures: Mutex<HashMap<String, std::time::Instant>>,
     /// Template builds, and creates holding templates.
     pub templates: crate::templates::Templates,
 }
@@ -230,6 +232,7 @@ impl Manager {
             gc_lock: tokio::sync::Mutex::new(()),
             gc_wanted: Arc::new(std::sync::atomic::AtomicBool::new(true)),
             snapshot_store,
+            auto_failures: Mutex::default(),
         })
     }
 

@@ -715,6 +715,16 @@ pub(crate) fn limits_of(rec: &SandboxRecord) -> sandpit_api::LimitsSpec {
     }
 }
 
-fn image_err(e: sandpit_image::ImageError) -> ApiError {
-    ApiError::internal(format!("layer: {e}"))
+/// What the sandbox's own files cause (names a layer cannot hold, a corrupt archive) is
+/// the caller's to fix (422); the host's i/o failing is ours.
+pub(crate) fn image_err(e: sandpit_image::ImageError) -> ApiError {
+    if e.is_input_error() {
+        ApiError::new(
+            http::StatusCode::UNPROCESSABLE_ENTITY,
+            "failed_precondition",
+            format!("the files cannot be captured or restored: {e}"),
+        )
+    } else {
+        ApiError::internal(format!("layer: {e}"))
+    }
 }

@@ -810,3 +810,31 @@ async fn a_wake_cut_short_by_a_crash_leaves_the_sandbox_hibernated_with_its_file
     assert_eq!(sh(&c, &id, "cat /home/user/f").await.stdout, "survived\n");
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_name_no_layer_can_hold_fails_the_snapshot_clearly_and_the_sandbox_runs_on() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let id = create(&c, CreateSandboxRequest::default()).await;
+    let r = sh(
+        &c,
+        &id,
+        "touch \"/home/user/bad-$(printf '\\377')\" && echo made",
+    )
+    .await;
+    assert_eq!(r.stdout, "made\n", "{r:?}");
+    let e = c
+        .snapshot(&id, &CreateSnapshotRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.status(), Some(422), "{e}");
+    // Thawed again, and nothing of the failed snapshot is listed.
+    assert_eq!(c.get_sandbox(&id).await.unwrap().state, "running");
+    assert_eq!(sh(&c, &id, "echo alive").await.stdout, "alive\n");
+    assert!(c.list_snapshots().await.unwrap().items.is_empty());
+    // Hibernation copies names as they are: the file comes back.
+    assert_eq!(c.hibernate(&id).await.unwrap().state, "hibernated");
+    let r = sh(&c, &id, "ls /home/user | grep -c bad-").await;
+    assert_eq!(r.stdout, "1\n");
+    d.shutdown().await;
+}
