@@ -179,11 +179,57 @@ pub async fn run(
         Some(Ok(s)) => {
             let why = build
                 .last_line(|l| l.starts_with("E:"))
+                .or_else(|| build.last_line(|l| l.starts_with("W:")))
                 .map(|l| format!(": {l}"))
                 .unwrap_or_default();
+            // The details are in the target, which goes with the failed build: keep the
+            // end of them in the build log.
+            for line in log_tail(target, LOG_TAIL_LINES) {
+                build.push(format!("debootstrap.log: {line}"));
+            }
             Err(BuildError::Failed(format!("debootstrap failed ({s}){why}")))
         }
     }
+}
+
+/// Lines of debootstrap's own log kept when a build fails.
+const LOG_TAIL_LINES: usize = 30;
+
+/// The last `n` lines of `target/debootstrap/debootstrap.log`, read as a bounded regular
+/// file and never through a symlink (the packages it unpacked share the directory).
+fn log_tail(target: &Path, n: usize) -> Vec<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = target.join("debootstrap");
+    if !std::fs::symlink_metadata(&dir).is_ok_and(|m| m.is_dir()) {
+        return Vec::new();
+    }
+    let Ok(mut f) = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(dir.join("debootstrap.log"))
+    else {
+        return Vec::new();
+    };
+    let Ok(meta) = f.metadata() else {
+        return Vec::new();
+    };
+    if !meta.is_file()
+        || f.seek(SeekFrom::Start(meta.len().saturating_sub(16 << 10)))
+            .is_err()
+    {
+        return Vec::new();
+    }
+    let mut bytes = Vec::new();
+    if f.take(16 << 10).read_to_end(&mut bytes).is_err() {
+        return Vec::new();
+    }
+    let text = String::from_utf8_lossy(&bytes);
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..]
+        .iter()
+        .map(|l| l.to_string())
+        .collect()
 }
 
 /// Copies the lines of one output pipe into the build log.
@@ -240,6 +286,27 @@ mod tests {
         ] {
             assert!(check_mirror(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn the_log_tail_is_bounded_and_never_read_through_a_symlink() {
+        let t = tempfile::tempdir().unwrap();
+        assert!(log_tail(t.path(), 3).is_empty());
+        std::fs::create_dir(t.path().join("debootstrap")).unwrap();
+        let text: String = (0..100_000).map(|i| format!("line {i}\n")).collect();
+        std::fs::write(t.path().join("debootstrap/debootstrap.log"), text).unwrap();
+        assert_eq!(log_tail(t.path(), 2), ["line 99998", "line 99999"]);
+        let other = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", other.path().join("debootstrap")).unwrap();
+        assert!(log_tail(other.path(), 3).is_empty());
+        std::fs::remove_file(other.path().join("debootstrap")).unwrap();
+        std::fs::create_dir(other.path().join("debootstrap")).unwrap();
+        std::os::unix::fs::symlink(
+            "/etc/passwd",
+            other.path().join("debootstrap/debootstrap.log"),
+        )
+        .unwrap();
+        assert!(log_tail(other.path(), 3).is_empty());
     }
 
     #[test]
