@@ -31,6 +31,15 @@ pub enum TemplateSourceSpec {
         /// Absolute path on the daemon's host.
         path: String,
     },
+    /// A snapshot of a sandbox that ran setup commands (E2B's build steps): its files, as
+    /// read-only layers over the template the sandbox ran on.
+    Snapshot {
+        /// Snapshot id, or a name among the admin's snapshots.
+        snapshot: String,
+        /// Set by the daemon: the template the snapshot's sandbox ran on, under its layers.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        base: Option<String>,
+    },
     /// A directory registered in place with `sandpit template add` (not built; cannot be
     /// asked for through the API).
     Path {
@@ -46,6 +55,7 @@ impl TemplateSourceSpec {
             TemplateSourceSpec::Dir { .. } => "dir",
             TemplateSourceSpec::Debootstrap { .. } => "debootstrap",
             TemplateSourceSpec::Oci { .. } => "oci",
+            TemplateSourceSpec::Snapshot { .. } => "snapshot",
             TemplateSourceSpec::Path { .. } => "path",
         }
     }

@@ -27,6 +27,10 @@ pub struct SourceArgs {
     /// Import an OCI image layout directory or a `docker save` tarball on the daemon's host.
     #[arg(long, value_name = "PATH")]
     oci: Option<PathBuf>,
+    /// Use a snapshot's files (id or name) over the template its sandbox ran on: set a
+    /// sandbox up with commands, snapshot it, build a template of it.
+    #[arg(long, value_name = "SNAPSHOT")]
+    snapshot: Option<String>,
 }
 
 /// `sandpit template build`.
@@ -126,7 +130,13 @@ fn source_of(args: &BuildArgs) -> anyhow::Result<TemplateSourceSpec> {
         (_, _, Some(oci)) => TemplateSourceSpec::Oci {
             path: host_path(oci)?,
         },
-        _ => anyhow::bail!("one of --dir, --debootstrap or --oci is needed"),
+        _ => match &s.snapshot {
+            Some(snapshot) => TemplateSourceSpec::Snapshot {
+                snapshot: snapshot.clone(),
+                base: None,
+            },
+            None => anyhow::bail!("one of --dir, --debootstrap, --oci or --snapshot is needed"),
+        },
     })
 }
 
@@ -235,6 +245,10 @@ fn describe(t: &Template) -> String {
             format!("debootstrap {suite} +{}", packages.join(","))
         }
         Some(TemplateSourceSpec::Oci { path }) => format!("image {path}"),
+        Some(TemplateSourceSpec::Snapshot { snapshot, base }) => match base {
+            Some(b) => format!("snapshot {snapshot} over {b}"),
+            None => format!("snapshot {snapshot}"),
+        },
         Some(TemplateSourceSpec::Path { path }) => path.clone(),
     }
 }

@@ -604,7 +604,7 @@ impl Manager {
             },
             env,
             workdir,
-            layers: self.layer_paths(&rec)?,
+            layers: self.start_layers(&rec, &plan.defaults)?,
         };
         self.boot(&rec, plan.runtime, spec, Failed::Delete).await
     }
@@ -733,6 +733,17 @@ impl Manager {
             )
             .await?
             .ok_or_else(|| ApiError::conflict("sandbox was deleted while it was being created"))
+    }
+
+    /// A sandbox's read-only layers at start: its own, then its template's.
+    pub(crate) fn start_layers(
+        &self,
+        rec: &SandboxRecord,
+        template: &crate::templates::Defaults,
+    ) -> Result<Vec<std::path::PathBuf>, ApiError> {
+        let mut layers = self.layer_paths(rec)?;
+        layers.extend(template.layers.iter().cloned());
+        Ok(layers)
     }
 
     /// Whether a request is using the sandbox's agent right now (a long command, a

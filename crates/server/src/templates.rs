@@ -191,6 +191,8 @@ pub struct Defaults {
     pub start_cmd: Option<String>,
     pub ready_cmd: Option<String>,
     pub ready_timeout: Duration,
+    /// Read-only layers over the root filesystem (templates made from snapshots), top first.
+    pub layers: Vec<PathBuf>,
     _hold: Option<Arc<Hold>>,
 }
 
@@ -226,9 +228,15 @@ impl Drop for Hold {
 }
 
 /// What a build makes the root filesystem from, validated.
-enum Source {
+/// A checked build source.
+pub enum Source {
     Dir(PathBuf),
     Oci(PathBuf),
+    /// Read-only layers (top first) copied into the template, over template `base`.
+    Layers {
+        from: Vec<PathBuf>,
+        base: String,
+    },
     Debootstrap {
         suite: String,
         packages: Vec<String>,
@@ -380,6 +388,9 @@ fn check_source(source: &TemplateSourceSpec, data_dir: &Path) -> Result<Source, 
             }
             Ok(Source::Oci(found))
         }
+        TemplateSourceSpec::Snapshot { .. } => Err(ApiError::internal(
+            "a snapshot source is resolved by the manager before the build",
+        )),
         TemplateSourceSpec::Path { .. } => Err(ApiError::bad_request(
             "kind \"path\" registers a directory in place, which is local administration \
              (`sandpit template add`); a build copies: use kind \"dir\"",
@@ -411,6 +422,7 @@ fn defaults_of(t: TemplateRecord) -> Defaults {
         start_cmd: t.start_cmd,
         ready_cmd: t.ready_cmd,
         ready_timeout,
+        layers: Vec::new(),
         _hold: None,
     }
 }
@@ -515,6 +527,20 @@ impl Templates {
                 )));
             }
         }
+        if let Some(base) = layered_base(&t) {
+            // Its own layers over whatever its base template resolves to.
+            let (source, below) = Box::pin(self.resolve(store, &base)).await?;
+            let mut layers = layer_dirs(Path::new(&t.rootfs))?;
+            layers.extend(below.layers.iter().cloned());
+            return Ok((
+                source,
+                Defaults {
+                    layers,
+                    _hold: Some(Arc::new(hold)),
+                    ..defaults_of(t)
+                },
+            ));
+        }
         Ok((
             TemplateSource::Rootfs {
                 path: t.rootfs.clone().into(),
@@ -532,10 +558,16 @@ impl Templates {
         &self,
         store: &Store,
         req: BuildTemplateRequest,
+        prepared: Option<Source>,
     ) -> Result<Template, ApiError> {
         check_name(&req.name)?;
         check_settings(&req)?;
-        let source = check_source(&req.source, &self.data_dir)?;
+        let source = match prepared {
+            Some(s) => s,
+            None => check_source(&req.source, &self.data_dir)?,
+        };
+        let source_json =
+            serde_json::to_value(&req.source).map_err(|e| ApiError::internal(e.to_string()))?;
         let id = new_build_id();
         let work = self.dir.join(format!("{}-{id}", req.name));
         let now = crate::manager::now_ms();
@@ -549,8 +581,7 @@ impl Templates {
             start_cmd: req.start_cmd.clone(),
             ready_cmd: req.ready_cmd.clone(),
             ready_timeout_secs: req.ready_timeout_secs.map(i64::from),
-            source: serde_json::to_value(&req.source)
-                .map_err(|e| ApiError::internal(e.to_string()))?,
+            source: source_json,
             size_bytes: 0,
             state: TemplateState::Building,
             error: None,
@@ -680,6 +711,9 @@ impl Templates {
                     )
                     .await?;
             }
+        }
+        if let Some(why) = dependents(store, name).await? {
+            return Err(ApiError::conflict(why));
         }
         let current = self.get(store, name).await?;
         let from = [TemplateState::Ready, TemplateState::Failed];
@@ -878,6 +912,39 @@ async fn run_build(
         } => debootstrap::run(&build, suite, packages, mirror.as_deref(), &rootfs)
             .await
             .map(|()| None),
+        Source::Layers { from, base } => {
+            build.push(format!(
+                "copying {} snapshot layer(s) over template {base}",
+                from.len()
+            ));
+            let (b, from, dst) = (build.clone(), from.clone(), rootfs.clone());
+            let copied = tokio::task::spawn_blocking(move || {
+                std::fs::create_dir_all(&dst).map_err(|e| BuildError::io("create", &dst, e))?;
+                for (i, dir) in from.iter().enumerate() {
+                    if b.cancel.is_cancelled() {
+                        return Err(BuildError::Cancelled);
+                    }
+                    let layer = sandpit_image::Layer {
+                        dir: dir.clone(),
+                        id_base: 0,
+                    };
+                    let stats =
+                        sandpit_image::copy_layer(&layer, &dst.join(format!("{i:03}")), &[])
+                            .map_err(|e| BuildError::Failed(format!("copy layer {i}: {e}")))?;
+                    b.push(format!(
+                        "layer {}: {} entries, {}",
+                        i + 1,
+                        stats.entries,
+                        copy::human(stats.bytes)
+                    ));
+                }
+                Ok(copy::tree_size(&dst))
+            })
+            .await
+            .unwrap_or_else(|e| Err(BuildError::Failed(format!("copy task: {e}"))));
+            // Layers are no root filesystem: nothing of `finish_rootfs` applies.
+            return finish_build(store, build, rec, copied, work).await;
+        }
         Source::Oci(src) => {
             build.push(format!("importing the image {}", src.display()));
             let (b, src, dst) = (build.clone(), src.clone(), rootfs.clone());
@@ -914,6 +981,17 @@ async fn run_build(
         }
         Err(e) => Err(e),
     };
+    finish_build(store, build, rec, made, work).await;
+}
+
+/// Records a build's outcome: ready with its size, or failed (its directory removed).
+async fn finish_build(
+    store: Store,
+    build: Arc<Build>,
+    mut rec: TemplateRecord,
+    made: Result<u64, BuildError>,
+    work: PathBuf,
+) {
     match made {
         Ok(size) => {
             rec.state = TemplateState::Ready;
@@ -1375,4 +1453,55 @@ mod tests {
         let e = check_source(&TemplateSourceSpec::Oci { path: "/x".into() }, data.path());
         assert!(e.is_err());
     }
+}
+
+/// The base template of a template made from a snapshot (its layers lie over the base).
+fn layered_base(t: &TemplateRecord) -> Option<String> {
+    (t.source.get("kind").and_then(|k| k.as_str()) == Some("snapshot"))
+        .then(|| t.source.get("base")?.as_str().map(String::from))
+        .flatten()
+}
+
+/// The layer directories of a template made from a snapshot, top first.
+fn layer_dirs(dir: &Path) -> Result<Vec<PathBuf>, ApiError> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| ApiError::internal(format!("read {}: {e}", dir.display())))?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_dir())
+        .collect();
+    dirs.sort();
+    Ok(dirs)
+}
+
+/// Templates and snapshots that build on template `name`.
+pub(crate) async fn dependents(store: &Store, name: &str) -> Result<Option<String>, ApiError> {
+    let templates: Vec<String> = store
+        .list_templates()
+        .await?
+        .into_iter()
+        .filter(|t| layered_base(t).as_deref() == Some(name))
+        .map(|t| t.name)
+        .collect();
+    let snapshots: Vec<String> = store
+        .list_snapshots(None)
+        .await?
+        .into_iter()
+        .filter(|s| s.template == name)
+        .map(|s| s.id)
+        .collect();
+    if templates.is_empty() && snapshots.is_empty() {
+        return Ok(None);
+    }
+    let mut parts = Vec::new();
+    if !templates.is_empty() {
+        parts.push(format!("templates {}", templates.join(", ")));
+    }
+    if !snapshots.is_empty() {
+        parts.push(format!("snapshots {}", snapshots.join(", ")));
+    }
+    Ok(Some(format!(
+        "template {name} is the base of {}; delete those first",
+        parts.join(" and ")
+    )))
 }

@@ -60,7 +60,8 @@ pub async fn get(
 }
 
 /// Build a template (admin) from a directory or an OCI image / `docker save` tarball on the
-/// daemon's host, or with debootstrap; answers at once, the build goes on in the background.
+/// daemon's host, with debootstrap, or from a snapshot of a sandbox that ran setup
+/// commands; answers at once, the build goes on in the background.
 #[utoipa::path(post, path = "/v1/templates", request_body = BuildTemplateRequest,
     responses((status = 202, body = Template), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
 pub async fn build(
@@ -69,10 +70,20 @@ pub async fn build(
     ApiJson(req): ApiJson<BuildTemplateRequest>,
 ) -> Result<(StatusCode, Json<Template>), ApiError> {
     require_admin(&owner)?;
+    let (req, prepared) = match &req.source {
+        sandpit_api::TemplateSourceSpec::Snapshot { snapshot, .. } => {
+            let snapshot = snapshot.clone();
+            state
+                .manager
+                .snapshot_template_source(&owner.0, &snapshot, req)
+                .await?
+        }
+        _ => (req, None),
+    };
     let t = state
         .manager
         .templates
-        .build(&state.manager.store, req)
+        .build(&state.manager.store, req, prepared)
         .await?;
     Ok((StatusCode::ACCEPTED, Json(t)))
 }
