@@ -1,6 +1,8 @@
 //! Request and response bodies of the REST API under `/v1`, shared by server and client.
 
+pub mod leases;
 pub mod paths;
+pub mod usage;
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;

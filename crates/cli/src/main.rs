@@ -188,6 +188,9 @@ struct ServeArgs {
     /// Config file (TOML, declares warm pools) [default: DATA_DIR/config.toml if present].
     #[arg(long, value_name = "FILE")]
     config: Option<std::path::PathBuf>,
+    /// A per-user lease left in `creating` this long is taken over by the next acquirer.
+    #[arg(long, value_name = "SECS", default_value_t = 25)]
+    lease_stale_secs: u64,
 }
 
 /// Resource limits of a sandbox (of `create`, `run` and `pool create`).
@@ -480,6 +483,7 @@ async fn serve(ctx: &Ctx, args: ServeArgs) -> anyhow::Result<()> {
         allow_process_runtime: args.allow_process_runtime,
         self_exe,
         config_file: args.config,
+        lease_stale_secs: args.lease_stale_secs,
     })
     .await?;
     Ok(())

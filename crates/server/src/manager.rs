@@ -59,6 +59,8 @@ pub struct Manager {
     last_claim: Mutex<Option<std::time::Instant>>,
     /// Background teardowns in flight (a clean shutdown waits for them).
     teardowns: Arc<AtomicUsize>,
+    /// Usage metering queue.
+    pub usage: crate::usage::Usage,
 }
 
 /// What the agent's `/init` sets.
@@ -166,6 +168,7 @@ impl Manager {
             pools_stopped: Default::default(),
             teardowns: Arc::default(),
             last_claim: Mutex::default(),
+            usage: Default::default(),
         })
     }
 
@@ -372,6 +375,7 @@ impl Manager {
             };
             match self.init_agent(&rec, &init).await {
                 Ok(()) => {
+                    crate::usage::on_state(self, &rec, SandboxState::Running);
                     self.count_pool(&pool, true);
                     tracing::debug!(id, pool, "sandbox claimed from pool");
                     return Some(rec);
@@ -519,7 +523,10 @@ impl Manager {
             });
         }
         match self.wait_ready(&rec, &handle).await {
-            Ok(r) => Ok(r),
+            Ok(r) => {
+                crate::usage::on_state(self, &r, SandboxState::Running);
+                Ok(r)
+            }
             Err(e) => {
                 // Whoever moves the record out of `creating` tears it down; if a delete
                 // did, it holds the handle and does the work.
@@ -590,7 +597,7 @@ impl Manager {
         match self.store.get_sandbox(id).await? {
             // A sandbox being torn down is already gone as far as callers are concerned.
             Some(r) if r.owner == owner && r.state != SandboxState::Stopping => Ok(r),
-            _ => Err(ApiError::not_found(format!("sandbox {id} not found"))),
+            _ => Err(ApiError::sandbox_not_found(id)),
         }
     }
 
@@ -601,6 +608,9 @@ impl Manager {
         id: &str,
     ) -> Result<(SandboxRecord, Arc<AgentConn>), ApiError> {
         let rec = self.get(owner, id).await?;
+        if rec.state.is_final() {
+            return Err(ApiError::sandbox_stopped(id, rec.state.as_str()));
+        }
         if rec.state != SandboxState::Running {
             return Err(ApiError::conflict(format!(
                 "sandbox {id} is {}",
@@ -648,6 +658,7 @@ impl Manager {
             }
             return Ok(());
         };
+        crate::usage::on_state(self, &cur, SandboxState::Stopping);
         self.forget(&cur.id);
         self.pools.forget(&cur.id);
         let store = self.store.clone();
@@ -734,7 +745,10 @@ impl Manager {
             .await
             .map_err(|e| ApiError::internal(e.to_string()))??;
         match self.store.transition(&rec.id, &[from], to, None).await? {
-            Some(_) => Ok(()),
+            Some(now) => {
+                crate::usage::on_state(self, &now, to);
+                Ok(())
+            }
             None => Err(ApiError::conflict(format!(
                 "sandbox changed state while {verb}"
             ))),
@@ -813,6 +827,7 @@ impl Manager {
                 return;
             }
         };
+        crate::usage::on_state(self, &cur, SandboxState::Stopping);
         tracing::warn!(id = %cur.id, why, "sandbox stopped; cleaning up");
         let (to, note) = match self.teardown_now(&cur).await {
             Ok(()) => (SandboxState::Stopped, why.to_string()),
