@@ -5,8 +5,10 @@ mod admin;
 mod bench;
 mod cp;
 mod exec;
+mod leases;
 mod pools;
 mod sandboxes;
+mod usage;
 mod util;
 
 use std::net::SocketAddr;
@@ -168,6 +170,13 @@ enum Command {
     Pool(PoolCommand),
     /// Measure sandbox start latency and density.
     Bench(bench::BenchArgs),
+    /// Per-user leases: one warm sandbox per user name, created or resumed on acquire.
+    #[command(subcommand)]
+    Lease(leases::LeaseCommand),
+    /// Usage of the caller in a period (or, with an id, of one sandbox).
+    Usage(usage::UsageArgs),
+    /// Execution records of a sandbox's commands, newest first.
+    Executions(usage::ExecutionsArgs),
 }
 
 #[derive(Debug, Args)]
@@ -469,6 +478,9 @@ async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
             admin::template_add(&ctx, &name, &rootfs).await.map(|()| 0)
         }
         Command::Bench(args) => bench::run(&ctx, args).await.map(|()| 0),
+        Command::Lease(cmd) => leases::run(&ctx, cmd).await.map(|()| 0),
+        Command::Usage(args) => usage::usage(&ctx, args).await.map(|()| 0),
+        Command::Executions(args) => usage::executions(&ctx, args).await.map(|()| 0),
     }
 }
 
