@@ -179,6 +179,9 @@ fn member_exiting(session: u32) -> bool {
     };
     dir.flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        // Pids grow: a process older than the command cannot descend from it, and skipping
+        // those keeps this cheap in a sandbox full of long-lived processes.
+        .filter(|pid| *pid > session as i32)
         .filter_map(proc_stat)
         .any(|(state, ppid, s, flags)| {
             s == session && ppid == me && (state == 'Z' || flags & PF_EXITING != 0)

@@ -49,17 +49,20 @@ pub async fn summary(
         }
         _ => owner.0,
     };
-    let now = now_ms();
-    let (from, to) = (q.from.unwrap_or(0), q.to.unwrap_or(now));
-    if from < 0 || to < from {
+    let from = q.from.unwrap_or(0);
+    if from < 0 || q.to.is_some_and(|to| to < from) {
         return Err(ApiError::bad_request(
             "from and to are unix milliseconds with 0 <= from <= to",
         ));
     }
     let m = &state.manager;
-    // Fresh counters of running sandboxes, then everything queued, before reading.
+    // Fresh counters of running sandboxes, then everything queued, before reading; "now"
+    // is taken after that, and includes its own millisecond, so that what was recorded
+    // before this request is inside the default period.
     crate::usage::sample_live(m, Some(&who)).await;
     m.usage.flush(FLUSH_WAIT).await;
+    let now = now_ms();
+    let to = q.to.unwrap_or(now + 1).max(from);
     let u = m.store.owner_usage(&who, from, to).await?;
     let until = to.min(now);
     let active: i64 = u
