@@ -50,7 +50,10 @@ pub fn router(cfg: Arc<AgentConfig>, table: Arc<ProcessTable>) -> Result<Router,
             get(|| async { axum::http::StatusCode::NO_CONTENT }),
         )
         .route("/init", post(init).with_state(cfg.clone()))
-        .route("/rusage", get(crate::rusage::route).with_state(table.clone()))
+        .route(
+            "/rusage",
+            get(crate::rusage::route).with_state(table.clone()),
+        )
         .route(
             "/files",
             get(crate::files_http::download).post(crate::files_http::upload),

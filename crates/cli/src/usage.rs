@@ -63,20 +63,30 @@ pub async fn usage(ctx: &Ctx, args: UsageArgs) -> anyhow::Result<()> {
             vec!["sandbox".into(), u.sandbox_id.clone()],
             vec!["state".into(), u.state.clone()],
             vec!["created".into(), time_since(u.created_at_ms)],
-            vec!["active".into(), format!("{:.1}s of {:.1}s", u.active_seconds, u.wall_seconds)],
+            vec![
+                "active".into(),
+                format!("{:.1}s of {:.1}s", u.active_seconds, u.wall_seconds),
+            ],
             vec!["cpu".into(), format!("{} ms", u.cpu_time_ms)],
             vec!["memory peak".into(), human_bytes(u.memory_peak_bytes)],
             vec![
                 "disk used".into(),
-                u.disk_used_bytes.map(human_bytes).unwrap_or_else(|| "-".into()),
+                u.disk_used_bytes
+                    .map(human_bytes)
+                    .unwrap_or_else(|| "-".into()),
             ],
-            vec!["egress".into(), format!("{} ({})", human_bytes(u.egress_bytes), u.egress_note)],
+            vec![
+                "egress".into(),
+                format!("{} ({})", human_bytes(u.egress_bytes), u.egress_note),
+            ],
             vec!["executions".into(), u.executions.to_string()],
         ];
         print_table(&["", ""], &rows);
         return Ok(());
     }
-    let u = client.usage(args.from, args.to, args.owner.as_deref()).await?;
+    let u = client
+        .usage(args.from, args.to, args.owner.as_deref())
+        .await?;
     if ctx.json {
         return print_json(&u);
     }
@@ -88,7 +98,10 @@ pub async fn usage(ctx: &Ctx, args: UsageArgs) -> anyhow::Result<()> {
         vec!["executions".into(), u.executions.to_string()],
     ];
     for (reason, t) in &u.log {
-        rows.push(vec![format!("log: {reason}"), format!("{} entries, amount {}", t.count, t.amount)]);
+        rows.push(vec![
+            format!("log: {reason}"),
+            format!("{} entries, amount {}", t.count, t.amount),
+        ]);
     }
     print_table(&["", ""], &rows);
     Ok(())
@@ -147,7 +160,14 @@ fn show(items: &[Execution]) {
         .collect();
     print_table(
         &[
-            "EXECUTION", "COMMAND", "CREATED", "TOOK", "CPU MS", "MEM MB", "EXIT", "STDOUT",
+            "EXECUTION",
+            "COMMAND",
+            "CREATED",
+            "TOOK",
+            "CPU MS",
+            "MEM MB",
+            "EXIT",
+            "STDOUT",
             "STDERR",
         ],
         &rows,

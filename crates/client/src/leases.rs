@@ -73,7 +73,11 @@ impl Client {
     /// `DELETE /v1/leases/{user}`: ends the lease and destroys its sandbox, unless `keep`.
     pub async fn release(&self, user: &str, keep: bool) -> Result<(), ClientError> {
         let rb = self.req(Method::DELETE, &["leases", user])?;
-        let rb = if keep { rb.query(&[("keep", "true")]) } else { rb };
+        let rb = if keep {
+            rb.query(&[("keep", "true")])
+        } else {
+            rb
+        };
         self.send(rb).await.map(drop)
     }
 }

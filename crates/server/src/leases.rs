@@ -438,7 +438,11 @@ async fn alive(m: &Manager, sb: &SandboxRecord) -> bool {
 }
 
 /// Resumes a paused lease sandbox; a concurrent acquirer resuming it first is success.
-async fn resume(m: &Arc<Manager>, owner: &str, sb: SandboxRecord) -> Result<SandboxRecord, ApiError> {
+async fn resume(
+    m: &Arc<Manager>,
+    owner: &str,
+    sb: SandboxRecord,
+) -> Result<SandboxRecord, ApiError> {
     let outcome = m.resume(&sb).await;
     let now = m.get(owner, &sb.id).await?;
     match outcome {
@@ -465,7 +469,13 @@ mod tests {
 
     #[test]
     fn user_names_are_checked() {
-        for good in ["alice", "a", "alice@example.com", "u-1_2.3+x", &"x".repeat(128)] {
+        for good in [
+            "alice",
+            "a",
+            "alice@example.com",
+            "u-1_2.3+x",
+            &"x".repeat(128),
+        ] {
             assert!(check_user(good).is_ok(), "{good}");
         }
         for bad in [
@@ -491,7 +501,10 @@ mod tests {
         let l = Leases::default();
         for _ in 0..100 {
             let j = l.jitter();
-            assert!(j >= Duration::from_millis(80) && j <= Duration::from_millis(120), "{j:?}");
+            assert!(
+                j >= Duration::from_millis(80) && j <= Duration::from_millis(120),
+                "{j:?}"
+            );
         }
     }
 }

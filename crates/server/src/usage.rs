@@ -32,6 +32,9 @@ pub const FILE: &str = "file";
 pub const KEEPALIVE: &str = "keepalive";
 pub const LEASE: &str = "lease";
 
+// Nearly every message is an event: boxing it would cost an allocation each, for the
+// rare flush's sake.
+#[allow(clippy::large_enum_variant)]
 enum Msg {
     Event(UsageEvent),
     Flush(oneshot::Sender<()>),
@@ -131,7 +134,9 @@ pub fn start(m: &Arc<Manager>) {
             Ok(live) => {
                 let ids: Vec<String> = live.into_iter().map(|r| r.id).collect();
                 match sampler.store.close_orphaned_usage(&ids).await {
-                    Ok(n) if n > 0 => tracing::info!(n, "closed usage of sandboxes that ended unrecorded"),
+                    Ok(n) if n > 0 => {
+                        tracing::info!(n, "closed usage of sandboxes that ended unrecorded")
+                    }
                     Ok(_) => {}
                     Err(e) => tracing::warn!(error = %e, "closing orphaned usage failed"),
                 }
@@ -404,7 +409,8 @@ impl ExecMeter {
                 && let Some((cpu_us, rss_kb)) = fetch_rusage(&m.conn, pid).await
             {
                 // Rounded to the nearest millisecond.
-                m.rec.cpu_time_ms = Some(i64::try_from(cpu_us.saturating_add(500) / 1000).unwrap_or(i64::MAX));
+                m.rec.cpu_time_ms =
+                    Some(i64::try_from(cpu_us.saturating_add(500) / 1000).unwrap_or(i64::MAX));
                 m.rec.memory_peak_kb = Some(i64::try_from(rss_kb).unwrap_or(i64::MAX));
             }
             write(&m.manager, m.rec);
@@ -427,7 +433,9 @@ fn write(manager: &Manager, rec: ExecutionRecord) {
         (Some(s), Some(e)) => e - s,
         _ => 0,
     };
-    manager.usage.log(&rec.owner, &rec.sandbox_id, COMMAND, took, &rec.command);
+    manager
+        .usage
+        .log(&rec.owner, &rec.sandbox_id, COMMAND, took, &rec.command);
     manager.usage.push(UsageEvent::Execution(rec));
 }
 

@@ -49,7 +49,9 @@ impl FromStr for LeaseStatus {
         match s {
             "creating" => Ok(LeaseStatus::Creating),
             "ready" => Ok(LeaseStatus::Ready),
-            other => Err(StoreError::Corrupt(format!("unknown lease status {other:?}"))),
+            other => Err(StoreError::Corrupt(format!(
+                "unknown lease status {other:?}"
+            ))),
         }
     }
 }
@@ -109,14 +111,14 @@ impl Store {
         owner: &str,
         user: &str,
     ) -> Result<Option<LeaseRecord>, StoreError> {
-        // Read through the writer: a CAS loser must see the winner's row at once, and the
-        // writer connection is the one that committed it.
+        // A reader connection sees every commit made before the read starts (WAL), so a
+        // CAS loser re-reading here sees the winner's row.
         let row = sqlx::query(&format!(
             "SELECT {LEASE_COLUMNS} FROM leases WHERE owner = $1 AND user_name = $2"
         ))
         .bind(owner)
         .bind(user)
-        .fetch_optional(&self.writer)
+        .fetch_optional(&self.pool)
         .await?;
         row.as_ref().map(lease_from_row).transpose()
     }

@@ -21,11 +21,11 @@ use sqlx::SqlitePool;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 
 pub use error::StoreError;
+pub use leases::{LeaseRecord, LeaseStatus};
 pub use model::{
     ApiKey, ParseSandboxStateError, PoolRecord, SandboxFilter, SandboxPage, SandboxRecord,
     SandboxState, TemplateRecord,
 };
-pub use leases::{LeaseRecord, LeaseStatus};
 pub use pools::Claim;
 pub use schema::SCHEMA_VERSION;
 pub use usage::{

@@ -232,16 +232,20 @@ fn decode_cursor(cursor: &str) -> Result<(i64, String), StoreError> {
 
 type Tx<'a> = sqlx::Transaction<'a, Sqlite>;
 
-async fn write_state(
-    tx: &mut Tx<'_>,
-    sandbox_id: &str,
-    owner: &str,
-    state: &str,
-    at_ms: i64,
-    created_at_ms: i64,
-    ends: bool,
-    cpu_base_ns: i64,
-) -> Result<(), StoreError> {
+/// Records a state change (opening the sandbox's usage row with the first one).
+async fn write_state(tx: &mut Tx<'_>, ev: &UsageEvent) -> Result<(), StoreError> {
+    let UsageEvent::State {
+        sandbox_id,
+        owner,
+        state,
+        at_ms,
+        created_at_ms,
+        ends,
+        cpu_base_ns,
+    } = ev
+    else {
+        return Ok(());
+    };
     sqlx::query(
         "INSERT INTO sandbox_usage (sandbox_id, owner, state, created_at_ms, ended_at_ms, cpu_ns, \
          cpu_base_ns, cpu_last_raw_ns, memory_peak_bytes, disk_used_bytes, egress_bytes, sampled_at_ms) \
@@ -255,16 +259,16 @@ async fn write_state(
     .bind(sandbox_id)
     .bind(owner)
     .bind(state)
-    .bind(created_at_ms)
-    .bind(ends)
-    .bind(at_ms)
-    .bind(cpu_base_ns)
+    .bind(*created_at_ms)
+    .bind(*ends)
+    .bind(*at_ms)
+    .bind(*cpu_base_ns)
     .execute(&mut **tx)
     .await?;
     sqlx::query("INSERT INTO usage_states (sandbox_id, state, at_ms) VALUES ($1, $2, $3)")
         .bind(sandbox_id)
         .bind(state)
-        .bind(at_ms)
+        .bind(*at_ms)
         .execute(&mut **tx)
         .await?;
     Ok(())
@@ -382,27 +386,7 @@ impl Store {
         let mut tx = self.writer.begin().await?;
         for ev in events {
             match ev {
-                UsageEvent::State {
-                    sandbox_id,
-                    owner,
-                    state,
-                    at_ms,
-                    created_at_ms,
-                    ends,
-                    cpu_base_ns,
-                } => {
-                    write_state(
-                        &mut tx,
-                        sandbox_id,
-                        owner,
-                        state,
-                        *at_ms,
-                        *created_at_ms,
-                        *ends,
-                        *cpu_base_ns,
-                    )
-                    .await?
-                }
+                UsageEvent::State { .. } => write_state(&mut tx, ev).await?,
                 UsageEvent::Sample {
                     sandbox_id,
                     at_ms,
@@ -585,9 +569,7 @@ impl Store {
             .collect::<Result<Vec<_>, _>>()?;
         let next_cursor = if items.len() > limit {
             items.truncate(limit);
-            items
-                .last()
-                .map(|e| encode_cursor(e.created_at_ms, &e.id))
+            items.last().map(|e| encode_cursor(e.created_at_ms, &e.id))
         } else {
             None
         };
@@ -623,11 +605,13 @@ impl Store {
             .bind(id)
             .execute(&mut *tx)
             .await?;
-            sqlx::query("INSERT INTO usage_states (sandbox_id, state, at_ms) VALUES ($1, 'stopped', $2)")
-                .bind(id)
-                .bind(at)
-                .execute(&mut *tx)
-                .await?;
+            sqlx::query(
+                "INSERT INTO usage_states (sandbox_id, state, at_ms) VALUES ($1, 'stopped', $2)",
+            )
+            .bind(id)
+            .bind(at)
+            .execute(&mut *tx)
+            .await?;
             closed += 1;
         }
         tx.commit().await?;
@@ -669,10 +653,7 @@ mod tests {
         let c = encode_cursor(42, "ex:1");
         assert_eq!(decode_cursor(&c).unwrap(), (42, "ex:1".to_string()));
         for bad in ["", "zz", &hex::encode("x:y"), &hex::encode("5:")] {
-            assert!(matches!(
-                decode_cursor(bad),
-                Err(StoreError::InvalidCursor)
-            ));
+            assert!(matches!(decode_cursor(bad), Err(StoreError::InvalidCursor)));
         }
     }
 }

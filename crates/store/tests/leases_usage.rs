@@ -65,7 +65,11 @@ async fn of_two_writers_with_the_same_version_exactly_one_wins() {
     // The loser re-reads, and a write with the fresh version succeeds.
     let mut again = now.clone();
     again.paused = true;
-    let after = s.cas_lease(now.lock_version, &again).await.unwrap().unwrap();
+    let after = s
+        .cas_lease(now.lock_version, &again)
+        .await
+        .unwrap()
+        .unwrap();
     assert!(after.paused);
     assert_eq!(after.lock_version, 3);
     // A stale version never writes.
@@ -88,7 +92,11 @@ async fn many_concurrent_writers_advance_the_version_once_each_win() {
                 let mut next = cur.clone();
                 next.usage_ms += 1;
                 next.runtime = format!("w{i}");
-                if s.cas_lease(cur.lock_version, &next).await.unwrap().is_some() {
+                if s.cas_lease(cur.lock_version, &next)
+                    .await
+                    .unwrap()
+                    .is_some()
+                {
                     wins += 1;
                 }
             }
@@ -176,7 +184,13 @@ async fn usage_rows_follow_states_and_samples() {
     let after = s.owner_usage("o", 11_000, 20_000).await.unwrap();
     assert!(after.sandboxes.is_empty());
     assert_eq!(after.cpu_ns, 0);
-    assert!(s.owner_usage("other", 0, 20_000).await.unwrap().sandboxes.is_empty());
+    assert!(
+        s.owner_usage("other", 0, 20_000)
+            .await
+            .unwrap()
+            .sandboxes
+            .is_empty()
+    );
     assert!(s.sandbox_usage("nope").await.unwrap().is_none());
 }
 
@@ -235,7 +249,11 @@ async fn executions_page_newest_first_and_replace_by_id() {
     let (_d, s) = file_store().await;
     let mut events = Vec::new();
     for i in 0..7 {
-        events.push(UsageEvent::Execution(execution(&format!("ex{i}"), "sb", 100 + i)));
+        events.push(UsageEvent::Execution(execution(
+            &format!("ex{i}"),
+            "sb",
+            100 + i,
+        )));
     }
     // Two with the same timestamp order by id.
     events.push(UsageEvent::Execution(execution("ex9", "sb", 106)));

@@ -81,11 +81,17 @@ async fn twenty_concurrent_acquires_share_one_sandbox_created_once() {
         got.push(t.await.unwrap().expect("acquire"));
     }
     let id = got[0].sandbox.id.clone();
-    assert!(got.iter().all(|a| a.sandbox.id == id), "different sandboxes");
+    assert!(
+        got.iter().all(|a| a.sandbox.id == id),
+        "different sandboxes"
+    );
     assert!(got.iter().all(|a| a.sandbox.state == "running"));
     assert_eq!(got.iter().filter(|a| a.created).count(), 1);
     assert!(got.iter().all(|a| a.lease.status == "ready"));
-    assert!(got.iter().all(|a| a.lease.sandbox_id.as_deref() == Some(id.as_str())));
+    assert!(
+        got.iter()
+            .all(|a| a.lease.sandbox_id.as_deref() == Some(id.as_str()))
+    );
     // Exactly one sandbox exists at all: one create.
     let all = c.list_sandboxes(None, &[], Some(1000), None).await.unwrap();
     assert_eq!(all.items.len(), 1, "{:?}", all.items);
@@ -114,8 +120,14 @@ async fn twenty_concurrent_acquires_share_one_sandbox_created_once() {
     assert_eq!(wait_no_leftovers(&d, &id).await, Vec::<String>::new());
     assert!(c.get_sandbox(&id).await.unwrap_err().is_sandbox_gone());
     c.release("bob", true).await.unwrap();
-    assert_eq!(c.get_sandbox(&bob.sandbox.id).await.unwrap().state, "running");
-    assert_eq!(c.release("bob", false).await.unwrap_err().status(), Some(404));
+    assert_eq!(
+        c.get_sandbox(&bob.sandbox.id).await.unwrap().state,
+        "running"
+    );
+    assert_eq!(
+        c.release("bob", false).await.unwrap_err().status(),
+        Some(404)
+    );
     // A new acquire after a release starts a new lease.
     let fresh = c.acquire("alice", &opts()).await.unwrap();
     assert!(fresh.created);
@@ -144,7 +156,10 @@ async fn a_paused_sandbox_is_resumed_and_a_dead_one_replaced() {
     let replaced = c.acquire("carol", &opts()).await.unwrap();
     assert_ne!(replaced.sandbox.id, id);
     assert!(replaced.created);
-    assert_eq!(sh(&c, &replaced.sandbox.id, "echo new").await.stdout, "new\n");
+    assert_eq!(
+        sh(&c, &replaced.sandbox.id, "echo new").await.stdout,
+        "new\n"
+    );
     // Deleted through the API: replaced too.
     c.delete_sandbox(&replaced.sandbox.id).await.unwrap();
     let third = c.acquire("carol", &opts()).await.unwrap();
@@ -165,7 +180,12 @@ async fn start_logged(data: tempfile::TempDir, port: u16, extra: &[&str]) -> (Da
     let log = data.path().join("daemon.log");
     let file = std::fs::File::create(&log).unwrap();
     let child = Command::new(sandpit_bin())
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--data-dir"])
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--data-dir",
+        ])
         .arg(data.path())
         .args(extra)
         .env("RUST_LOG", "warn")
@@ -233,7 +253,11 @@ async fn a_stale_creating_record_is_taken_over_with_one_warning() {
     let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
         .await
         .unwrap();
-    assert!(db.insert_lease(&creating("old", now_ms() - 30_000, 7)).await.unwrap());
+    assert!(
+        db.insert_lease(&creating("old", now_ms() - 30_000, 7))
+            .await
+            .unwrap()
+    );
     db.close().await;
     let port = d.port;
     let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
@@ -258,7 +282,12 @@ async fn a_stale_creating_record_is_taken_over_with_one_warning() {
     // Taken over (8) and published (9), at least.
     assert!(lease.lock_version >= 9, "{lease:?}");
     assert_eq!(lease_sandboxes(&c, "old").await.len(), 1);
-    assert_eq!(takeovers(&log, "old"), 1, "{}", std::fs::read_to_string(&log).unwrap());
+    assert_eq!(
+        takeovers(&log, "old"),
+        1,
+        "{}",
+        std::fs::read_to_string(&log).unwrap()
+    );
     d.shutdown().await;
 }
 
@@ -272,7 +301,11 @@ async fn the_stale_timeout_is_configurable_and_fresh_rows_are_waited_for() {
         .await
         .unwrap();
     // Fresh when the daemon starts; stale after 2 s with `--lease-stale-secs 2`.
-    assert!(db.insert_lease(&creating("fresh", now_ms(), 1)).await.unwrap());
+    assert!(
+        db.insert_lease(&creating("fresh", now_ms(), 1))
+            .await
+            .unwrap()
+    );
     db.close().await;
     let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
     drop(d);
@@ -284,7 +317,10 @@ async fn the_stale_timeout_is_configurable_and_fresh_rows_are_waited_for() {
     // The acquirer waited for the row to go stale: the takeover came after its creation
     // time plus the timeout (read from the lease, not from a clock in this test).
     let lease = c.get_lease("fresh").await.unwrap();
-    assert!(lease.last_activity_ms - lease.created_at_ms >= 2000, "{lease:?}");
+    assert!(
+        lease.last_activity_ms - lease.created_at_ms >= 2000,
+        "{lease:?}"
+    );
     // A healthy lease is never taken over.
     let again = c.acquire("fresh", &opts()).await.unwrap();
     assert_eq!(again.sandbox.id, got.sandbox.id);
@@ -376,7 +412,7 @@ async fn with_sandbox_recreates_a_killed_sandbox_once_and_propagates_other_error
         .filter(|s| matches!(s.state.as_str(), "running" | "paused"))
         .map(|s| s.id)
         .collect();
-    assert_eq!(live, [second.0.clone()]);
+    assert_eq!(live, std::slice::from_ref(&second.0));
     d.shutdown().await;
 }
 
@@ -393,7 +429,10 @@ async fn bad_users_and_bodies_are_refused_and_leave_nothing_behind() {
     // refuses them too, see the unit tests); whatever route they reach, nothing is made.
     for dots in [".", ".."] {
         let err = c.acquire(dots, &opts()).await.unwrap_err();
-        assert!(err.status().is_some_and(|s| (400..500).contains(&s)), "{err:?}");
+        assert!(
+            err.status().is_some_and(|s| (400..500).contains(&s)),
+            "{err:?}"
+        );
     }
     assert!(c.list_leases().await.unwrap().is_empty());
     let url = format!("{}/v1/leases/ok/acquire", d.url);
@@ -419,7 +458,13 @@ async fn bad_users_and_bodies_are_refused_and_leave_nothing_behind() {
     assert_eq!(err.status(), Some(400), "{err:?}");
     let lease = c.get_lease("ok").await.unwrap();
     assert_eq!((lease.status.as_str(), lease.sandbox_id), ("ready", None));
-    assert!(c.list_sandboxes(None, &[], None, None).await.unwrap().items.is_empty());
+    assert!(
+        c.list_sandboxes(None, &[], None, None)
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    );
     let good = tokio::time::timeout(Duration::from_secs(20), c.acquire("ok", &opts()))
         .await
         .expect("no stale wait")
@@ -434,11 +479,22 @@ async fn bad_users_and_bodies_are_refused_and_leave_nothing_behind() {
     let m = Client::new(&d.url, Some(key)).unwrap();
     assert!(m.list_leases().await.unwrap().is_empty());
     assert_eq!(m.get_lease("ok").await.unwrap_err().status(), Some(404));
-    assert_eq!(m.release("ok", false).await.unwrap_err().status(), Some(404));
+    assert_eq!(
+        m.release("ok", false).await.unwrap_err().status(),
+        Some(404)
+    );
     let theirs = m.acquire("ok", &opts()).await.unwrap();
     assert_ne!(theirs.sandbox.id, good.sandbox.id);
-    assert!(m.get_sandbox(&good.sandbox.id).await.unwrap_err().is_sandbox_gone());
+    assert!(
+        m.get_sandbox(&good.sandbox.id)
+            .await
+            .unwrap_err()
+            .is_sandbox_gone()
+    );
     m.release("ok", false).await.unwrap();
-    assert_eq!(c.get_lease("ok").await.unwrap().sandbox_id, Some(good.sandbox.id));
+    assert_eq!(
+        c.get_lease("ok").await.unwrap().sandbox_id,
+        Some(good.sandbox.id)
+    );
     d.shutdown().await;
 }

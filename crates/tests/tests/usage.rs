@@ -42,7 +42,12 @@ async fn metering_excludes_paused_time() {
     let id = d.sandbox(LimitsSpec::default()).await;
     // Some work: a fixed amount of CPU (not a time: the machine may be busy), and 8 MiB
     // in the writable layer.
-    sh(&c, &id, &format!("head -c 8388608 /dev/urandom > /home/user/blob; {SPIN}")).await;
+    sh(
+        &c,
+        &id,
+        &format!("head -c 8388608 /dev/urandom > /home/user/blob; {SPIN}"),
+    )
+    .await;
     c.pause(&id).await.unwrap();
     const PAUSED_SECS: f64 = 3.0;
     tokio::time::sleep(Duration::from_secs_f64(PAUSED_SECS)).await;
@@ -60,7 +65,9 @@ async fn metering_excludes_paused_time() {
     );
     assert!(u.cpu_time_ms >= 20, "{u:?}");
     assert!(u.memory_peak_bytes > 8 << 20, "{u:?}");
-    let disk = u.disk_used_bytes.expect("container sandboxes report disk use");
+    let disk = u
+        .disk_used_bytes
+        .expect("container sandboxes report disk use");
     assert!((8 << 20..(64 << 20)).contains(&disk), "{u:?}");
     assert_eq!(u.egress_bytes, 0);
     assert_eq!(u.egress_note, "networking not built");
@@ -71,12 +78,23 @@ async fn metering_excludes_paused_time() {
     assert_eq!(s.owner, "admin");
     assert_eq!(s.sandboxes, 1);
     assert!(s.active_seconds > 0.0);
-    assert!(s.active_seconds < u.wall_seconds - PAUSED_SECS + 1.0, "{s:?}");
+    assert!(
+        s.active_seconds < u.wall_seconds - PAUSED_SECS + 1.0,
+        "{s:?}"
+    );
     assert!(s.cpu_time_ms >= 20, "{s:?}");
     assert!(s.executions >= 1);
-    assert!(s.log.get("cpu").is_some_and(|t| t.count >= 1 && t.amount > 0), "{s:?}");
+    assert!(
+        s.log
+            .get("cpu")
+            .is_some_and(|t| t.count >= 1 && t.amount > 0),
+        "{s:?}"
+    );
     // A period before the sandbox existed is empty.
-    let before = c.usage(Some(0), Some(u.created_at_ms - 1), None).await.unwrap();
+    let before = c
+        .usage(Some(0), Some(u.created_at_ms - 1), None)
+        .await
+        .unwrap();
     assert_eq!((before.sandboxes, before.executions), (0, 0));
     assert_eq!(before.active_seconds, 0.0);
 
@@ -133,7 +151,10 @@ async fn execution_records_count_cpu_memory_and_every_output_byte() {
     // The agent counted two processes for it: bash, and `yes`, which bash did not wait
     // for (it was collected by the agent as an orphan of the command's session).
     let agent = reqwest::Client::new()
-        .get(format!("{}/v1/sandboxes/{id}/agent/rusage?pid={}", d.url, out.pid))
+        .get(format!(
+            "{}/v1/sandboxes/{id}/agent/rusage?pid={}",
+            d.url, out.pid
+        ))
         .bearer_auth(&d.key)
         .send()
         .await
@@ -149,11 +170,17 @@ async fn execution_records_count_cpu_memory_and_every_output_byte() {
 
     // Over the WebSocket: output sizes on both streams and the exit code.
     let s = c
-        .stream_command(&id, &cmd(&["sh", "-c", "printf abc; printf de >&2; exit 3"]))
+        .stream_command(
+            &id,
+            &cmd(&["sh", "-c", "printf abc; printf de >&2; exit 3"]),
+        )
         .await
         .unwrap();
     let (o, err, code) = s.collect().await.unwrap();
-    assert_eq!((o.as_slice(), err.as_slice(), code), (&b"abc"[..], &b"de"[..], 3));
+    assert_eq!(
+        (o.as_slice(), err.as_slice(), code),
+        (&b"abc"[..], &b"de"[..], 3)
+    );
     // Every byte is counted, also beyond what the response returns.
     let big = RunCommandRequest {
         max_output_bytes: Some(1000),
@@ -244,19 +271,39 @@ async fn usage_is_private_and_queries_are_checked() {
     let err = m.executions(&id, None, None).await.unwrap_err();
     assert!(err.is_sandbox_gone(), "{err:?}");
     assert_eq!(
-        m.usage(None, None, Some("admin")).await.unwrap_err().status(),
+        m.usage(None, None, Some("admin"))
+            .await
+            .unwrap_err()
+            .status(),
         Some(403)
     );
     let mine = m.usage(None, None, None).await.unwrap();
-    assert_eq!((mine.owner.as_str(), mine.sandboxes, mine.executions), ("mallory", 0, 0));
+    assert_eq!(
+        (mine.owner.as_str(), mine.sandboxes, mine.executions),
+        ("mallory", 0, 0)
+    );
     // The admin may read anyone's.
     let theirs = c.usage(None, None, Some("mallory")).await.unwrap();
     assert_eq!(theirs.owner, "mallory");
-    assert_eq!(c.usage(Some(10), Some(5), None).await.unwrap_err().status(), Some(400));
-    assert_eq!(c.usage(Some(-1), None, None).await.unwrap_err().status(), Some(400));
-    let err = c.executions(&id, None, Some("not-a-cursor")).await.unwrap_err();
+    assert_eq!(
+        c.usage(Some(10), Some(5), None).await.unwrap_err().status(),
+        Some(400)
+    );
+    assert_eq!(
+        c.usage(Some(-1), None, None).await.unwrap_err().status(),
+        Some(400)
+    );
+    let err = c
+        .executions(&id, None, Some("not-a-cursor"))
+        .await
+        .unwrap_err();
     assert_eq!(err.status(), Some(400));
-    assert!(c.sandbox_usage("no-such-sandbox").await.unwrap_err().is_sandbox_gone());
+    assert!(
+        c.sandbox_usage("no-such-sandbox")
+            .await
+            .unwrap_err()
+            .is_sandbox_gone()
+    );
     let raw = reqwest::Client::new()
         .get(format!("{}/v1/usage?from=abc", d.url))
         .bearer_auth(&d.key)
@@ -291,9 +338,12 @@ async fn the_agents_usage_route_does_not_change_the_e2b_protocol() {
     let out = c.run(&id, &cmd(&["true"])).await.unwrap();
     let http = reqwest::Client::new();
     let get = |pid: u32| {
-        http.get(format!("{}/v1/sandboxes/{id}/agent/rusage?pid={pid}", d.url))
-            .bearer_auth(&d.key)
-            .send()
+        http.get(format!(
+            "{}/v1/sandboxes/{id}/agent/rusage?pid={pid}",
+            d.url
+        ))
+        .bearer_auth(&d.key)
+        .send()
     };
     let r = get(out.pid).await.unwrap();
     assert_eq!(r.status().as_u16(), 200);

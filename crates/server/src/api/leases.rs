@@ -78,7 +78,10 @@ pub async fn acquire(
 
 /// The caller's leases.
 #[utoipa::path(get, path = "/v1/leases", responses((status = 200, body = LeaseList)))]
-pub async fn list(State(state): State<AppState>, owner: Owner) -> Result<Json<LeaseList>, ApiError> {
+pub async fn list(
+    State(state): State<AppState>,
+    owner: Owner,
+) -> Result<Json<LeaseList>, ApiError> {
     let mut items = Vec::new();
     for rec in state.manager.store.list_leases(&owner.0).await? {
         items.push(view(&state, &rec).await?);

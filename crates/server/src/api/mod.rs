@@ -240,7 +240,10 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sandboxes/{id}/resume", post(sandboxes::resume))
         .route("/v1/sandboxes/{id}/stats", get(sandboxes::stats))
         .route("/v1/leases", get(leases::list))
-        .route("/v1/leases/{user}", get(leases::get).delete(leases::release))
+        .route(
+            "/v1/leases/{user}",
+            get(leases::get).delete(leases::release),
+        )
         .route("/v1/leases/{user}/acquire", post(leases::acquire))
         .route("/v1/usage", get(usage::summary))
         .route("/v1/sandboxes/{id}/usage", get(usage::sandbox))

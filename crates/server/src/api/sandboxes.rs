@@ -210,7 +210,10 @@ pub async fn keepalive(
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     let rec = state.manager.get(&owner.0, &id).await?;
-    state.manager.usage.log(&owner.0, &id, crate::usage::KEEPALIVE, 1, "");
+    state
+        .manager
+        .usage
+        .log(&owner.0, &id, crate::usage::KEEPALIVE, 1, "");
     state
         .manager
         .set_timeout(
