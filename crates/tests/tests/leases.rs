@@ -498,3 +498,56 @@ async fn bad_users_and_bodies_are_refused_and_leave_nothing_behind() {
     );
     d.shutdown().await;
 }
+
+fn cli(d: &Daemon, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(sandpit_bin())
+        .args(args)
+        .env("SANDPIT_URL", &d.url)
+        .env("SANDPIT_DATA_DIR", d.data.path())
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_acquires_lists_and_releases() {
+    let d = Daemon::start().await;
+    let (ok, out, err) = cli(&d, &["lease", "acquire", "erin", "--memory", "256M"]);
+    assert!(ok, "{err}");
+    let id = out.trim().to_string();
+    let c = d.client();
+    let sb = c.get_sandbox(&id).await.unwrap();
+    assert_eq!(sb.limits.memory_bytes, 256 << 20);
+    let (ok, again, _) = cli(&d, &["lease", "acquire", "erin"]);
+    assert!(ok);
+    assert_eq!(again.trim(), id);
+    let (ok, table, _) = cli(&d, &["lease", "ls"]);
+    assert!(ok);
+    assert!(table.starts_with("USER"), "{table}");
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("erin") && l.contains(&id)),
+        "{table}"
+    );
+    let (ok, json, _) = cli(&d, &["--json", "lease", "ls"]);
+    assert!(ok);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v[0]["user"], "erin");
+    assert_eq!(v[0]["status"], "ready");
+    let (ok, _, err) = cli(&d, &["lease", "acquire", "bad user"]);
+    assert!(!ok);
+    assert!(err.contains("user must be"), "{err}");
+    let (ok, out, _) = cli(&d, &["lease", "rm", "erin"]);
+    assert!(ok);
+    assert_eq!(out.trim(), "released erin");
+    assert!(c.get_sandbox(&id).await.unwrap_err().is_sandbox_gone());
+    let (ok, _, err) = cli(&d, &["lease", "rm", "erin"]);
+    assert!(!ok);
+    assert!(err.contains("no lease"), "{err}");
+    d.shutdown().await;
+}

@@ -353,3 +353,63 @@ async fn the_agents_usage_route_does_not_change_the_e2b_protocol() {
     assert_eq!(get(999_999).await.unwrap().status().as_u16(), 404);
     d.shutdown().await;
 }
+
+fn cli(d: &Daemon, args: &[&str]) -> (bool, String, String) {
+    let out = std::process::Command::new(sandpit_tests::sandpit_bin())
+        .args(args)
+        .env("SANDPIT_URL", &d.url)
+        .env("SANDPIT_DATA_DIR", d.data.path())
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_shows_usage_and_executions() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let id = d.sandbox(LimitsSpec::default()).await;
+    c.run(&id, &cmd(&["sh", "-c", "printf hello"]))
+        .await
+        .unwrap();
+    ended_executions(&c, &id, 1).await;
+    let (ok, table, err) = cli(&d, &["executions", &id]);
+    assert!(ok, "{err}");
+    let mut lines = table.lines();
+    assert!(lines.next().unwrap().starts_with("EXECUTION"), "{table}");
+    let row = lines.next().unwrap();
+    assert!(
+        row.starts_with("ex_") && row.contains(" sh ") && row.contains("5 B"),
+        "{table}"
+    );
+    let (ok, json, _) = cli(&d, &["--json", "executions", &id]);
+    assert!(ok);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["items"][0]["output"]["stdout_bytes"], 5);
+    let (ok, json, err) = cli(&d, &["--json", "usage", "--from", "1h"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["owner"], "admin");
+    assert_eq!(v["sandboxes"], 1);
+    assert_eq!(v["executions"], 1);
+    let (ok, table, _) = cli(&d, &["usage", &id]);
+    assert!(ok);
+    assert!(table.contains("networking not built"), "{table}");
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("executions") && l.ends_with('1')),
+        "{table}"
+    );
+    let (ok, _, err) = cli(&d, &["usage", "--from", "yesterday"]);
+    assert!(!ok);
+    assert!(err.contains("yesterday"), "{err}");
+    let (ok, _, err) = cli(&d, &["executions", "no-such-sandbox"]);
+    assert!(!ok);
+    assert!(err.contains("not found"), "{err}");
+    d.shutdown().await;
+}
