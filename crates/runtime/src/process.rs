@@ -165,6 +165,11 @@ impl Runtime for ProcessRuntime {
                 "the process runtime only runs the host template".into(),
             ));
         }
+        if !spec.layers.is_empty() {
+            return Err(RuntimeError::Unsupported(
+                "the process runtime cannot start from snapshots or forks".into(),
+            ));
+        }
         let dir = self.sandboxes_dir.join(&spec.id);
         std::fs::create_dir(&dir)
             .map_err(|e| RuntimeError::io(format!("create {}", dir.display()), e))?;

@@ -200,7 +200,9 @@ impl Leases {
             match self.find(m, owner, id).await? {
                 Found::Running(sb) => return self.touch(m, cur, sb, false).await,
                 Found::Paused(sb) => {
-                    let sb = resume(m, owner, sb).await?;
+                    // Thaws a paused sandbox or wakes a hibernated one; one that another
+                    // acquirer resumed meanwhile comes back as it is.
+                    let sb = m.resume(&sb).await?;
                     return self.touch(m, cur, sb, true).await;
                 }
                 Found::Busy => return Ok(Step::Again { wait: true }),
@@ -330,6 +332,8 @@ impl Leases {
         resumed: bool,
     ) -> Result<Step, ApiError> {
         let now = now_ms();
+        // An acquire is activity: the idle timer starts again.
+        m.touch(&sb.id);
         // Twenty acquirers at once need not write twenty times: activity a moment old is
         // fresh enough.
         if !resumed && !cur.paused && now - cur.last_activity_ms < 1000 {
@@ -435,21 +439,6 @@ async fn alive(m: &Manager, sb: &SandboxRecord) -> bool {
     tokio::task::spawn_blocking(move || rt.is_alive(&h))
         .await
         .unwrap_or(false)
-}
-
-/// Resumes a paused lease sandbox; a concurrent acquirer resuming it first is success.
-async fn resume(
-    m: &Arc<Manager>,
-    owner: &str,
-    sb: SandboxRecord,
-) -> Result<SandboxRecord, ApiError> {
-    let outcome = m.resume(&sb).await;
-    let now = m.get(owner, &sb.id).await?;
-    match outcome {
-        Ok(()) => Ok(now),
-        Err(_) if now.state == SandboxState::Running => Ok(now),
-        Err(e) => Err(e),
-    }
 }
 
 /// Active milliseconds of a sandbox (0 when nothing was metered).

@@ -5,8 +5,10 @@ pub mod api;
 pub mod config;
 pub mod error;
 pub mod leases;
+pub mod lifecycle;
 pub mod manager;
 pub mod pools;
+pub mod snapshots;
 pub mod usage;
 
 use manager::{Manager, ManagerConfig};
@@ -134,14 +136,20 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
     let process =
         sandpit_runtime::process::ProcessRuntime::new(&cfg.data_dir, cfg.self_exe.clone())?;
     runtimes.insert("process".into(), Arc::new(process));
+    let snapshot_store = snapshots::SnapshotStore::open(&file.snapshots, &cfg.data_dir)
+        .map_err(|e| ServerError::Config(format!("snapshot storage: {e}")))?;
+    tracing::info!(store = %snapshot_store.describe, "snapshot storage");
     let manager = Manager::new(
         store,
         runtimes,
         ManagerConfig {
+            data_dir: cfg.data_dir.clone(),
+            lifecycle: file.lifecycle.clone(),
             max_timeout_secs: cfg.max_timeout_secs,
             default_runtime: "container".into(),
             allow_process_runtime: cfg.allow_process_runtime,
         },
+        snapshot_store,
     );
     if let Err(e) = manager.reconcile().await {
         tracing::warn!(error = %e.message, "reconcile failed");

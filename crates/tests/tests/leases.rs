@@ -150,6 +150,14 @@ async fn a_paused_sandbox_is_resumed_and_a_dead_one_replaced() {
     assert_eq!(resumed.sandbox.state, "running");
     assert!(!resumed.lease.paused);
     assert_eq!(sh(&c, &id, "cat /tmp/mark").await.stdout, "kept\n");
+    // Hibernated (files kept, processes ended): woken by the acquire, on the same files.
+    c.hibernate(&id).await.unwrap();
+    assert!(c.get_lease("carol").await.unwrap().paused);
+    let woken = c.acquire("carol", &opts()).await.unwrap();
+    assert_eq!(woken.sandbox.id, id);
+    assert!(woken.resumed && !woken.created);
+    assert_eq!(woken.sandbox.state, "running");
+    assert_eq!(sh(&c, &id, "cat /tmp/mark").await.stdout, "kept\n");
 
     // Killed from outside: the next acquire creates a replacement.
     kill_sandbox(&d, &id).await;
@@ -332,7 +340,12 @@ async fn the_stale_timeout_is_configurable_and_fresh_rows_are_waited_for() {
 async fn with_sandbox_recreates_a_killed_sandbox_once_and_propagates_other_errors() {
     let d = Daemon::start().await;
     let c = d.client();
-    let lease = SandboxLease::new(c.clone(), "dora", opts());
+    // Without auto-resume, a call to a paused sandbox fails (409) instead of waking it.
+    let no_auto = CreateSandboxRequest {
+        auto_resume: Some(false),
+        ..opts()
+    };
+    let lease = SandboxLease::new(c.clone(), "dora", no_auto);
     let calls = Arc::new(AtomicU32::new(0));
     let run = |argv: &[&str]| RunCommandRequest {
         argv: argv.iter().map(|s| s.to_string()).collect(),

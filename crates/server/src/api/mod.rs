@@ -6,6 +6,7 @@ pub mod leases;
 pub mod passthrough;
 pub mod pools;
 pub mod sandboxes;
+pub mod snapshots;
 pub mod usage;
 
 use crate::error::ApiError;
@@ -185,6 +186,8 @@ async fn authenticate(
         commands::run, commands::list, commands::signal, commands::stdin, commands::stream, commands::attach,
         files::download, files::upload, files::list, files::stat, files::mkdir, files::move_path, files::copy, files::remove,
         pools::list, pools::get, pools::create, pools::resize, pools::delete,
+        sandboxes::fork, snapshots::create, snapshots::list, snapshots::get, snapshots::delete,
+        snapshots::verify,
         leases::acquire, leases::list, leases::get, leases::release,
         usage::summary, usage::sandbox, usage::executions,
     ),
@@ -238,6 +241,14 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sandboxes/{id}/keepalive", post(sandboxes::keepalive))
         .route("/v1/sandboxes/{id}/pause", post(sandboxes::pause))
         .route("/v1/sandboxes/{id}/resume", post(sandboxes::resume))
+        .route("/v1/sandboxes/{id}/fork", post(sandboxes::fork))
+        .route("/v1/sandboxes/{id}/snapshots", post(snapshots::create))
+        .route("/v1/snapshots", get(snapshots::list))
+        .route(
+            "/v1/snapshots/{id}",
+            get(snapshots::get).delete(snapshots::delete),
+        )
+        .route("/v1/snapshots/{id}/verify", post(snapshots::verify))
         .route("/v1/sandboxes/{id}/stats", get(sandboxes::stats))
         .route("/v1/leases", get(leases::list))
         .route(
