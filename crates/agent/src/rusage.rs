@@ -133,8 +133,9 @@ pub fn reap_pass(table: &ProcessTable) {
         let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT;
         let pid = match waitid(Id::All, flags) {
             Ok(WaitStatus::Exited(pid, _) | WaitStatus::Signaled(pid, _, _)) => pid.as_raw(),
-            Ok(WaitStatus::StillAlive) | Err(Errno::ECHILD) => return,
-            Ok(_) | Err(Errno::EINTR) => continue,
+            Err(Errno::EINTR) => continue,
+            // Nothing has exited (only exits are asked for, so nothing else comes back).
+            Ok(_) | Err(Errno::ECHILD) => return,
             Err(e) => {
                 tracing::warn!(error = %e, "waitid failed");
                 return;
