@@ -19,6 +19,7 @@
 mod error;
 mod leases;
 mod stream;
+mod templates;
 mod usage;
 
 use std::path::Path;

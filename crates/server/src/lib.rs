@@ -9,6 +9,7 @@ pub mod lifecycle;
 pub mod manager;
 pub mod pools;
 pub mod snapshots;
+pub mod templates;
 pub mod usage;
 
 use manager::{Manager, ManagerConfig};
@@ -154,6 +155,7 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
     if let Err(e) = manager.reconcile().await {
         tracing::warn!(error = %e.message, "reconcile failed");
     }
+    manager.templates.recover(&manager.store).await;
     if let Err(e) = manager.load_pools(&file.pools).await {
         tracing::warn!(error = %e.message, "loading warm pools failed");
     }

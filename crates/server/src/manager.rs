@@ -77,6 +77,8 @@ pub struct Manager {
     pub snapshot_store: crate::snapshots::SnapshotStore,
     /// Sandboxes whose automatic pause failed, and when.
     pub(crate) auto_failures: Mutex<HashMap<String, std::time::Instant>>,
+    /// Template builds, and creates holding templates.
+    pub templates: crate::templates::Templates,
     /// Usage metering queue.
     pub usage: crate::usage::Usage,
 }
@@ -103,6 +105,8 @@ pub(crate) struct Plan {
     pub(crate) runtime: Arc<dyn Runtime>,
     pub(crate) key: PoolKey,
     pub(crate) template: TemplateSource,
+    /// The template's settings (and the hold that keeps it from being deleted meanwhile).
+    pub(crate) defaults: crate::templates::Defaults,
 }
 
 impl Plan {
@@ -213,6 +217,7 @@ impl Manager {
         snapshot_store: crate::snapshots::SnapshotStore,
     ) -> Arc<Self> {
         Arc::new(Self {
+            templates: crate::templates::Templates::new(&cfg.data_dir),
             store,
             runtimes,
             cfg,
@@ -277,18 +282,6 @@ impl Manager {
         Ok(t)
     }
 
-    async fn template(&self, name: &str) -> Result<TemplateSource, ApiError> {
-        if name == "host" {
-            return Ok(TemplateSource::Host);
-        }
-        match self.store.get_template(name).await? {
-            Some(t) => Ok(TemplateSource::Rootfs {
-                path: t.rootfs.into(),
-            }),
-            None => Err(ApiError::bad_request(format!("unknown template {name:?}"))),
-        }
-    }
-
     /// Validates runtime, template and limits of a create or a pool definition.
     pub(crate) async fn plan(
         &self,
@@ -308,7 +301,7 @@ impl Manager {
         }
         let runtime = self.runtime(&runtime_name)?.clone();
         let template_name = template.unwrap_or("host").to_string();
-        let template = self.template(&template_name).await?;
+        let (template, defaults) = self.templates.resolve(&self.store, &template_name).await?;
         let limits = Self::limits(limits)?;
         Ok(Plan {
             runtime,
@@ -318,6 +311,7 @@ impl Manager {
                 limits,
             },
             template,
+            defaults,
         })
     }
 
@@ -359,6 +353,7 @@ impl Manager {
         let plan = self
             .plan(req.template.as_deref(), req.runtime.as_deref(), &req.limits)
             .await?;
+        let req = crate::templates::with_defaults(req, &plan.defaults);
         let timeout = self.timeout(req.timeout)?;
         check_env(&req.env)?;
         check_metadata(&req.metadata)?;
@@ -685,7 +680,11 @@ impl Manager {
                 other => other.into(),
             });
         }
-        match self.wait_ready(rec, &handle).await {
+        let ready = async {
+            crate::templates::start_services(self, rec, &handle).await?;
+            self.wait_ready(rec, &handle).await
+        };
+        match ready.await {
             Ok(r) => {
                 crate::usage::on_state(self, &r, SandboxState::Running);
                 Ok(r)
@@ -767,7 +766,7 @@ impl Manager {
         self.init_agent(rec, &init).await
     }
 
-    fn conn_for(&self, id: &str, handle: &SandboxHandle) -> Arc<AgentConn> {
+    pub(crate) fn conn_for(&self, id: &str, handle: &SandboxHandle) -> Arc<AgentConn> {
         let Ok(mut conns) = self.conns.lock() else {
             return Arc::new(AgentConn::new(handle.socket.clone()));
         };
