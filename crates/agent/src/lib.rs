@@ -9,6 +9,7 @@ pub mod config;
 pub mod files_http;
 pub mod fs;
 pub mod process;
+pub mod rusage;
 pub mod server;
 mod users;
 pub mod watch;

@@ -189,6 +189,8 @@ pub struct ProcessTable {
     procs: Mutex<HashMap<u32, Arc<Proc>>>,
     /// Exits the reaper saw before the spawner registered the pid.
     unclaimed: Mutex<HashMap<u32, (i32, Option<i32>)>>,
+    /// CPU time and memory peak of each command, from the reaper's rusage.
+    pub(crate) usage: crate::rusage::UsageTable,
 }
 
 /// A started process, the events it already produced, and the channel of the rest.
@@ -210,7 +212,13 @@ impl ProcessTable {
             cfg,
             procs: Mutex::default(),
             unclaimed: Mutex::default(),
+            usage: Default::default(),
         })
+    }
+
+    /// Whether `pid` is a command the agent started (and has not forgotten).
+    pub fn is_command(&self, pid: u32) -> bool {
+        self.procs.lock().is_ok_and(|p| p.contains_key(&pid))
     }
 
     fn get(&self, sel: &ProcessSelector) -> Result<Arc<Proc>, ConnectError> {
@@ -375,6 +383,7 @@ impl ProcessTable {
             }
         }
 
+        let spawned_at = std::time::Instant::now();
         let mut child = cmd.spawn().map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => ConnectError::not_found(format!(
                 "{}: command or working directory not found",
@@ -386,6 +395,7 @@ impl ProcessTable {
             _ => ConnectError::internal(format!("spawn {}: {e}", c.cmd)),
         })?;
         let pid = child.id();
+        self.usage.begin(pid, spawned_at);
         let io_err = |e: std::io::Error| ConnectError::internal(format!("pipe setup: {e}"));
         let stdin = match child.stdin.take() {
             Some(s) => Some(Arc::new(FdIo::new(OwnedFd::from(s)).map_err(io_err)?)),
@@ -433,7 +443,7 @@ impl ProcessTable {
         if let Some(fd) = stderr {
             readers.push(mk(fd, Output::Stderr)?);
         }
-        tokio::spawn(finish(proc.clone(), readers));
+        tokio::spawn(finish(self.clone(), proc.clone(), readers));
         Ok((proc, missed, rx))
     }
 }
@@ -476,7 +486,11 @@ async fn pump(proc: Arc<Proc>, io: Arc<FdIo>, kind: fn(Vec<u8>) -> Output) {
 }
 
 /// Waits for the exit, lets the readers drain, then publishes the end event.
-async fn finish(proc: Arc<Proc>, readers: Vec<tokio::task::JoinHandle<()>>) {
+async fn finish(
+    table: Arc<ProcessTable>,
+    proc: Arc<Proc>,
+    readers: Vec<tokio::task::JoinHandle<()>>,
+) {
     let mut rx = proc.exit.subscribe();
     let (code, signal) = loop {
         if let Some(v) = *rx.borrow_and_update() {
@@ -494,6 +508,8 @@ async fn finish(proc: Arc<Proc>, readers: Vec<tokio::task::JoinHandle<()>>) {
         );
     }
     *proc.stdin.lock().await = None;
+    // Before the end event: whoever reads the command's usage after it sees a total.
+    crate::rusage::settle(&table, proc.pid).await;
     let status = match signal {
         Some(s) => format!(
             "signal: {}",
@@ -856,25 +872,11 @@ impl Process for ProcessService {
     }
 }
 
-/// Collects exit statuses of every child (and, as PID 1, of every orphan).
+/// Collects exit statuses of every child (and, as PID 1, of every orphan), with the
+/// rusage of each charged to the command it belongs to.
 pub async fn reap(table: Arc<ProcessTable>, mut sigchld: tokio::signal::unix::Signal) {
-    use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
     loop {
-        loop {
-            match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
-                Ok(WaitStatus::Exited(pid, code)) => table.on_exit(pid.as_raw() as u32, code, None),
-                Ok(WaitStatus::Signaled(pid, sig, _)) => {
-                    table.on_exit(pid.as_raw() as u32, 128 + sig as i32, Some(sig as i32))
-                }
-                Ok(WaitStatus::StillAlive) | Err(Errno::ECHILD) => break,
-                Ok(_) => continue,
-                Err(Errno::EINTR) => continue,
-                Err(e) => {
-                    tracing::warn!(error = %e, "waitpid failed");
-                    break;
-                }
-            }
-        }
+        crate::rusage::reap_pass(&table);
         if sigchld.recv().await.is_none() {
             return;
         }

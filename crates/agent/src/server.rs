@@ -40,7 +40,9 @@ pub fn run_from_env() -> Result<(), AgentError> {
 pub fn router(cfg: Arc<AgentConfig>, table: Arc<ProcessTable>) -> Result<Router, AgentError> {
     let root = Arc::new(FsRoot::open(cfg.clone())?);
     let connect = connectrpc::Router::new()
-        .add_service(Arc::new(ProcessService { table }))
+        .add_service(Arc::new(ProcessService {
+            table: table.clone(),
+        }))
         .add_service(Arc::new(FilesystemService::new(root.clone())));
     Ok(Router::new()
         .route(
@@ -48,6 +50,10 @@ pub fn router(cfg: Arc<AgentConfig>, table: Arc<ProcessTable>) -> Result<Router,
             get(|| async { axum::http::StatusCode::NO_CONTENT }),
         )
         .route("/init", post(init).with_state(cfg.clone()))
+        .route(
+            "/rusage",
+            get(crate::rusage::route).with_state(table.clone()),
+        )
         .route(
             "/files",
             get(crate::files_http::download).post(crate::files_http::upload),

@@ -1,7 +1,9 @@
 //! Request and response bodies of the REST API under `/v1`, shared by server and client.
 
+pub mod leases;
 pub mod paths;
 pub mod templates;
+pub mod usage;
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;

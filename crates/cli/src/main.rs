@@ -5,10 +5,12 @@ mod admin;
 mod bench;
 mod cp;
 mod exec;
+mod leases;
 mod lifecycle;
 mod pools;
 mod sandboxes;
 mod templates;
+mod usage;
 mod util;
 
 use std::net::SocketAddr;
@@ -195,6 +197,13 @@ enum Command {
     Snapshot(SnapshotCommand),
     /// Measure sandbox start latency and density.
     Bench(bench::BenchArgs),
+    /// Per-user leases: one warm sandbox per user name, created or resumed on acquire.
+    #[command(subcommand)]
+    Lease(leases::LeaseCommand),
+    /// Usage of the caller in a period (or, with an id, of one sandbox).
+    Usage(usage::UsageArgs),
+    /// Execution records of a sandbox's commands, newest first.
+    Executions(usage::ExecutionsArgs),
 }
 
 #[derive(Debug, Args)]
@@ -215,6 +224,9 @@ struct ServeArgs {
     /// Config file (TOML, declares warm pools) [default: DATA_DIR/config.toml if present].
     #[arg(long, value_name = "FILE")]
     config: Option<std::path::PathBuf>,
+    /// A per-user lease left in `creating` this long is taken over by the next acquirer.
+    #[arg(long, value_name = "SECS", default_value_t = 25)]
+    lease_stale_secs: u64,
 }
 
 /// Resource limits of a sandbox (of `create`, `run` and `pool create`).
@@ -557,6 +569,9 @@ async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Resume { id } => lifecycle::resume(&ctx, &id).await.map(|()| 0),
         Command::Fork { id, count } => lifecycle::fork(&ctx, &id, count).await.map(|()| 0),
         Command::Snapshot(cmd) => lifecycle::snapshot(&ctx, cmd).await.map(|()| 0),
+        Command::Lease(cmd) => leases::run(&ctx, cmd).await.map(|()| 0),
+        Command::Usage(args) => usage::usage(&ctx, args).await.map(|()| 0),
+        Command::Executions(args) => usage::executions(&ctx, args).await.map(|()| 0),
     }
 }
 
@@ -571,6 +586,7 @@ async fn serve(ctx: &Ctx, args: ServeArgs) -> anyhow::Result<()> {
         allow_process_runtime: args.allow_process_runtime,
         self_exe,
         config_file: args.config,
+        lease_stale_secs: args.lease_stale_secs,
     })
     .await?;
     Ok(())

@@ -17,8 +17,10 @@
 #![warn(missing_docs)]
 
 mod error;
+mod leases;
 mod stream;
 mod templates;
+mod usage;
 
 use std::path::Path;
 use std::time::Duration;
@@ -42,6 +44,7 @@ use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
 pub use error::ClientError;
+pub use leases::{SANDBOX_NOT_FOUND, SANDBOX_STOPPED, SandboxLease};
 /// Request bodies for [`Client::write_file`] (e.g. `Body::wrap_stream` of any byte stream).
 pub use reqwest::Body;
 pub use stream::{CommandStream, decode_data};

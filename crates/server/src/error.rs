@@ -39,7 +39,30 @@ impl ApiError {
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message)
     }
+    /// The sandbox does not exist (or is not the caller's): clients such as the lease
+    /// wrapper recognise this code and acquire a fresh sandbox.
+    pub fn sandbox_not_found(id: &str) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            SANDBOX_NOT_FOUND,
+            format!("sandbox {id} not found"),
+        )
+    }
+    /// The sandbox has stopped for good (its agent died, or it failed): like
+    /// [`Self::sandbox_not_found`] for clients, but its record can still be read.
+    pub fn sandbox_stopped(id: &str, state: &str) -> Self {
+        Self::new(
+            StatusCode::CONFLICT,
+            SANDBOX_STOPPED,
+            format!("sandbox {id} is {state}"),
+        )
+    }
 }
+
+/// Error code of a request naming a sandbox that does not exist.
+pub const SANDBOX_NOT_FOUND: &str = "sandbox_not_found";
+/// Error code of a request needing a sandbox that has stopped for good.
+pub const SANDBOX_STOPPED: &str = "sandbox_stopped";
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {

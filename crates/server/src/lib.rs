@@ -4,11 +4,13 @@ pub mod agent_client;
 pub mod api;
 pub mod config;
 pub mod error;
+pub mod leases;
 pub mod lifecycle;
 pub mod manager;
 pub mod pools;
 pub mod snapshots;
 pub mod templates;
+pub mod usage;
 
 use manager::{Manager, ManagerConfig};
 use sandpit_runtime::Runtime;
@@ -33,6 +35,8 @@ pub struct ServeConfig {
     pub self_exe: PathBuf,
     /// Config file; without one, `config.toml` in the data dir is read if it exists.
     pub config_file: Option<PathBuf>,
+    /// A lease left in `creating` longer than this is taken over by the next acquirer.
+    pub lease_stale_secs: u64,
 }
 
 /// Failures that keep the daemon from starting or serving.
@@ -161,6 +165,10 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
             .insecure_no_auth
             .then(|| api::pools::ADMIN_OWNER.to_string()),
         keys: Default::default(),
+        leases: Arc::new(leases::Leases::new(leases::LeaseConfig {
+            stale_after: Duration::from_secs(cfg.lease_stale_secs),
+            ..Default::default()
+        })),
     };
     Ok((manager, state))
 }
@@ -170,6 +178,7 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
 pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
     let (manager, state) = prepare(&cfg).await?;
     tokio::spawn(manager.clone().run_pools());
+    usage::start(&manager);
     let ticker = manager.clone();
     tokio::spawn(async move {
         loop {
@@ -198,6 +207,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
         .map_err(|e| ServerError::Io("serve".into(), e))?;
     manager.stop_pools(Duration::from_secs(30)).await;
     manager.drain_teardowns(Duration::from_secs(30)).await;
+    manager.usage.flush(Duration::from_secs(10)).await;
     for rt in manager.runtimes.values() {
         rt.release();
     }

@@ -143,7 +143,7 @@ impl Manager {
     async fn fresh(&self, id: &str) -> Result<SandboxRecord, ApiError> {
         match self.store.get_sandbox(id).await? {
             Some(r) if r.state != SandboxState::Stopping && !r.state.is_final() => Ok(r),
-            _ => Err(ApiError::not_found(format!("sandbox {id} not found"))),
+            _ => Err(ApiError::sandbox_not_found(id)),
         }
     }
 
@@ -173,7 +173,8 @@ impl Manager {
         blocking(move || rt.freeze(&h)).await?;
         let mut life = rec.life.clone();
         life.paused_at_ms = Some(now_ms());
-        self.store
+        let paused = self
+            .store
             .transition_life(
                 &rec.id,
                 &[SandboxState::Running],
@@ -181,7 +182,9 @@ impl Manager {
                 &life,
             )
             .await?
-            .ok_or_else(|| ApiError::conflict("sandbox changed state while pausing"))
+            .ok_or_else(|| ApiError::conflict("sandbox changed state while pausing"))?;
+        crate::usage::on_state(self, &paused, SandboxState::Paused);
+        Ok(paused)
     }
 
     /// Resumes a paused sandbox (thaw) or a hibernated one (start again on its files); a
@@ -196,7 +199,8 @@ impl Manager {
                 blocking(move || rt.thaw(&h)).await?;
                 let mut life = rec.life.clone();
                 life.paused_at_ms = None;
-                self.store
+                let thawed = self
+                    .store
                     .transition_life(
                         &rec.id,
                         &[SandboxState::Paused],
@@ -204,7 +208,9 @@ impl Manager {
                         &life,
                     )
                     .await?
-                    .ok_or_else(|| ApiError::conflict("sandbox changed state while resuming"))?
+                    .ok_or_else(|| ApiError::conflict("sandbox changed state while resuming"))?;
+                crate::usage::on_state(self, &thawed, SandboxState::Running);
+                thawed
             }
             SandboxState::Hibernated => self.wake(&rec).await?,
             other => {
@@ -266,6 +272,7 @@ impl Manager {
                 "sandbox changed state while hibernating",
             ));
         };
+        crate::usage::on_state(self, &cur, SandboxState::Hibernated);
         self.forget(&rec.id);
         if let Err(e) = crate::manager::run_destroy(rt, h).await {
             // The files are safe; what is left of the processes goes with the next

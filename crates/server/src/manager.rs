@@ -79,6 +79,8 @@ pub struct Manager {
     pub(crate) auto_failures: Mutex<HashMap<String, std::time::Instant>>,
     /// Template builds, and creates holding templates.
     pub templates: crate::templates::Templates,
+    /// Usage metering queue.
+    pub usage: crate::usage::Usage,
 }
 
 /// What the agent's `/init` sets.
@@ -233,6 +235,7 @@ impl Manager {
             gc_wanted: Arc::new(std::sync::atomic::AtomicBool::new(true)),
             snapshot_store,
             auto_failures: Mutex::default(),
+            usage: Default::default(),
         })
     }
 
@@ -498,6 +501,7 @@ impl Manager {
             };
             match self.init_agent(&rec, &init).await {
                 Ok(()) => {
+                    crate::usage::on_state(self, &rec, SandboxState::Running);
                     self.count_pool(&pool, true);
                     tracing::debug!(id, pool, "sandbox claimed from pool");
                     return Some(rec);
@@ -681,7 +685,10 @@ impl Manager {
             self.wait_ready(rec, &handle).await
         };
         match ready.await {
-            Ok(r) => Ok(r),
+            Ok(r) => {
+                crate::usage::on_state(self, &r, SandboxState::Running);
+                Ok(r)
+            }
             Err(e) => {
                 // Whoever moves the record out of `creating` tears it down; if a delete
                 // did, it holds the handle and does the work.
@@ -794,7 +801,7 @@ impl Manager {
                 self.touch(id);
                 Ok(r)
             }
-            _ => Err(ApiError::not_found(format!("sandbox {id} not found"))),
+            _ => Err(ApiError::sandbox_not_found(id)),
         }
     }
 
@@ -805,6 +812,9 @@ impl Manager {
         id: &str,
     ) -> Result<(SandboxRecord, Arc<AgentConn>), ApiError> {
         let mut rec = self.get(owner, id).await?;
+        if rec.state.is_final() {
+            return Err(ApiError::sandbox_stopped(id, rec.state.as_str()));
+        }
         if matches!(rec.state, SandboxState::Paused | SandboxState::Hibernated)
             && rec.life.auto_resume
         {
@@ -858,6 +868,7 @@ impl Manager {
             }
             return Ok(());
         };
+        crate::usage::on_state(self, &cur, SandboxState::Stopping);
         self.forget(&cur.id);
         self.pools.forget(&cur.id);
         // Set once the record is gone: its layers are unused from then on.
@@ -994,6 +1005,7 @@ impl Manager {
                 return;
             }
         };
+        crate::usage::on_state(self, &cur, SandboxState::Stopping);
         tracing::warn!(id = %cur.id, why, "sandbox stopped; cleaning up");
         let (to, note) = match self.teardown_now(&cur).await {
             Ok(()) => (SandboxState::Stopped, why.to_string()),

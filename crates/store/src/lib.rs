@@ -5,12 +5,14 @@
 
 mod error;
 mod keys;
+mod leases;
 mod model;
 mod pools;
 mod sandboxes;
 mod schema;
 mod snapshots;
 mod templates;
+mod usage;
 
 use std::path::Path;
 use std::str::FromStr;
@@ -20,6 +22,7 @@ use sqlx::SqlitePool;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 
 pub use error::StoreError;
+pub use leases::{LeaseRecord, LeaseStatus};
 pub use model::{
     ApiKey, Lifecycle, OnTimeout, ParseSandboxStateError, PoolRecord, SandboxFilter, SandboxPage,
     SandboxRecord, SandboxState, SnapshotRecord, TemplateRecord, TemplateState,
@@ -27,6 +30,9 @@ pub use model::{
 pub use pools::Claim;
 pub use schema::SCHEMA_VERSION;
 pub use templates::TemplateUsers;
+pub use usage::{
+    ExecutionPage, ExecutionRecord, OwnerUsage, SandboxUsageRecord, UsageEvent, active_ms,
+};
 
 /// How long a connection waits on another writer's lock before failing with "database is locked".
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -142,6 +148,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("schema.db");
         let store = Store::open(&path).await.unwrap();
+        // The versions this build has (numbers are assigned per feature, so gaps are normal).
         let all: Vec<i64> = schema::MIGRATIONS.iter().map(|(v, _)| *v).collect();
         assert_eq!(schema_rows(&store).await, all);
         // Applying again on a live database changes nothing and does not fail.

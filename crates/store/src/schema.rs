@@ -98,6 +98,83 @@ pub(crate) const MIGRATIONS: &[(i64, &[&str])] = &[
         ],
     ),
     (
+        5,
+        &[
+            // Per-user leases (the seed's `sb_container`): one warm sandbox per (owner, user).
+            // Every change is a compare-and-set on lock_version.
+            "CREATE TABLE leases (
+            owner TEXT NOT NULL,
+            user_name TEXT NOT NULL,
+            sandbox_id TEXT,
+            status TEXT NOT NULL,
+            paused BIGINT NOT NULL,
+            runtime TEXT NOT NULL,
+            lock_version BIGINT NOT NULL,
+            usage_ms BIGINT NOT NULL,
+            last_activity_ms BIGINT NOT NULL,
+            creating_since_ms BIGINT,
+            created_at_ms BIGINT NOT NULL,
+            updated_at_ms BIGINT NOT NULL,
+            PRIMARY KEY (owner, user_name)
+        )",
+            // Metering of one sandbox; outlives the sandbox's own record.
+            "CREATE TABLE sandbox_usage (
+            sandbox_id TEXT PRIMARY KEY NOT NULL,
+            owner TEXT NOT NULL,
+            state TEXT NOT NULL,
+            created_at_ms BIGINT NOT NULL,
+            ended_at_ms BIGINT,
+            cpu_ns BIGINT NOT NULL,
+            cpu_base_ns BIGINT NOT NULL,
+            cpu_last_raw_ns BIGINT,
+            memory_peak_bytes BIGINT NOT NULL,
+            disk_used_bytes BIGINT,
+            egress_bytes BIGINT NOT NULL,
+            sampled_at_ms BIGINT NOT NULL
+        )",
+            "CREATE INDEX sandbox_usage_owner_idx ON sandbox_usage (owner, created_at_ms)",
+            // Every state change with its time: active time is the time spent running.
+            "CREATE TABLE usage_states (
+            id INTEGER PRIMARY KEY,
+            sandbox_id TEXT NOT NULL,
+            state TEXT NOT NULL,
+            at_ms BIGINT NOT NULL
+        )",
+            "CREATE INDEX usage_states_sandbox_idx ON usage_states (sandbox_id, at_ms, id)",
+            "CREATE TABLE usage_log (
+            id INTEGER PRIMARY KEY,
+            sandbox_id TEXT NOT NULL,
+            owner TEXT NOT NULL,
+            reason TEXT NOT NULL,
+            at_ms BIGINT NOT NULL,
+            amount BIGINT NOT NULL,
+            details TEXT
+        )",
+            "CREATE INDEX usage_log_owner_idx ON usage_log (owner, at_ms)",
+            "CREATE INDEX usage_log_sandbox_idx ON usage_log (sandbox_id, at_ms)",
+            "CREATE TABLE executions (
+            id TEXT PRIMARY KEY NOT NULL,
+            sandbox_id TEXT NOT NULL,
+            owner TEXT NOT NULL,
+            api_key_id TEXT,
+            command TEXT NOT NULL,
+            pid BIGINT,
+            background BIGINT NOT NULL,
+            created_at_ms BIGINT NOT NULL,
+            started_at_ms BIGINT,
+            ended_at_ms BIGINT,
+            cpu_time_ms BIGINT,
+            memory_peak_kb BIGINT,
+            exit_code BIGINT,
+            timed_out BIGINT NOT NULL,
+            stdout_bytes BIGINT NOT NULL,
+            stderr_bytes BIGINT NOT NULL
+        )",
+            "CREATE INDEX executions_sandbox_idx ON executions (sandbox_id, created_at_ms, id)",
+            "CREATE INDEX executions_owner_idx ON executions (owner, created_at_ms)",
+        ],
+    ),
+    (
         6,
         &[
             // Templates built by the daemon: settings sandboxes start with, where the root

@@ -4,6 +4,7 @@
 use super::{ApiJson, AppState, Owner};
 use crate::agent_client::AgentConn;
 use crate::error::ApiError;
+use crate::usage::ExecMeter;
 use axum::Json;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, State};
@@ -136,11 +137,13 @@ async fn write_stdin(
 pub async fn run(
     State(state): State<AppState>,
     owner: Owner,
+    caller: crate::usage::Caller,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<RunCommandRequest>,
 ) -> Result<Response, ApiError> {
     use axum::response::IntoResponse;
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
+    let mut meter = ExecMeter::begin(&state.manager, &caller, &id, &conn, &req);
     if req.pty.is_some() {
         return Err(ApiError::bad_request(
             "a pty needs the WebSocket route /commands/stream",
@@ -148,11 +151,12 @@ pub async fn run(
     }
     if req.background {
         let (pid, stream) = start(&conn, &req, true).await?;
+        meter.started(pid);
         // Dropping the stream detaches: the agent keeps the output until someone reattaches.
         drop(stream);
         return Ok((StatusCode::ACCEPTED, Json(BackgroundCommand { pid })).into_response());
     }
-    Ok(Json(run_to_end(&conn, &req).await?).into_response())
+    Ok(Json(run_metered(&conn, &req, &mut meter).await?).into_response())
 }
 
 type StartStream = connectrpc::client::ServerStream<
@@ -198,12 +202,22 @@ pub async fn run_to_end(
     conn: &AgentConn,
     req: &RunCommandRequest,
 ) -> Result<RunCommandResponse, ApiError> {
+    run_metered(conn, req, &mut ExecMeter::off()).await
+}
+
+/// [`run_to_end`], reporting the command's progress to its execution record.
+async fn run_metered(
+    conn: &AgentConn,
+    req: &RunCommandRequest,
+    meter: &mut ExecMeter,
+) -> Result<RunCommandResponse, ApiError> {
     let cap = req
         .max_output_bytes
         .unwrap_or(DEFAULT_OUTPUT_CAP)
         .min(MAX_OUTPUT_CAP) as usize;
     let started = Instant::now();
     let (pid, mut stream) = start(conn, req, false).await?;
+    meter.started(pid);
     let deadline = req
         .timeout_ms
         .map(|ms| tokio::time::Instant::now() + Duration::from_millis(ms));
@@ -218,6 +232,7 @@ pub async fn run_to_end(
                     Ok(m) => m,
                     Err(_) => {
                         timed_out = true;
+                        meter.timed_out();
                         kill(conn, pid).await;
                         continue;
                     }
@@ -228,11 +243,13 @@ pub async fn run_to_end(
         let Some(msg) = next? else { break };
         match (*msg.to_owned_message().event).clone().event {
             Some(Event::Data(d)) => {
-                let (buf, chunk) = match d.output {
-                    Some(Output::Stdout(b)) => (&mut stdout, b),
-                    Some(Output::Stderr(b)) | Some(Output::Pty(b)) => (&mut stderr, b),
+                let (buf, chunk, out) = match d.output {
+                    Some(Output::Stdout(b)) => (&mut stdout, b, true),
+                    Some(Output::Stderr(b)) => (&mut stderr, b, false),
+                    Some(Output::Pty(b)) => (&mut stderr, b, true),
                     None => continue,
                 };
+                meter.output(out, chunk.len());
                 let room = cap.saturating_sub(buf.len());
                 if chunk.len() > room {
                     truncated = true;
@@ -241,6 +258,7 @@ pub async fn run_to_end(
             }
             Some(Event::End(e)) => {
                 exit_code = e.exit_code;
+                meter.ended(exit_code);
                 break;
             }
             _ => {}
@@ -329,12 +347,15 @@ pub async fn stdin(
 pub async fn stream(
     State(state): State<AppState>,
     owner: Owner,
+    caller: crate::usage::Caller,
     Path(id): Path<String>,
     ws: WebSocketUpgrade,
 ) -> Result<Response, ApiError> {
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
+    let (manager, c) = (state.manager.clone(), conn.clone());
+    let meter = move |req: &RunCommandRequest| ExecMeter::begin(&manager, &caller, &id, &c, req);
     Ok(ws.on_upgrade(move |socket| async move {
-        if let Err(e) = stream_new(socket, conn).await {
+        if let Err(e) = stream_new(socket, conn, meter).await {
             tracing::debug!(error = %e.message, "command stream ended with an error");
         }
     }))
@@ -358,7 +379,8 @@ pub async fn attach(
         .await?;
     Ok(ws.on_upgrade(move |socket| async move {
         let (tx, rx) = split(socket);
-        let _ = pump(connect_events(stream), tx, rx, conn, None, None).await;
+        let off = ExecMeter::off();
+        let _ = pump(connect_events(stream), tx, rx, conn, None, None, off).await;
     }))
 }
 
@@ -378,7 +400,11 @@ async fn send_event(tx: &mut WsTx, ev: &CommandEvent) -> Result<(), ApiError> {
         .map_err(|e| ApiError::internal(format!("websocket: {e}")))
 }
 
-async fn stream_new(socket: WebSocket, conn: Arc<AgentConn>) -> Result<(), ApiError> {
+async fn stream_new(
+    socket: WebSocket,
+    conn: Arc<AgentConn>,
+    meter: impl FnOnce(&RunCommandRequest) -> ExecMeter,
+) -> Result<(), ApiError> {
     use futures::StreamExt;
     let (mut tx, mut rx) = split(socket);
     let first = loop {
@@ -401,6 +427,7 @@ async fn stream_new(socket: WebSocket, conn: Arc<AgentConn>) -> Result<(), ApiEr
             return Ok(());
         }
     };
+    let meter = meter(&req);
     let started = async {
         let opts = as_user(req.user.as_deref())?;
         let stream = conn
@@ -419,6 +446,7 @@ async fn stream_new(socket: WebSocket, conn: Arc<AgentConn>) -> Result<(), ApiEr
                 conn,
                 req.timeout_ms.map(Duration::from_millis),
                 req.stdin.clone(),
+                meter,
             )
             .await
         }
@@ -434,6 +462,7 @@ async fn pump(
     conn: Arc<AgentConn>,
     timeout: Option<Duration>,
     mut initial_stdin: Option<String>,
+    mut meter: ExecMeter,
 ) -> Result<(), ApiError> {
     use futures::StreamExt;
     let mut pid: Option<u32> = None;
@@ -458,6 +487,7 @@ async fn pump(
                         return Err(e);
                     }
                 };
+                meter.observe(&ev);
                 if let CommandEvent::Start { pid: p } = ev {
                     pid = Some(p);
                     if let Some(text) = initial_stdin.take() {
@@ -494,6 +524,7 @@ async fn pump(
             }
             _ = sleep => {
                 killed = true;
+                meter.timed_out();
                 if let Some(p) = pid { kill(&conn, p).await; }
             }
         }

@@ -145,6 +145,10 @@ pub async fn download(
 ) -> Result<Response, ApiError> {
     check_path(&q.path)?;
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
+    state
+        .manager
+        .usage
+        .log(&owner.0, &id, crate::usage::FILE, 1, "download");
     let uri = files_uri(&q)?;
     let req = http::Request::get(uri)
         .body(Body::empty())
@@ -176,6 +180,10 @@ pub async fn upload(
 ) -> Result<Json<EntryInfo>, ApiError> {
     check_path(&q.path)?;
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
+    state
+        .manager
+        .usage
+        .log(&owner.0, &id, crate::usage::FILE, 1, "upload");
     let uri = files_uri(&q)?;
     let req = http::Request::post(uri)
         .header(http::header::CONTENT_TYPE, "application/octet-stream")
@@ -207,6 +215,10 @@ pub async fn list(
 ) -> Result<Json<Vec<EntryInfo>>, ApiError> {
     check_path(&q.path)?;
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
+    state
+        .manager
+        .usage
+        .log(&owner.0, &id, crate::usage::FILE, 1, "list");
     let depth = q.depth.unwrap_or(1).clamp(1, 32);
     let req = pfs::ListDirRequest {
         path: q.path.clone(),
@@ -231,6 +243,10 @@ pub async fn stat(
 ) -> Result<Json<EntryInfo>, ApiError> {
     check_path(&q.path)?;
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
+    state
+        .manager
+        .usage
+        .log(&owner.0, &id, crate::usage::FILE, 1, "stat");
     let resp = conn
         .fs
         .stat_with_options(
@@ -255,6 +271,10 @@ pub async fn mkdir(
 ) -> Result<Json<EntryInfo>, ApiError> {
     check_path(&req.path)?;
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
+    state
+        .manager
+        .usage
+        .log(&owner.0, &id, crate::usage::FILE, 1, "mkdir");
     let resp = conn
         .fs
         .make_dir(pfs::MakeDirRequest {
@@ -277,6 +297,10 @@ pub async fn move_path(
     check_path(&req.from)?;
     check_path(&req.to)?;
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
+    state
+        .manager
+        .usage
+        .log(&owner.0, &id, crate::usage::FILE, 1, "move");
     let resp = conn
         .fs
         .r#move(pfs::MoveRequest {
@@ -300,6 +324,10 @@ pub async fn copy(
     check_path(&req.from)?;
     check_path(&req.to)?;
     let (rec, conn) = state.manager.agent(&owner.0, &id).await?;
+    state
+        .manager
+        .usage
+        .log(&owner.0, &id, crate::usage::FILE, 1, "copy");
     // Resolve both through the agent first, so `..` escapes are refused the same way.
     let src = conn
         .fs
@@ -363,6 +391,10 @@ pub async fn remove(
 ) -> Result<StatusCode, ApiError> {
     check_path(&q.path)?;
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
+    state
+        .manager
+        .usage
+        .log(&owner.0, &id, crate::usage::FILE, 1, "remove");
     conn.fs
         .remove_with_options(
             pfs::RemoveRequest {

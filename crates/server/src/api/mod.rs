@@ -2,11 +2,13 @@
 
 pub mod commands;
 pub mod files;
+pub mod leases;
 pub mod passthrough;
 pub mod pools;
 pub mod sandboxes;
 pub mod snapshots;
 pub mod templates;
+pub mod usage;
 
 use crate::error::ApiError;
 use crate::manager::Manager;
@@ -26,6 +28,8 @@ pub struct AppState {
     pub no_auth_owner: Option<String>,
     /// Recently verified keys.
     pub keys: Arc<KeyCache>,
+    /// Per-user leases.
+    pub leases: Arc<crate::leases::Leases>,
 }
 
 /// How long a verified API key is trusted without asking the store again; a revoked key
@@ -38,22 +42,23 @@ const KEY_CACHE_MAX: usize = 4096;
 /// read for its key.
 #[derive(Debug, Default)]
 pub struct KeyCache(
-    std::sync::Mutex<std::collections::HashMap<String, (String, std::time::Instant)>>,
+    std::sync::Mutex<std::collections::HashMap<String, (String, String, std::time::Instant)>>,
 );
 
 impl KeyCache {
-    fn get(&self, key: &str) -> Option<String> {
+    /// Owner and key id of a recently verified key.
+    fn get(&self, key: &str) -> Option<(String, String)> {
         let map = self.0.lock().ok()?;
-        let (owner, at) = map.get(key)?;
-        (at.elapsed() < KEY_CACHE_TTL).then(|| owner.clone())
+        let (owner, id, at) = map.get(key)?;
+        (at.elapsed() < KEY_CACHE_TTL).then(|| (owner.clone(), id.clone()))
     }
 
-    fn put(&self, key: String, owner: String) {
+    fn put(&self, key: String, owner: String, id: String) {
         if let Ok(mut map) = self.0.lock() {
             if map.len() >= KEY_CACHE_MAX {
                 map.clear();
             }
-            map.insert(key, (owner, std::time::Instant::now()));
+            map.insert(key, (owner, id, std::time::Instant::now()));
         }
     }
 }
@@ -143,28 +148,31 @@ async fn authenticate(
     mut req: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
-    let owner = match &state.no_auth_owner {
-        Some(o) => o.clone(),
+    let (owner, key_id) = match &state.no_auth_owner {
+        Some(o) => (o.clone(), None),
         None => {
             let key = presented_key(req.headers()).ok_or_else(|| {
                 ApiError::unauthenticated("missing API key (Authorization: Bearer <key>)")
             })?;
             match state.keys.get(&key) {
-                Some(owner) => owner,
+                Some((owner, id)) => (owner, Some(id)),
                 None => {
                     let found = state.manager.store.authenticate(&key).await?;
-                    let owner = found
-                        .map(|k| k.owner)
+                    let (owner, id) = found
+                        .map(|k| (k.owner, k.id))
                         // The empty owner marks idle pool sandboxes; no key may act as it.
-                        .filter(|o| !o.is_empty())
+                        .filter(|(o, _)| !o.is_empty())
                         .ok_or_else(|| ApiError::unauthenticated("invalid API key"))?;
-                    state.keys.put(key, owner.clone());
-                    owner
+                    state.keys.put(key, owner.clone(), id.clone());
+                    (owner, Some(id))
                 }
             }
         }
     };
     req.extensions_mut().insert(Owner(owner));
+    if let Some(id) = key_id {
+        req.extensions_mut().insert(crate::usage::ApiKeyId(id));
+    }
     Ok(next.run(req).await)
 }
 
@@ -182,6 +190,8 @@ async fn authenticate(
         sandboxes::fork, snapshots::create, snapshots::list, snapshots::get, snapshots::delete,
         snapshots::verify,
         templates::list, templates::get, templates::build, templates::progress, templates::delete,
+        leases::acquire, leases::list, leases::get, leases::release,
+        usage::summary, usage::sandbox, usage::executions,
     ),
     components(schemas(sandpit_api::ErrorBody, sandpit_api::CommandEvent, sandpit_api::ClientMessage)),
     modifiers(&BearerAuth)
@@ -247,6 +257,15 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/v1/snapshots/{id}/verify", post(snapshots::verify))
         .route("/v1/sandboxes/{id}/stats", get(sandboxes::stats))
+        .route("/v1/leases", get(leases::list))
+        .route(
+            "/v1/leases/{user}",
+            get(leases::get).delete(leases::release),
+        )
+        .route("/v1/leases/{user}/acquire", post(leases::acquire))
+        .route("/v1/usage", get(usage::summary))
+        .route("/v1/sandboxes/{id}/usage", get(usage::sandbox))
+        .route("/v1/sandboxes/{id}/executions", get(usage::executions))
         .route(
             "/v1/sandboxes/{id}/commands",
             post(commands::run).get(commands::list),

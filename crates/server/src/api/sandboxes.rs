@@ -258,6 +258,10 @@ pub async fn keepalive(
     let rec = state.manager.get(&owner.0, &id).await?;
     state
         .manager
+        .usage
+        .log(&owner.0, &id, crate::usage::KEEPALIVE, 1, "");
+    state
+        .manager
         .set_timeout(
             &rec,
             crate::manager::DEFAULT_TIMEOUT.min(state.manager.cfg.max_timeout_secs),
