@@ -233,6 +233,11 @@ fn raw_freeze(n: usize) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
         )
     };
     std::fs::create_dir(&dir).with_context(|| format!("create {}", dir.display()))?;
+    if !dir.join("cgroup.procs").exists() {
+        // Not a cgroup filesystem after all: leave nothing behind.
+        let _ = std::fs::remove_dir(&dir);
+        bail!("{} is not a cgroup", dir.display());
+    }
     let mut child = Command::new("sleep")
         .arg("3600")
         .spawn()
