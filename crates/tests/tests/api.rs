@@ -509,7 +509,7 @@ async fn pause_freezes_processes_and_resume_keeps_them() {
                 argv: vec![
                     "bash".into(),
                     "-c".into(),
-                    "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done".into(),
+                    "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done".into(),
                 ],
                 ..Default::default()
             },

@@ -107,7 +107,7 @@ async fn a_counter_continues_where_it_stopped_across_two_pauses_with_its_files_e
                 argv: vec![
                     "bash".into(),
                     "-c".into(),
-                    "exec 3>>/tmp/work/log; i=0; while true; do i=$((i+1)); echo $i > count; echo $i >&3; sleep 0.05; done"
+                    "exec 3>>/tmp/work/log; i=0; while true; do i=$((i+1)); echo $i > count.new; mv count.new count; echo $i >&3; sleep 0.05; done"
                         .into(),
                 ],
                 env: [("COUNTER_ENV".to_string(), "kept".to_string())].into(),
