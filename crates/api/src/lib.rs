@@ -1,6 +1,9 @@
 //! Request and response bodies of the REST API under `/v1`, shared by server and client.
 
 pub mod paths;
+pub mod volumes;
+
+pub use volumes::{CreateVolumeRequest, Volume, VolumeList, VolumeMountSpec};
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -57,6 +60,9 @@ pub struct CreateSandboxRequest {
     pub workdir: Option<String>,
     /// Default user of commands and file operations: `user` (default) or `root`.
     pub user: Option<String>,
+    /// Volumes to mount (a create with volumes never takes a warm pool's sandbox).
+    #[serde(default)]
+    pub volumes: Vec<VolumeMountSpec>,
 }
 
 /// A sandbox as the API shows it.

@@ -8,6 +8,7 @@ mod exec;
 mod pools;
 mod sandboxes;
 mod util;
+mod volumes;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -166,6 +167,10 @@ enum Command {
     /// Manage warm pools: sandboxes kept started so that matching creates take one at once.
     #[command(subcommand)]
     Pool(PoolCommand),
+    /// Manage volumes: named persistent directories with a size limit, mounted into
+    /// sandboxes with `create --volume NAME:/PATH[:ro]`.
+    #[command(subcommand)]
+    Volume(volumes::VolumeCommand),
     /// Measure sandbox start latency and density.
     Bench(bench::BenchArgs),
 }
@@ -236,6 +241,9 @@ struct SandboxOpts {
     /// Default working directory of commands [default: /home/user].
     #[arg(long, value_name = "DIR")]
     workdir: Option<String>,
+    /// Mount a volume: NAME:/PATH, or NAME:/PATH:ro read-only (repeatable).
+    #[arg(long = "volume", short = 'v', value_name = "NAME:/PATH[:ro]", value_parser = volumes::parse_volume)]
+    volumes: Vec<sandpit_api::VolumeMountSpec>,
 }
 
 #[derive(Debug, Args)]
@@ -461,6 +469,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Cp { src, dst } => cp::copy(&ctx, &src, &dst).await.map(|()| 0),
         Command::Keys(cmd) => admin::keys(&ctx, cmd).await.map(|()| 0),
         Command::Pool(cmd) => pools::run(&ctx, cmd).await.map(|()| 0),
+        Command::Volume(cmd) => volumes::run(&ctx, cmd).await,
         Command::Template(TemplateCommand::Ls) => sandboxes::templates(&ctx).await.map(|()| 0),
         Command::Template(TemplateCommand::Add { name, rootfs }) => {
             admin::template_add(&ctx, &name, &rootfs).await.map(|()| 0)

@@ -21,6 +21,7 @@ pub fn create_request(
         metadata: opts.meta.iter().cloned().collect(),
         workdir: opts.workdir.clone(),
         user: None,
+        volumes: opts.volumes.clone(),
     }
 }
 

@@ -165,6 +165,11 @@ impl Runtime for ProcessRuntime {
                 "the process runtime only runs the host template".into(),
             ));
         }
+        if !spec.volumes.is_empty() {
+            return Err(RuntimeError::InvalidSpec(
+                "volumes need the container runtime".into(),
+            ));
+        }
         let dir = self.sandboxes_dir.join(&spec.id);
         std::fs::create_dir(&dir)
             .map_err(|e| RuntimeError::io(format!("create {}", dir.display()), e))?;

@@ -6,6 +6,7 @@ pub mod config;
 pub mod error;
 pub mod manager;
 pub mod pools;
+pub mod volumes;
 
 use manager::{Manager, ManagerConfig};
 use sandpit_runtime::Runtime;
@@ -130,9 +131,11 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
     let process =
         sandpit_runtime::process::ProcessRuntime::new(&cfg.data_dir, cfg.self_exe.clone())?;
     runtimes.insert("process".into(), Arc::new(process));
+    let volumes = Arc::new(sandpit_runtime::volume::VolumeHost::new(&cfg.data_dir)?);
     let manager = Manager::new(
         store,
         runtimes,
+        volumes,
         ManagerConfig {
             max_timeout_secs: cfg.max_timeout_secs,
             default_runtime: "container".into(),
@@ -141,6 +144,9 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
     );
     if let Err(e) = manager.reconcile().await {
         tracing::warn!(error = %e.message, "reconcile failed");
+    }
+    if let Err(e) = manager.reconcile_volumes().await {
+        tracing::warn!(error = %e.message, "reconciling volumes failed");
     }
     if let Err(e) = manager.load_pools(&file.pools).await {
         tracing::warn!(error = %e.message, "loading warm pools failed");
@@ -191,5 +197,6 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
     for rt in manager.runtimes.values() {
         rt.release();
     }
+    manager.volumes.release();
     Ok(())
 }

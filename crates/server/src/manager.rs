@@ -59,6 +59,8 @@ pub struct Manager {
     last_claim: Mutex<Option<std::time::Instant>>,
     /// Background teardowns in flight (a clean shutdown waits for them).
     teardowns: Arc<AtomicUsize>,
+    /// The host side of volumes.
+    pub volumes: Arc<sandpit_runtime::volume::VolumeHost>,
 }
 
 /// What the agent's `/init` sets.
@@ -74,6 +76,8 @@ struct Plan {
     runtime: Arc<dyn Runtime>,
     key: PoolKey,
     template: TemplateSource,
+    /// Volumes to mount (never for a pool's sandboxes).
+    volumes: Vec<sandpit_api::VolumeMountSpec>,
 }
 
 pub fn now_ms() -> i64 {
@@ -83,7 +87,7 @@ pub fn now_ms() -> i64 {
         .unwrap_or(0)
 }
 
-fn new_id() -> String {
+pub(crate) fn new_id() -> String {
     use rand::Rng;
     const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
     let mut rng = rand::rng();
@@ -153,6 +157,7 @@ impl Manager {
     pub fn new(
         store: Store,
         runtimes: BTreeMap<String, Arc<dyn Runtime>>,
+        volumes: Arc<sandpit_runtime::volume::VolumeHost>,
         cfg: ManagerConfig,
     ) -> Arc<Self> {
         Arc::new(Self {
@@ -166,6 +171,7 @@ impl Manager {
             pools_stopped: Default::default(),
             teardowns: Arc::default(),
             last_claim: Mutex::default(),
+            volumes,
         })
     }
 
@@ -253,6 +259,7 @@ impl Manager {
                 limits,
             },
             template,
+            volumes: Vec::new(),
         })
     }
 
@@ -263,9 +270,11 @@ impl Manager {
         owner: &str,
         req: CreateSandboxRequest,
     ) -> Result<SandboxRecord, ApiError> {
-        let plan = self
+        let mut plan = self
             .plan(req.template.as_deref(), req.runtime.as_deref(), &req.limits)
             .await?;
+        crate::volumes::check_mounts(&req.volumes)?;
+        plan.volumes = req.volumes.clone();
         let timeout = self.timeout(req.timeout)?;
         check_env(&req.env)?;
         if req.metadata.len() > 64
@@ -298,9 +307,11 @@ impl Manager {
             )));
         }
         let expires_at_ms = now_ms() + (timeout as i64) * 1000;
-        if let Some(rec) = self
-            .claim(owner, &plan.key, &req, &workdir, expires_at_ms)
-            .await
+        // A pool's sandbox is running already and cannot get mounts any more.
+        if plan.volumes.is_empty()
+            && let Some(rec) = self
+                .claim(owner, &plan.key, &req, &workdir, expires_at_ms)
+                .await
         {
             return Ok(rec);
         }
@@ -465,6 +476,13 @@ impl Manager {
             pool,
         };
         self.store.insert_sandbox(&rec).await?;
+        let volumes = match self.attach_volumes(&rec.id, owner, &plan.volumes).await {
+            Ok(v) => v,
+            Err(e) => {
+                let _ = self.store.delete_sandbox(&rec.id).await;
+                return Err(e);
+            }
+        };
         let spec = SandboxSpec {
             id: rec.id.clone(),
             template: plan.template,
@@ -476,6 +494,7 @@ impl Manager {
             },
             env,
             workdir,
+            volumes,
         };
         let runtime = plan.runtime;
         let rt = runtime.clone();

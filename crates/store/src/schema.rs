@@ -7,7 +7,7 @@ use crate::StoreError;
 
 /// Ordered migrations: (version, statements). Statements are kept one per entry because
 /// PostgreSQL cannot prepare several statements at once, and plain DDL so they port.
-const MIGRATIONS: &[(i64, &[&str])] = &[
+pub(crate) const MIGRATIONS: &[(i64, &[&str])] = &[
     (
         1,
         &[
@@ -72,10 +72,34 @@ const MIGRATIONS: &[(i64, &[&str])] = &[
         )",
         ],
     ),
+    (
+        4,
+        &[
+            // Named persistent volumes; `id` names the image and mount on the host.
+            "CREATE TABLE volumes (
+            id TEXT PRIMARY KEY NOT NULL,
+            owner TEXT NOT NULL,
+            name TEXT NOT NULL,
+            size_bytes BIGINT NOT NULL,
+            state TEXT NOT NULL,
+            created_at_ms BIGINT NOT NULL,
+            UNIQUE (owner, name)
+        )",
+            // Which sandbox mounts which volume where; goes with either record.
+            "CREATE TABLE sandbox_volumes (
+            sandbox_id TEXT NOT NULL REFERENCES sandboxes (id) ON DELETE CASCADE,
+            volume_id TEXT NOT NULL REFERENCES volumes (id) ON DELETE CASCADE,
+            path TEXT NOT NULL,
+            read_only BOOLEAN NOT NULL,
+            PRIMARY KEY (sandbox_id, path)
+        )",
+            "CREATE INDEX sandbox_volumes_volume_idx ON sandbox_volumes (volume_id)",
+        ],
+    ),
 ];
 
 /// Highest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 2;
+pub const SCHEMA_VERSION: i64 = 4;
 
 /// Brings the database up to [`SCHEMA_VERSION`]; a no-op when it is already there.
 pub(crate) async fn apply(pool: &SqlitePool) -> Result<(), StoreError> {

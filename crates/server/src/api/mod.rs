@@ -5,6 +5,7 @@ pub mod files;
 pub mod passthrough;
 pub mod pools;
 pub mod sandboxes;
+pub mod volumes;
 
 use crate::error::ApiError;
 use crate::manager::Manager;
@@ -177,6 +178,7 @@ async fn authenticate(
         commands::run, commands::list, commands::signal, commands::stdin, commands::stream, commands::attach,
         files::download, files::upload, files::list, files::stat, files::mkdir, files::move_path, files::copy, files::remove,
         pools::list, pools::get, pools::create, pools::resize, pools::delete,
+        volumes::list, volumes::get, volumes::create, volumes::delete,
     ),
     components(schemas(sandpit_api::ErrorBody, sandpit_api::CommandEvent, sandpit_api::ClientMessage)),
     modifiers(&BearerAuth)
@@ -215,6 +217,11 @@ pub fn router(state: AppState) -> Router {
         .route(
             "/v1/pools/{name}",
             get(pools::get).patch(pools::resize).delete(pools::delete),
+        )
+        .route("/v1/volumes", get(volumes::list).post(volumes::create))
+        .route(
+            "/v1/volumes/{name}",
+            get(volumes::get).delete(volumes::delete),
         )
         .route(
             "/v1/sandboxes",
