@@ -119,7 +119,15 @@ fn show(vs: &[Volume]) {
         })
         .collect();
     print_table(
-        &["NAME", "SIZE", "USED", "AVAIL", "STATE", "CREATED", "MOUNTED BY"],
+        &[
+            "NAME",
+            "SIZE",
+            "USED",
+            "AVAIL",
+            "STATE",
+            "CREATED",
+            "MOUNTED BY",
+        ],
         &rows,
     );
 }
@@ -131,7 +139,10 @@ mod tests {
     #[test]
     fn volume_options() {
         let v = parse_volume("data:/workspace/data").unwrap();
-        assert_eq!((v.name.as_str(), v.path.as_str(), v.read_only), ("data", "/workspace/data", false));
+        assert_eq!(
+            (v.name.as_str(), v.path.as_str(), v.read_only),
+            ("data", "/workspace/data", false)
+        );
         let v = parse_volume("data:/srv:ro").unwrap();
         assert_eq!((v.path.as_str(), v.read_only), ("/srv", true));
         let v = parse_volume("data:/srv:rw").unwrap();

@@ -333,7 +333,13 @@ fn child(
         return Err(format!("no_new_privs: {}", std::io::Error::last_os_error()));
     }
     if cfg.host_template {
-        crate::container::security::apply_landlock()?;
+        let writable: Vec<&str> = cfg
+            .volumes
+            .iter()
+            .filter(|v| !v.read_only)
+            .map(|v| v.target.as_str())
+            .collect();
+        crate::container::security::apply_landlock(&writable)?;
     }
     mark("c_landlock");
     redirect_stdio()?;

@@ -102,9 +102,7 @@ pub fn check_targets<'a>(paths: impl IntoIterator<Item = &'a str>) -> Result<Vec
 
 /// Whether `inner` lies strictly below `outer` (both normalised, absolute).
 fn within(inner: &str, outer: &str) -> bool {
-    inner.len() > outer.len()
-        && inner.starts_with(outer)
-        && inner.as_bytes()[outer.len()] == b'/'
+    inner.len() > outer.len() && inner.starts_with(outer) && inner.as_bytes()[outer.len()] == b'/'
 }
 
 /// The host side of volumes under one data directory: images, loop devices, mounts.
@@ -186,10 +184,10 @@ impl VolumeHost {
             }
             Ok(dir)
         })();
-        if made.is_err() {
-            if let Err(e) = self.remove(id) {
-                tracing::warn!(id, error = %e, "cleanup after a failed volume create");
-            }
+        if made.is_err()
+            && let Err(e) = self.remove(id)
+        {
+            tracing::warn!(id, error = %e, "cleanup after a failed volume create");
         }
         made
     }
@@ -206,7 +204,10 @@ impl VolumeHost {
         }
         let img = self.image(id);
         if !img.is_file() {
-            return Err(RuntimeError::Setup(format!("volume image {} is missing", img.display())));
+            return Err(RuntimeError::Setup(format!(
+                "volume image {} is missing",
+                img.display()
+            )));
         }
         match std::fs::create_dir(&dir) {
             Ok(()) => {}
@@ -226,7 +227,9 @@ impl VolumeHost {
                 tracing::info!(id, device = %path.display(), "reusing the volume's loop device");
                 (dev, path)
             }
-            None => loopdev::attach(&img).map_err(|e| io(format!("attach {}", img.display()), e))?,
+            None => {
+                loopdev::attach(&img).map_err(|e| io(format!("attach {}", img.display()), e))?
+            }
         };
         nix::mount::mount(
             Some(&path),
@@ -325,7 +328,8 @@ impl VolumeHost {
     /// At a start: removes the images, mounts and loop devices of volumes not in `keep`
     /// (left by a create or delete that a crash cut short); returns their ids.
     pub fn remove_orphans(&self, keep: &[String]) -> Vec<String> {
-        let mut ids: std::collections::BTreeSet<String> = dir_names(&self.mounts).into_iter().collect();
+        let mut ids: std::collections::BTreeSet<String> =
+            dir_names(&self.mounts).into_iter().collect();
         for name in dir_names(&self.images) {
             if let Some(id) = name.strip_suffix(".img") {
                 ids.insert(id.to_string());
@@ -335,7 +339,10 @@ impl VolumeHost {
             let file = file.strip_suffix(" (deleted)").unwrap_or(&file);
             let path = Path::new(file);
             if path.parent() == Some(self.images.as_path())
-                && let Some(id) = path.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_suffix(".img"))
+                && let Some(id) = path
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .and_then(|n| n.strip_suffix(".img"))
             {
                 ids.insert(id.to_string());
             }
@@ -541,7 +548,11 @@ mod loopdev {
     /// Asks loop device `name` to detach (at once, or when its last user closes it).
     pub fn detach(name: &str) {
         let path = format!("/dev/{name}");
-        if let Ok(dev) = nix::fcntl::open(path.as_str(), OFlag::O_RDWR | OFlag::O_CLOEXEC, Mode::empty()) {
+        if let Ok(dev) = nix::fcntl::open(
+            path.as_str(),
+            OFlag::O_RDWR | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        ) {
             // SAFETY: an argument-less ioctl on a loop device we opened.
             if let Err(e) = unsafe { clr_fd(dev.as_raw_fd()) } {
                 tracing::debug!(device = path, error = %e, "LOOP_CLR_FD");
@@ -666,7 +677,10 @@ mod tests {
     #[test]
     fn mount_paths_are_checked() {
         assert_eq!(check_target("/data").unwrap(), "/data");
-        assert_eq!(check_target("//home/user//cache/").unwrap(), "/home/user/cache");
+        assert_eq!(
+            check_target("//home/user//cache/").unwrap(),
+            "/home/user/cache"
+        );
         for bad in [
             "",
             "data",

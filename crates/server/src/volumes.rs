@@ -265,7 +265,9 @@ impl Manager {
                 Ok(()) => {
                     self.store.delete_volume(&v.id).await?;
                 }
-                Err(e) => tracing::warn!(id = %v.id, error = %e.message, "removing a volume failed"),
+                Err(e) => {
+                    tracing::warn!(id = %v.id, error = %e.message, "removing a volume failed")
+                }
             }
         }
         let vh = self.volume_host();
@@ -288,7 +290,17 @@ mod tests {
         for ok in ["a", "data", "0cache", "my_vol-2", &"a".repeat(63)] {
             assert!(check_name(ok).is_ok(), "{ok:?} refused");
         }
-        for bad in ["", "-a", "_a", "Data", "a.b", "a/b", "a b", "ä", &"a".repeat(64)] {
+        for bad in [
+            "",
+            "-a",
+            "_a",
+            "Data",
+            "a.b",
+            "a/b",
+            "a b",
+            "ä",
+            &"a".repeat(64),
+        ] {
             assert!(check_name(bad).is_err(), "{bad:?} accepted");
         }
     }

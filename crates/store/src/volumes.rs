@@ -118,7 +118,7 @@ const RELEASED: [SandboxState; 3] = [
 ];
 
 /// `SELECT` of the sandboxes using volume `$1` (the states bound as `$2..$4`).
-const USERS_QUERY: &str = "SELECT sv.sandbox_id FROM sandbox_volumes sv \
+const USERS_QUERY: &str = "SELECT DISTINCT sv.sandbox_id FROM sandbox_volumes sv \
      JOIN sandboxes s ON s.id = sv.sandbox_id \
      WHERE sv.volume_id = $1 AND s.state NOT IN ($2, $3, $4) ORDER BY sv.sandbox_id";
 
@@ -366,14 +366,30 @@ mod tests {
     #[tokio::test]
     async fn names_are_per_owner_and_counted() {
         let s = Store::open_in_memory().await.unwrap();
-        assert!(s.insert_volume(&volume("v1", "alice", "data"), 2).await.unwrap());
+        assert!(
+            s.insert_volume(&volume("v1", "alice", "data"), 2)
+                .await
+                .unwrap()
+        );
         // Another owner may use the same name.
-        assert!(s.insert_volume(&volume("v2", "bob", "data"), 2).await.unwrap());
+        assert!(
+            s.insert_volume(&volume("v2", "bob", "data"), 2)
+                .await
+                .unwrap()
+        );
         let dup = s.insert_volume(&volume("v3", "alice", "data"), 2).await;
         assert!(matches!(dup, Err(StoreError::Conflict(_))), "{dup:?}");
-        assert!(s.insert_volume(&volume("v4", "alice", "more"), 2).await.unwrap());
+        assert!(
+            s.insert_volume(&volume("v4", "alice", "more"), 2)
+                .await
+                .unwrap()
+        );
         // The third of alice's volumes is over the limit of two.
-        assert!(!s.insert_volume(&volume("v5", "alice", "extra"), 2).await.unwrap());
+        assert!(
+            !s.insert_volume(&volume("v5", "alice", "extra"), 2)
+                .await
+                .unwrap()
+        );
         let names: Vec<String> = s
             .list_volumes(Some("alice"))
             .await
@@ -399,10 +415,17 @@ mod tests {
         s.insert_sandbox(&sandbox("sb1", "alice")).await.unwrap();
         // One missing volume refuses the whole set and records nothing.
         let err = s
-            .attach_volumes("sb1", "alice", &[attach("data", "/a"), attach("nope", "/b")])
+            .attach_volumes(
+                "sb1",
+                "alice",
+                &[attach("data", "/a"), attach("nope", "/b")],
+            )
             .await
             .unwrap_err();
-        assert!(matches!(err, StoreError::NotFound(ref m) if m.contains("nope")), "{err:?}");
+        assert!(
+            matches!(err, StoreError::NotFound(ref m) if m.contains("nope")),
+            "{err:?}"
+        );
         assert!(s.volume_users("v1").await.unwrap().is_empty());
         // Bob cannot mount alice's volume by name.
         s.insert_sandbox(&sandbox("sb2", "bob")).await.unwrap();
@@ -467,7 +490,15 @@ mod tests {
             .unwrap();
         assert!(s.delete_sandbox("sb1").await.unwrap());
         assert!(s.volume_users("v1").await.unwrap().is_empty());
-        assert!(s.set_volume_state("v1", VolumeState::Ready, VolumeState::Deleting).await.unwrap());
-        assert!(!s.set_volume_state("v1", VolumeState::Ready, VolumeState::Deleting).await.unwrap());
+        assert!(
+            s.set_volume_state("v1", VolumeState::Ready, VolumeState::Deleting)
+                .await
+                .unwrap()
+        );
+        assert!(
+            !s.set_volume_state("v1", VolumeState::Ready, VolumeState::Deleting)
+                .await
+                .unwrap()
+        );
     }
 }
