@@ -4,9 +4,10 @@
 #   crun, bubblewrap:  baselines of `sandpit bench`
 #   fonts-dejavu-core: the text of `sandpit bench`'s chart
 #   python3, procps:   what the quickstart and the tests run inside host-template sandboxes
+#   e2fsprogs:         mkfs.ext4, which makes the file system of each volume
 set -euo pipefail
 need=()
-for pkg in protobuf-compiler crun bubblewrap fonts-dejavu-core python3 procps; do
+for pkg in protobuf-compiler crun bubblewrap fonts-dejavu-core python3 procps e2fsprogs; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then

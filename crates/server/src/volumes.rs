@@ -232,18 +232,23 @@ impl Manager {
                 read_only: m.read_only,
             })
             .collect();
-        let recs = self
-            .store
+        self.store
             .attach_volumes(sandbox_id, owner, &wanted)
             .await?;
-        let mut out = Vec::with_capacity(recs.len());
-        for (v, m) in recs.into_iter().zip(mounts) {
+        self.volume_mounts(sandbox_id).await
+    }
+
+    /// What the runtime mounts for sandbox `sandbox_id`, each volume mounted on the host
+    /// first: at its create, and whenever it starts again on its files.
+    pub async fn volume_mounts(&self, sandbox_id: &str) -> Result<Vec<VolumeMount>, ApiError> {
+        let mut out = Vec::new();
+        for (v, a) in self.store.sandbox_volumes(sandbox_id).await? {
             let vh = self.volume_host();
             let source = host(move || vh.mount(&v.id)).await?;
             out.push(VolumeMount {
                 source,
-                target: m.path.clone(),
-                read_only: m.read_only,
+                target: a.path,
+                read_only: a.read_only,
             });
         }
         Ok(out)

@@ -277,15 +277,14 @@ impl Store {
 
     /// Records that sandbox `sandbox_id` (already inserted) mounts these volumes of `owner`,
     /// all or none: a volume that is missing or not ready yields [`StoreError::NotFound`].
-    /// The records come back in the order asked. The rows go with the sandbox's record.
+    /// The rows go with the sandbox's record.
     pub async fn attach_volumes(
         &self,
         sandbox_id: &str,
         owner: &str,
         wanted: &[VolumeAttach],
-    ) -> Result<Vec<VolumeRecord>, StoreError> {
+    ) -> Result<(), StoreError> {
         let mut tx = self.writer.begin().await?;
-        let mut found = Vec::with_capacity(wanted.len());
         for w in wanted {
             let row = sqlx::query(&format!(
                 "SELECT {VOLUME_COLUMNS} FROM volumes WHERE owner = $1 AND name = $2 AND state = $3"
@@ -309,10 +308,35 @@ impl Store {
             .bind(w.read_only)
             .execute(&mut *tx)
             .await?;
-            found.push(v);
         }
         tx.commit().await?;
-        Ok(found)
+        Ok(())
+    }
+
+    /// The volumes sandbox `sandbox_id` mounts, each with where and how, by mount path.
+    pub async fn sandbox_volumes(
+        &self,
+        sandbox_id: &str,
+    ) -> Result<Vec<(VolumeRecord, VolumeAttach)>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT v.id, v.owner, v.name, v.size_bytes, v.state, v.created_at_ms, \
+             sv.path, sv.read_only FROM sandbox_volumes sv JOIN volumes v ON v.id = sv.volume_id \
+             WHERE sv.sandbox_id = $1 ORDER BY sv.path",
+        )
+        .bind(sandbox_id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                let v = volume_from_row(r)?;
+                let a = VolumeAttach {
+                    name: v.name.clone(),
+                    path: r.try_get("path")?,
+                    read_only: r.try_get("read_only")?,
+                };
+                Ok((v, a))
+            })
+            .collect()
     }
 }
 
@@ -435,11 +459,21 @@ mod tests {
             .unwrap_err();
         assert!(matches!(err, StoreError::NotFound(_)), "{err:?}");
 
-        let got = s
-            .attach_volumes("sb1", "alice", &[attach("data", "/a")])
+        let ro = VolumeAttach {
+            read_only: true,
+            ..attach("data", "/b")
+        };
+        s.attach_volumes("sb1", "alice", &[attach("data", "/a"), ro.clone()])
             .await
             .unwrap();
-        assert_eq!(got[0].id, "v1");
+        let got = s.sandbox_volumes("sb1").await.unwrap();
+        assert_eq!(got.len(), 2);
+        assert_eq!(
+            (got[0].0.id.as_str(), &got[0].1),
+            ("v1", &attach("data", "/a"))
+        );
+        assert_eq!((got[1].0.id.as_str(), &got[1].1), ("v1", &ro));
+        assert!(s.sandbox_volumes("sb2").await.unwrap().is_empty());
         assert_eq!(s.volume_users("v1").await.unwrap(), ["sb1"]);
         assert_eq!(
             s.begin_volume_delete("alice", "data").await.unwrap(),

@@ -357,6 +357,16 @@ async fn volume_requests_are_checked_and_owner_scoped() {
 
     c.delete_volume("mine").await.unwrap();
     assert_eq!(loop_devices(&d), Vec::<String>::new());
+    let doc: serde_json::Value = reqwest::get(format!("{}/v1/openapi.json", d.url))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    for path in ["/v1/volumes", "/v1/volumes/{name}"] {
+        assert!(doc["paths"][path].is_object(), "{path} not documented");
+    }
+    assert!(doc["components"]["schemas"]["VolumeMountSpec"].is_object());
     d.shutdown().await;
 }
 
