@@ -3,6 +3,6 @@
 # sandboxes (they need root, cgroups and user namespaces).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/setup.sh
+./scripts/setup.sh --test
 cargo build --workspace --all-targets
 cargo test --workspace -- --test-threads=4

@@ -63,6 +63,118 @@ pub struct CreateSandboxRequest {
     /// Volumes to mount (a create with volumes never takes a warm pool's sandbox).
     #[serde(default)]
     pub volumes: Vec<VolumeMountSpec>,
+    /// Start from this snapshot (id or name): its files, template and runtime.
+    pub snapshot: Option<String>,
+    /// Seconds without API calls after which the sandbox is paused (daemon default 300;
+    /// 0 = never).
+    pub idle_timeout: Option<u64>,
+    /// What its timeout does: `kill` (default) or `pause`.
+    pub on_timeout: Option<String>,
+    /// Whether a call to a paused or hibernated sandbox resumes it (default true).
+    pub auto_resume: Option<bool>,
+}
+
+/// Lifecycle settings and state of a sandbox.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq, Eq)]
+pub struct Lifecycle {
+    /// Seconds without API calls before an automatic pause; 0 = never.
+    pub idle_timeout: u64,
+    /// `kill` or `pause`.
+    pub on_timeout: String,
+    pub auto_resume: bool,
+    /// Unix ms of the last API call that touched it.
+    pub last_activity_ms: i64,
+    /// Unix ms when it was paused or hibernated.
+    pub paused_at_ms: Option<i64>,
+    /// The snapshot its files descend from (the parent of its next incremental snapshot).
+    pub snapshot: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{id}/pause`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PauseRequest {
+    /// Keep memory and processes (`true`, default: a freeze) or only the files (`false`:
+    /// processes end, and a resume starts the sandbox again on the same files).
+    pub memory: Option<bool>,
+}
+
+/// `POST /v1/sandboxes/{id}/snapshots`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSnapshotRequest {
+    /// Unique per owner (default: generated).
+    pub name: Option<String>,
+    /// Store only what changed since the snapshot the sandbox descends from (default
+    /// false: a full snapshot). A sandbox that descends from none gets a full one.
+    #[serde(default)]
+    pub incremental: bool,
+}
+
+/// A stored snapshot of a sandbox's files.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Snapshot {
+    pub id: String,
+    pub name: String,
+    pub sandbox_id: String,
+    /// The snapshot this one adds to (incremental ones).
+    pub parent: Option<String>,
+    pub template: String,
+    pub runtime: String,
+    /// `full` or `incremental`.
+    pub kind: String,
+    /// Size of the stored archive.
+    pub size_bytes: u64,
+    pub entries: u64,
+    /// sha256 of the stored archive.
+    pub digest: String,
+    pub created_at_ms: i64,
+}
+
+/// `GET /v1/snapshots`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SnapshotList {
+    pub items: Vec<Snapshot>,
+}
+
+/// `POST /v1/snapshots/{id}/verify`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SnapshotCheck {
+    /// True when every archive of the chain is present and matches its digest.
+    pub ok: bool,
+    /// One line per snapshot of the chain, newest first.
+    pub chain: Vec<SnapshotCheckItem>,
+}
+
+/// The check of one archive.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SnapshotCheckItem {
+    pub id: String,
+    pub ok: bool,
+    pub expected_digest: String,
+    /// None when the archive is missing.
+    pub actual_digest: Option<String>,
+    pub error: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{id}/fork`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ForkRequest {
+    /// Copies to make (default 1, at most 64).
+    pub count: Option<u32>,
+    /// Metadata of the copies (default: the source's).
+    pub metadata: Option<BTreeMap<String, String>>,
+    /// Limits of the copies (default: the source's).
+    pub limits: Option<LimitsSpec>,
+    /// Timeout of the copies in seconds (default: the daemon's).
+    pub timeout: Option<u64>,
+}
+
+/// The copies a fork made.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ForkResponse {
+    pub items: Vec<Sandbox>,
 }
 
 /// A sandbox as the API shows it.
@@ -73,7 +185,8 @@ pub struct Sandbox {
     pub runtime: String,
     /// False for the `process` runtime, which does not isolate anything.
     pub isolated: bool,
-    /// creating, running, paused, stopping, stopped or error.
+    /// creating, running, paused (frozen: memory kept), hibernated (files kept, processes
+    /// ended), stopping, stopped or error.
     pub state: String,
     pub limits: Limits,
     pub metadata: BTreeMap<String, String>,
@@ -84,6 +197,7 @@ pub struct Sandbox {
     /// The warm pool this sandbox was claimed from, if it came from one.
     #[serde(default)]
     pub pool: Option<String>,
+    pub lifecycle: Lifecycle,
 }
 
 /// One page of `GET /v1/sandboxes`.

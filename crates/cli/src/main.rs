@@ -5,6 +5,7 @@ mod admin;
 mod bench;
 mod cp;
 mod exec;
+mod lifecycle;
 mod pools;
 mod sandboxes;
 mod util;
@@ -171,6 +172,31 @@ enum Command {
     /// sandboxes with `create --volume NAME:/PATH[:ro]`.
     #[command(subcommand)]
     Volume(volumes::VolumeCommand),
+    /// Pause a sandbox: freeze its processes (memory kept), or with --hibernate end them
+    /// and keep only its files.
+    Pause {
+        /// Sandbox id.
+        id: String,
+        /// Keep only the files (frees the memory; a resume starts the sandbox again).
+        #[arg(long)]
+        hibernate: bool,
+    },
+    /// Resume a paused or hibernated sandbox.
+    Resume {
+        /// Sandbox id.
+        id: String,
+    },
+    /// Make copies of a sandbox's files as new sandboxes; prints their ids.
+    Fork {
+        /// Sandbox id.
+        id: String,
+        /// How many copies.
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+    },
+    /// Take, list, check and delete snapshots of sandboxes' files.
+    #[command(subcommand)]
+    Snapshot(SnapshotCommand),
     /// Measure sandbox start latency and density.
     Bench(bench::BenchArgs),
 }
@@ -259,6 +285,18 @@ struct CreateArgs {
     /// Default user of commands and file operations: `user` or `root` [default: user].
     #[arg(long, value_name = "USER")]
     user: Option<String>,
+    /// Start on a snapshot's files (id or name).
+    #[arg(long)]
+    snapshot: Option<String>,
+    /// Pause after this many seconds without API calls (0 = never) [default: the daemon's, 300].
+    #[arg(long, value_name = "SECS")]
+    idle_timeout: Option<u64>,
+    /// What the timeout does: `kill` or `pause` [default: kill].
+    #[arg(long, value_name = "ACTION")]
+    on_timeout: Option<String>,
+    /// Do not resume the sandbox automatically when a call reaches it while paused.
+    #[arg(long)]
+    no_auto_resume: bool,
 }
 
 #[derive(Debug, Args)]
@@ -373,6 +411,41 @@ enum TemplateCommand {
 }
 
 #[derive(Debug, Subcommand)]
+enum SnapshotCommand {
+    /// Snapshot a sandbox's files; prints the snapshot's id.
+    Create {
+        /// Sandbox id.
+        id: String,
+        /// Name (unique among your snapshots) [default: the id].
+        #[arg(long)]
+        name: Option<String>,
+        /// Store only what changed since the snapshot the sandbox descends from.
+        #[arg(long)]
+        incremental: bool,
+    },
+    /// List your snapshots.
+    Ls,
+    /// Show one snapshot.
+    Info {
+        /// Snapshot id or name.
+        id: String,
+    },
+    /// Check that a snapshot's stored archives (its whole chain) are intact.
+    Verify {
+        /// Snapshot id or name.
+        id: String,
+    },
+    /// Delete a snapshot.
+    Rm {
+        /// Snapshot id or name.
+        id: String,
+        /// Also delete the incremental snapshots built on it.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 enum PoolCommand {
     /// List pools with ready counts and hit/miss counters.
     Ls,
@@ -475,6 +548,12 @@ async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
             admin::template_add(&ctx, &name, &rootfs).await.map(|()| 0)
         }
         Command::Bench(args) => bench::run(&ctx, args).await.map(|()| 0),
+        Command::Pause { id, hibernate } => {
+            lifecycle::pause(&ctx, &id, hibernate).await.map(|()| 0)
+        }
+        Command::Resume { id } => lifecycle::resume(&ctx, &id).await.map(|()| 0),
+        Command::Fork { id, count } => lifecycle::fork(&ctx, &id, count).await.map(|()| 0),
+        Command::Snapshot(cmd) => lifecycle::snapshot(&ctx, cmd).await.map(|()| 0),
     }
 }
 

@@ -20,8 +20,8 @@ pub fn create_request(
         env: env.iter().cloned().collect(),
         metadata: opts.meta.iter().cloned().collect(),
         workdir: opts.workdir.clone(),
-        user: None,
         volumes: opts.volumes.clone(),
+        ..Default::default()
     }
 }
 
@@ -30,6 +30,10 @@ pub async fn create(ctx: &Ctx, args: CreateArgs) -> anyhow::Result<()> {
     let client = ctx.client()?;
     let req = CreateSandboxRequest {
         user: args.user.clone(),
+        snapshot: args.snapshot.clone(),
+        idle_timeout: args.idle_timeout,
+        on_timeout: args.on_timeout.clone(),
+        auto_resume: args.no_auto_resume.then_some(false),
         ..create_request(&args.sandbox, args.timeout, &args.env)
     };
     let sandbox = client.create_sandbox(&req).await?;

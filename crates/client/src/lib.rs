@@ -32,6 +32,10 @@ use sandpit_api::{
     RunCommandResponse, Sandbox, SandboxList, SandboxStats, SetTimeoutRequest, SignalRequest,
     StdinRequest, Template, Volume, VolumeList,
 };
+use sandpit_api::{
+    CreateSnapshotRequest, ForkRequest, ForkResponse, PauseRequest, Snapshot, SnapshotCheck,
+    SnapshotList,
+};
 use serde::de::DeserializeOwned;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
@@ -245,18 +249,78 @@ impl Client {
             .map(drop)
     }
 
-    /// `POST /v1/sandboxes/{id}/pause`: freezes every process of the sandbox.
-    pub async fn pause(&self, id: &str) -> Result<(), ClientError> {
-        self.send(self.req(Method::POST, &["sandboxes", id, "pause"])?)
+    /// `POST /v1/sandboxes/{id}/pause`: freezes every process of the sandbox, memory kept.
+    pub async fn pause(&self, id: &str) -> Result<Sandbox, ClientError> {
+        self.json(self.req(Method::POST, &["sandboxes", id, "pause"])?)
             .await
-            .map(drop)
     }
 
-    /// `POST /v1/sandboxes/{id}/resume`: thaws a paused sandbox.
-    pub async fn resume(&self, id: &str) -> Result<(), ClientError> {
-        self.send(self.req(Method::POST, &["sandboxes", id, "resume"])?)
+    /// `POST /v1/sandboxes/{id}/pause` with `memory: false`: ends the sandbox's processes
+    /// and keeps its files; a resume starts it again on them.
+    pub async fn hibernate(&self, id: &str) -> Result<Sandbox, ClientError> {
+        let body = PauseRequest {
+            memory: Some(false),
+        };
+        self.json(
+            self.req(Method::POST, &["sandboxes", id, "pause"])?
+                .json(&body),
+        )
+        .await
+    }
+
+    /// `POST /v1/sandboxes/{id}/resume`: thaws a paused sandbox or restarts a hibernated one.
+    pub async fn resume(&self, id: &str) -> Result<Sandbox, ClientError> {
+        self.json(self.req(Method::POST, &["sandboxes", id, "resume"])?)
             .await
-            .map(drop)
+    }
+
+    /// `POST /v1/sandboxes/{id}/snapshots`: captures the sandbox's files.
+    pub async fn snapshot(
+        &self,
+        id: &str,
+        req: &CreateSnapshotRequest,
+    ) -> Result<Snapshot, ClientError> {
+        self.json(
+            self.req(Method::POST, &["sandboxes", id, "snapshots"])?
+                .json(req),
+        )
+        .await
+    }
+
+    /// `GET /v1/snapshots`: the caller's snapshots, newest first.
+    pub async fn list_snapshots(&self) -> Result<SnapshotList, ClientError> {
+        self.json(self.req(Method::GET, &["snapshots"])?).await
+    }
+
+    /// `GET /v1/snapshots/{id}`: one snapshot by id or name.
+    pub async fn get_snapshot(&self, id: &str) -> Result<Snapshot, ClientError> {
+        self.json(self.req(Method::GET, &["snapshots", id])?).await
+    }
+
+    /// `DELETE /v1/snapshots/{id}`; `force` also deletes the snapshots built on it.
+    pub async fn delete_snapshot(&self, id: &str, force: bool) -> Result<(), ClientError> {
+        let mut rb = self.req(Method::DELETE, &["snapshots", id])?;
+        if force {
+            rb = rb.query(&[("force", "true")]);
+        }
+        self.send(rb).await.map(drop)
+    }
+
+    /// `POST /v1/snapshots/{id}/verify`: checks the stored archives of its chain.
+    pub async fn verify_snapshot(&self, id: &str) -> Result<SnapshotCheck, ClientError> {
+        self.json(self.req(Method::POST, &["snapshots", id, "verify"])?)
+            .await
+    }
+
+    /// `POST /v1/sandboxes/{id}/fork`: independent copies of the sandbox's files.
+    pub async fn fork(&self, id: &str, req: &ForkRequest) -> Result<Vec<Sandbox>, ClientError> {
+        let resp: ForkResponse = self
+            .json(
+                self.req(Method::POST, &["sandboxes", id, "fork"])?
+                    .json(req),
+            )
+            .await?;
+        Ok(resp.items)
     }
 
     /// `GET /v1/sandboxes/{id}/stats`: current resource usage.

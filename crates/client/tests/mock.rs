@@ -62,6 +62,14 @@ fn sandbox(id: &str, template: &str) -> Sandbox {
         expires_at_ms: 0,
         error: None,
         pool: None,
+        lifecycle: sandpit_api::Lifecycle {
+            idle_timeout: 300,
+            on_timeout: "kill".into(),
+            auto_resume: true,
+            last_activity_ms: 0,
+            paused_at_ms: None,
+            snapshot: None,
+        },
     }
 }
 

@@ -52,7 +52,15 @@ pub struct InitConfig {
     /// Volumes to mount, idmapped to the sandbox's uid range.
     #[serde(default)]
     pub volumes: Vec<crate::volume::VolumeMount>,
+    /// Read-only layers (overlay form, ids from 0) between the writable layer and the
+    /// template, top first: what a snapshot, fork or hibernation left.
+    #[serde(default)]
+    pub layers: Vec<PathBuf>,
 }
+
+/// Where the writable layer's tmpfs appears inside a container sandbox, for the daemon
+/// only: its root is the host's root's, mode 0700, so nobody in the sandbox can enter.
+pub const LAYER_MOUNT: &str = ".sandpit/layer";
 
 type R<T> = Result<T, String>;
 
@@ -206,7 +214,7 @@ fn pipe() -> R<(OwnedFd, OwnedFd)> {
 
 fn run(cfg: &InitConfig) -> R<(i32, u64)> {
     // Made here, in the host's pid namespace, where /proc/PID names the helper correctly.
-    let userns = if cfg.idmap_lower || !cfg.volumes.is_empty() {
+    let userns = if cfg.idmap_lower || !cfg.layers.is_empty() || !cfg.volumes.is_empty() {
         Some(id_mapped_userns(cfg.uid_base)?)
     } else {
         None
@@ -481,7 +489,9 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
     let root = cfg.dir.join("rootfs");
     // The writable layer lives on a size-capped tmpfs: writing past it is ENOSPC and can
     // never reach the host's disk. It is charged to the sandbox's memory cgroup.
-    let opts = format!("size={},mode=0755", cfg.disk_bytes);
+    // mode 0700 and the host's root as owner: the daemon reaches it through the sandbox's
+    // root (`LAYER_MOUNT`), where no one inside may enter it.
+    let opts = format!("size={},mode=0700", cfg.disk_bytes);
     mnt(
         Some("tmpfs"),
         &layer,
@@ -495,13 +505,23 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
     mkdir_owned(&work, 0o700, 0)?;
     populate_upper(cfg, &upper)?;
     mark("c_layer");
-    let lower = match userns.filter(|_| cfg.idmap_lower) {
-        Some(ns) => idmapped_copy(&cfg.lower, &cfg.dir.join("lower"), ns)?,
-        None => cfg.lower.clone(),
+    let template = match userns {
+        Some(ns) if cfg.idmap_lower => idmapped_copy(&cfg.lower, &cfg.dir.join("lower"), ns)?,
+        _ => cfg.lower.clone(),
     };
+    let mut lowers = Vec::with_capacity(cfg.layers.len() + 1);
+    for (i, l) in cfg.layers.iter().enumerate() {
+        let ns = userns.ok_or("layers need an id-mapped user namespace")?;
+        lowers.push(idmapped_copy(l, &cfg.dir.join(format!("l{i}")), ns)?);
+    }
+    lowers.push(template);
+    let lowerdir = lowers
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(":");
     let ovl = format!(
-        "lowerdir={},upperdir={},workdir={}",
-        lower.display(),
+        "lowerdir={lowerdir},upperdir={},workdir={}",
         upper.display(),
         work.display()
     );
@@ -538,6 +558,15 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
         &agent,
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
     )?;
+
+    // The writable layer, for the daemon's snapshots: read-only, and closed to the sandbox
+    // by the tmpfs root's owner and mode.
+    let layer_view = root.join(LAYER_MOUNT);
+    match std::fs::symlink_metadata(&layer_view) {
+        Ok(m) if m.is_dir() => {}
+        _ => return Err("the layer mount point is not a directory".into()),
+    }
+    bind_ro(&layer, &layer_view, ro_flags())?;
 
     mark("c_agent");
     mount_proc(&root)?;
@@ -585,6 +614,17 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
     Ok(())
 }
 
+/// Directories of the host template that belong to the sandbox's root.
+const HOST_WRITABLE: &[(&str, u32)] = &[
+    ("var", 0o755),
+    ("var/tmp", 0o1777),
+    ("var/cache", 0o755),
+    ("var/lib", 0o755),
+    ("var/log", 0o755),
+    ("opt", 0o755),
+    ("mnt", 0o755),
+];
+
 /// Writes the sandbox's own directories and files straight into the (still empty) upper
 /// layer before the overlay exists: an upper entry hides the template's entry of the same
 /// name whatever its type, and nothing has to be copied up. Only files whose content does
@@ -605,7 +645,18 @@ fn populate_upper(cfg: &InitConfig, upper: &Path) -> R<()> {
         ("sys", 0o755, 0),
         ("dev", 0o755, 0),
         (".sandpit", 0o755, 0),
-    ] {
+        (LAYER_MOUNT, 0o700, 0),
+    ]
+    .into_iter()
+    // The host template's skeleton belongs to the host's root; these the sandbox's root
+    // must be able to write, as on any Debian system.
+    .chain(
+        HOST_WRITABLE
+            .iter()
+            .copied()
+            .filter(|_| cfg.host_template)
+            .map(|(d, mode)| (d, mode, uroot)),
+    ) {
         let p = upper.join(d);
         ctx(std::fs::create_dir(&p), || format!("mkdir {}", p.display()))?;
         chown_nofollow(&p, uid)?;

@@ -29,6 +29,9 @@ pub enum RuntimeError {
     },
     #[error("sandbox setup failed: {0}")]
     Setup(String),
+    /// Something the sandbox may change on purpose is not as sandpit left it.
+    #[error("the sandbox changed what sandpit relies on: {0}")]
+    Tampered(String),
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -78,6 +81,26 @@ pub struct SandboxSpec {
     pub workdir: String,
     /// Volumes to mount (container runtime only).
     pub volumes: Vec<VolumeMount>,
+    /// Read-only layers over the template (overlay form, ids from 0), top first.
+    pub layers: Vec<PathBuf>,
+}
+
+/// A writable layer as the daemon may read it while the sandbox is frozen.
+#[derive(Debug)]
+pub struct UpperView {
+    /// An `O_PATH` descriptor of the upper directory; walk it as `/proc/self/fd/N`, which
+    /// nothing inside the sandbox can redirect.
+    pub fd: std::os::fd::OwnedFd,
+    /// Host id of the sandbox's uid 0 (its files are owned by `id_base + inner id`).
+    pub id_base: u32,
+}
+
+impl UpperView {
+    /// The path through which the upper directory is read.
+    pub fn path(&self) -> PathBuf {
+        use std::os::fd::AsRawFd;
+        PathBuf::from(format!("/proc/self/fd/{}", self.fd.as_raw_fd()))
+    }
 }
 
 /// What the daemon must remember to find, re-adopt and clean up a sandbox.
@@ -155,6 +178,14 @@ pub trait Runtime: Send + Sync {
                 nix::sys::signal::Signal::SIGKILL,
             );
         }
+    }
+    /// The sandbox's writable layer, for snapshots, forks and hibernation (freeze first:
+    /// a running sandbox changes it underneath).
+    fn open_upper(&self, _h: &SandboxHandle) -> Result<UpperView, RuntimeError> {
+        Err(RuntimeError::Unsupported(format!(
+            "the {} runtime has no separate writable layer",
+            self.capabilities().name
+        )))
     }
     /// On a clean shutdown: removes shared resources (such as the parent cgroup) that no
     /// sandbox uses any more. Sandboxes still running are left alone.

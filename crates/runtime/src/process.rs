@@ -165,6 +165,11 @@ impl Runtime for ProcessRuntime {
                 "the process runtime only runs the host template".into(),
             ));
         }
+        if !spec.layers.is_empty() {
+            return Err(RuntimeError::Unsupported(
+                "the process runtime cannot start from snapshots or forks".into(),
+            ));
+        }
         if !spec.volumes.is_empty() {
             return Err(RuntimeError::InvalidSpec(
                 "volumes need the container runtime".into(),

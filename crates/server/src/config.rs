@@ -17,6 +17,12 @@ pub struct FileConfig {
     /// removes the pool at the next start; pools created through the API are not touched.
     #[serde(default)]
     pub pools: Vec<PoolSpec>,
+    /// Idle, pause and lifetime rules (`[lifecycle]`).
+    #[serde(default)]
+    pub lifecycle: crate::lifecycle::LifecycleConfig,
+    /// Where snapshots are stored (`[snapshots]`, default: `DATA_DIR/snapshots`).
+    #[serde(default)]
+    pub snapshots: crate::snapshots::SnapshotStoreConfig,
 }
 
 impl FileConfig {

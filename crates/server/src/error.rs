@@ -74,6 +74,7 @@ impl From<sandpit_runtime::RuntimeError> for ApiError {
         match e {
             E::InvalidSpec(m) => ApiError::bad_request(m),
             E::Unsupported(m) => ApiError::new(StatusCode::NOT_IMPLEMENTED, "unimplemented", m),
+            E::Tampered(m) => ApiError::conflict(m),
             other => ApiError::internal(other.to_string()),
         }
     }

@@ -4,8 +4,10 @@ pub mod agent_client;
 pub mod api;
 pub mod config;
 pub mod error;
+pub mod lifecycle;
 pub mod manager;
 pub mod pools;
+pub mod snapshots;
 pub mod volumes;
 
 use manager::{Manager, ManagerConfig};
@@ -132,15 +134,21 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
         sandpit_runtime::process::ProcessRuntime::new(&cfg.data_dir, cfg.self_exe.clone())?;
     runtimes.insert("process".into(), Arc::new(process));
     let volumes = Arc::new(sandpit_runtime::volume::VolumeHost::new(&cfg.data_dir)?);
+    let snapshot_store = snapshots::SnapshotStore::open(&file.snapshots, &cfg.data_dir)
+        .map_err(|e| ServerError::Config(format!("snapshot storage: {e}")))?;
+    tracing::info!(store = %snapshot_store.describe, "snapshot storage");
     let manager = Manager::new(
         store,
         runtimes,
         volumes,
         ManagerConfig {
+            data_dir: cfg.data_dir.clone(),
+            lifecycle: file.lifecycle.clone(),
             max_timeout_secs: cfg.max_timeout_secs,
             default_runtime: "container".into(),
             allow_process_runtime: cfg.allow_process_runtime,
         },
+        snapshot_store,
     );
     if let Err(e) = manager.reconcile().await {
         tracing::warn!(error = %e.message, "reconcile failed");

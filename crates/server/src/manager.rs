@@ -35,6 +35,10 @@ pub const DEFAULT_TIMEOUT: u64 = 300;
 /// Daemon-wide settings the manager needs.
 #[derive(Debug, Clone)]
 pub struct ManagerConfig {
+    /// The daemon's data directory (layers and local snapshots live below it).
+    pub data_dir: std::path::PathBuf,
+    /// Idle and lifetime rules.
+    pub lifecycle: crate::lifecycle::LifecycleConfig,
     pub max_timeout_secs: u64,
     pub default_runtime: String,
     /// Whether clients may ask for the unisolated `process` runtime.
@@ -61,6 +65,20 @@ pub struct Manager {
     teardowns: Arc<AtomicUsize>,
     /// The host side of volumes.
     pub volumes: Arc<sandpit_runtime::volume::VolumeHost>,
+    /// One lock per sandbox for pause, resume, hibernation, snapshots and forks.
+    pub(crate) ops: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// API activity per sandbox not yet written to the store.
+    pub(crate) activity: Mutex<HashMap<String, i64>>,
+    /// Layers being made, which garbage collection must leave alone.
+    pub(crate) layer_pins: Mutex<std::collections::HashSet<String>>,
+    /// One layer garbage collection at a time.
+    pub(crate) gc_lock: tokio::sync::Mutex<()>,
+    /// Set when a sandbox with layers went: the next tick collects unused layers.
+    pub(crate) gc_wanted: Arc<std::sync::atomic::AtomicBool>,
+    /// Where snapshot archives are stored.
+    pub snapshot_store: crate::snapshots::SnapshotStore,
+    /// Sandboxes whose automatic pause failed, and when.
+    pub(crate) auto_failures: Mutex<HashMap<String, std::time::Instant>>,
 }
 
 /// What the agent's `/init` sets.
@@ -70,14 +88,36 @@ struct AgentInit<'a> {
     user: Option<&'a str>,
 }
 
+/// What becomes of a record whose runtime side failed to start.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Failed {
+    /// A new sandbox: the record goes.
+    Delete,
+    /// A sandbox coming back (from hibernation): the record returns to this state.
+    Restore(SandboxState),
+}
+
 /// Everything a create needs once the request is validated.
 #[derive(Clone)]
-struct Plan {
-    runtime: Arc<dyn Runtime>,
-    key: PoolKey,
-    template: TemplateSource,
+pub(crate) struct Plan {
+    pub(crate) runtime: Arc<dyn Runtime>,
+    pub(crate) key: PoolKey,
+    pub(crate) template: TemplateSource,
     /// Volumes to mount (never for a pool's sandboxes).
-    volumes: Vec<sandpit_api::VolumeMountSpec>,
+    pub(crate) volumes: Vec<sandpit_api::VolumeMountSpec>,
+}
+
+impl Plan {
+    /// The plan's limits as the runtime takes them.
+    pub(crate) fn runtime_limits(&self) -> sandpit_runtime::Limits {
+        let l = self.key.limits;
+        sandpit_runtime::Limits {
+            cpu_millis: l.cpu_millis,
+            memory_bytes: l.memory_bytes,
+            disk_bytes: l.disk_bytes,
+            max_processes: l.max_processes,
+        }
+    }
 }
 
 pub fn now_ms() -> i64 {
@@ -103,6 +143,20 @@ fn in_range(name: &str, v: u64, (lo, hi): (u64, u64)) -> Result<u64, ApiError> {
         )));
     }
     Ok(v)
+}
+
+/// Validates caller-defined labels.
+pub fn check_metadata(metadata: &BTreeMap<String, String>) -> Result<(), ApiError> {
+    if metadata.len() > 64
+        || metadata
+            .iter()
+            .any(|(k, v)| k.is_empty() || k.len() > 256 || v.len() > 1024)
+    {
+        return Err(ApiError::bad_request(
+            "metadata: at most 64 entries, keys 1..=256 and values up to 1024 bytes",
+        ));
+    }
+    Ok(())
 }
 
 /// Checks an environment variable name and value.
@@ -140,7 +194,7 @@ async fn wait_for_zero(count: &AtomicUsize, max: Duration) {
 }
 
 /// `Runtime::destroy` on a blocking thread.
-async fn run_destroy(rt: Arc<dyn Runtime>, h: SandboxHandle) -> Result<(), String> {
+pub(crate) async fn run_destroy(rt: Arc<dyn Runtime>, h: SandboxHandle) -> Result<(), String> {
     match tokio::task::spawn_blocking(move || rt.destroy(&h)).await {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => Err(e.to_string()),
@@ -159,6 +213,7 @@ impl Manager {
         runtimes: BTreeMap<String, Arc<dyn Runtime>>,
         volumes: Arc<sandpit_runtime::volume::VolumeHost>,
         cfg: ManagerConfig,
+        snapshot_store: crate::snapshots::SnapshotStore,
     ) -> Arc<Self> {
         Arc::new(Self {
             store,
@@ -172,6 +227,13 @@ impl Manager {
             teardowns: Arc::default(),
             last_claim: Mutex::default(),
             volumes,
+            ops: Mutex::default(),
+            activity: Mutex::default(),
+            layer_pins: Mutex::default(),
+            gc_lock: tokio::sync::Mutex::new(()),
+            gc_wanted: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+            snapshot_store,
+            auto_failures: Mutex::default(),
         })
     }
 
@@ -207,7 +269,7 @@ impl Manager {
         })
     }
 
-    fn timeout(&self, t: Option<u64>) -> Result<u64, ApiError> {
+    pub(crate) fn timeout(&self, t: Option<u64>) -> Result<u64, ApiError> {
         let t = t.unwrap_or(DEFAULT_TIMEOUT.min(self.cfg.max_timeout_secs));
         if t == 0 || t > self.cfg.max_timeout_secs {
             return Err(ApiError::bad_request(format!(
@@ -231,7 +293,7 @@ impl Manager {
     }
 
     /// Validates runtime, template and limits of a create or a pool definition.
-    async fn plan(
+    pub(crate) async fn plan(
         &self,
         template: Option<&str>,
         runtime: Option<&str>,
@@ -264,12 +326,40 @@ impl Manager {
     }
 
     /// Creates a sandbox and returns it running: a ready one from a matching warm pool
-    /// when there is one, else started cold. On any failure nothing is left behind.
+    /// when there is one, else started cold (on a snapshot's files when it names one).
+    /// On any failure nothing is left behind.
     pub async fn create(
         self: &Arc<Self>,
         owner: &str,
-        req: CreateSandboxRequest,
+        mut req: CreateSandboxRequest,
     ) -> Result<SandboxRecord, ApiError> {
+        let restore = match req.snapshot.as_deref() {
+            Some(s) => Some(self.restore_plan(owner, s).await?),
+            None => None,
+        };
+        if let Some(r) = &restore {
+            let snap = &r.snapshot;
+            if req.template.as_ref().is_some_and(|t| *t != snap.template)
+                || req.runtime.as_ref().is_some_and(|t| *t != snap.runtime)
+            {
+                return Err(ApiError::bad_request(format!(
+                    "snapshot {} runs on template {:?} with runtime {:?}; leave them out",
+                    snap.id, snap.template, snap.runtime
+                )));
+            }
+            req.template = Some(snap.template.clone());
+            req.runtime = Some(snap.runtime.clone());
+            let l = &mut req.limits;
+            l.cpu_millis = l.cpu_millis.or(r.limits.cpu_millis);
+            l.memory_bytes = l.memory_bytes.or(r.limits.memory_bytes);
+            l.disk_bytes = l.disk_bytes.or(r.limits.disk_bytes);
+            l.max_processes = l.max_processes.or(r.limits.max_processes);
+            let mut env = r.env.clone();
+            env.append(&mut req.env);
+            req.env = env;
+            req.workdir = req.workdir.take().or_else(|| r.workdir.clone());
+            req.user = req.user.take().or_else(|| r.user.clone());
+        }
         let mut plan = self
             .plan(req.template.as_deref(), req.runtime.as_deref(), &req.limits)
             .await?;
@@ -277,16 +367,7 @@ impl Manager {
         plan.volumes = req.volumes.clone();
         let timeout = self.timeout(req.timeout)?;
         check_env(&req.env)?;
-        if req.metadata.len() > 64
-            || req
-                .metadata
-                .iter()
-                .any(|(k, v)| k.is_empty() || k.len() > 256 || v.len() > 1024)
-        {
-            return Err(ApiError::bad_request(
-                "metadata: at most 64 entries, keys 1..=256 and values up to 1024 bytes",
-            ));
-        }
+        check_metadata(&req.metadata)?;
         let workdir = req
             .workdir
             .clone()
@@ -306,36 +387,84 @@ impl Manager {
                 "unknown user {u:?}: sandboxes have `user` and `root`"
             )));
         }
+        let on_timeout = match req.on_timeout.as_deref() {
+            None | Some("kill") => sandpit_store::OnTimeout::Kill,
+            Some("pause") => sandpit_store::OnTimeout::Pause,
+            Some(other) => {
+                return Err(ApiError::bad_request(format!(
+                    "on_timeout is `kill` or `pause`, not {other:?}"
+                )));
+            }
+        };
+        let life = sandpit_store::Lifecycle {
+            layers: restore
+                .as_ref()
+                .map(|r| r.layers.clone())
+                .unwrap_or_default(),
+            snapshot: restore.as_ref().map(|r| r.snapshot.id.clone()),
+            last_activity_ms: now_ms(),
+            idle_timeout_secs: req
+                .idle_timeout
+                .unwrap_or(self.cfg.lifecycle.idle_timeout_secs),
+            on_timeout,
+            auto_resume: req.auto_resume.unwrap_or(true),
+            paused_at_ms: None,
+            workdir: (workdir != DEFAULT_WORKDIR).then(|| workdir.clone()),
+            user: req.user.clone(),
+            timeout_secs: timeout,
+        };
         let expires_at_ms = now_ms() + (timeout as i64) * 1000;
         // A pool's sandbox is running already and cannot get mounts any more.
-        if plan.volumes.is_empty()
+        if restore.is_none()
+            && plan.volumes.is_empty()
             && let Some(rec) = self
-                .claim(owner, &plan.key, &req, &workdir, expires_at_ms)
+                .claim(owner, &plan.key, &req, &workdir, expires_at_ms, &life)
                 .await
         {
             return Ok(rec);
         }
+        self.start_new(
+            owner,
+            plan,
+            req.env,
+            req.metadata,
+            workdir,
+            expires_at_ms,
+            life,
+        )
+        .await
+    }
+
+    /// Starts a new sandbox cold and applies its default user.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn start_new(
+        &self,
+        owner: &str,
+        plan: Plan,
+        env: BTreeMap<String, String>,
+        metadata: BTreeMap<String, String>,
+        workdir: String,
+        expires_at_ms: i64,
+        life: sandpit_store::Lifecycle,
+    ) -> Result<SandboxRecord, ApiError> {
+        let user = life.user.clone();
         let rec = self
             .cold_create(
                 owner,
                 None,
                 plan,
-                req.env,
-                req.metadata,
+                env,
+                metadata,
                 workdir,
                 expires_at_ms,
+                life,
             )
             .await?;
-        if req.user.is_some() {
-            let init = AgentInit {
-                env: &BTreeMap::new(),
-                workdir: None,
-                user: req.user.as_deref(),
-            };
-            if let Err(e) = self.init_agent(&rec, &init).await {
-                let _ = self.destroy(&rec).await;
-                return Err(e);
-            }
+        if let Some(user) = user.as_deref()
+            && let Err(e) = self.set_default_user(&rec, user).await
+        {
+            let _ = self.destroy(&rec).await;
+            return Err(e);
         }
         Ok(rec)
     }
@@ -349,6 +478,7 @@ impl Manager {
         req: &CreateSandboxRequest,
         workdir: &str,
         expires_at_ms: i64,
+        life: &sandpit_store::Lifecycle,
     ) -> Option<SandboxRecord> {
         let mut pool_name = None;
         while let Some((pool, member)) = self.pools.take(key) {
@@ -363,6 +493,7 @@ impl Manager {
                 env: &req.env,
                 metadata: &req.metadata,
                 expires_at_ms,
+                life,
             };
             let rec = match self.store.claim_pooled(&id, &pool, &claim).await {
                 Ok(Some(rec)) => rec,
@@ -452,6 +583,7 @@ impl Manager {
         metadata: BTreeMap<String, String>,
         workdir: String,
         expires_at_ms: i64,
+        life: sandpit_store::Lifecycle,
     ) -> Result<SandboxRecord, ApiError> {
         let now = now_ms();
         let limits = plan.key.limits;
@@ -474,6 +606,7 @@ impl Manager {
             error: None,
             version: 0,
             pool,
+            life,
         };
         self.store.insert_sandbox(&rec).await?;
         let volumes = match self.attach_volumes(&rec.id, owner, &plan.volumes).await {
@@ -495,8 +628,34 @@ impl Manager {
             env,
             workdir,
             volumes,
+            layers: self.layer_paths(&rec)?,
         };
-        let runtime = plan.runtime;
+        self.boot(&rec, plan.runtime, spec, Failed::Delete).await
+    }
+
+    /// Starts the runtime side of a record in `creating` and waits until its agent
+    /// answers. On failure the runtime side is gone again, and the record is deleted or
+    /// put back as `failed` says.
+    pub(crate) async fn boot(
+        &self,
+        rec: &SandboxRecord,
+        runtime: Arc<dyn Runtime>,
+        spec: SandboxSpec,
+        failed: Failed,
+    ) -> Result<SandboxRecord, ApiError> {
+        let forget_record = || async {
+            match failed {
+                Failed::Delete => {
+                    let _ = self.store.delete_sandbox(&rec.id).await;
+                }
+                Failed::Restore(state) => {
+                    let _ = self
+                        .store
+                        .transition(&rec.id, &[SandboxState::Creating], state, None)
+                        .await;
+                }
+            }
+        };
         let rt = runtime.clone();
         let created = tokio::task::spawn_blocking(move || {
             let mut h = rt.create(&spec)?;
@@ -512,24 +671,28 @@ impl Manager {
         let handle = match created {
             Ok(Ok(h)) => h,
             Ok(Err(e)) => {
-                let _ = self.store.delete_sandbox(&rec.id).await;
+                forget_record().await;
                 return Err(e.into());
             }
             Err(e) => {
-                let _ = self.store.delete_sandbox(&rec.id).await;
+                forget_record().await;
                 return Err(ApiError::internal(format!("create task: {e}")));
             }
         };
         let destroy_now = || async {
             let _ = run_destroy(runtime.clone(), handle.clone()).await;
             self.forget(&rec.id);
-            let _ = self.store.delete_sandbox(&rec.id).await;
+            forget_record().await;
         };
         let state = serde_json::to_value(&handle).map_err(|e| ApiError::internal(e.to_string()))?;
         if let Err(e) = self.store.set_runtime_state(&rec.id, &state).await {
             // Deleted before the handle was recorded: that delete could not tear the
             // sandbox down, so this create does.
-            destroy_now().await;
+            let _ = run_destroy(runtime.clone(), handle.clone()).await;
+            self.forget(&rec.id);
+            if matches!(failed, Failed::Delete) {
+                let _ = self.store.delete_sandbox(&rec.id).await;
+            }
             return Err(match e {
                 sandpit_store::StoreError::NotFound(_) => {
                     ApiError::conflict("sandbox was deleted while it was being created")
@@ -537,20 +700,24 @@ impl Manager {
                 other => other.into(),
             });
         }
-        match self.wait_ready(&rec, &handle).await {
+        match self.wait_ready(rec, &handle).await {
             Ok(r) => Ok(r),
             Err(e) => {
                 // Whoever moves the record out of `creating` tears it down; if a delete
                 // did, it holds the handle and does the work.
-                let ours = self
-                    .store
-                    .transition(
-                        &rec.id,
-                        &[SandboxState::Creating],
-                        SandboxState::Stopping,
-                        None,
-                    )
-                    .await;
+                let ours = match failed {
+                    Failed::Delete => {
+                        self.store
+                            .transition(
+                                &rec.id,
+                                &[SandboxState::Creating],
+                                SandboxState::Stopping,
+                                None,
+                            )
+                            .await
+                    }
+                    Failed::Restore(_) => Ok(Some(rec.clone())),
+                };
                 if matches!(ours, Ok(Some(_)) | Err(_)) {
                     destroy_now().await;
                 }
@@ -588,6 +755,30 @@ impl Manager {
             .ok_or_else(|| ApiError::conflict("sandbox was deleted while it was being created"))
     }
 
+    /// Whether a request is using the sandbox's agent right now (a long command, a
+    /// stream): the connection is then held beyond the manager's own reference.
+    pub(crate) fn has_requests_in_flight(&self, id: &str) -> bool {
+        self.conns
+            .lock()
+            .ok()
+            .and_then(|c| c.get(id).map(|conn| Arc::strong_count(conn) > 1))
+            .unwrap_or(false)
+    }
+
+    /// Makes `user` the default user of a running sandbox's commands.
+    pub(crate) async fn set_default_user(
+        &self,
+        rec: &SandboxRecord,
+        user: &str,
+    ) -> Result<(), ApiError> {
+        let init = AgentInit {
+            env: &BTreeMap::new(),
+            workdir: None,
+            user: Some(user),
+        };
+        self.init_agent(rec, &init).await
+    }
+
     fn conn_for(&self, id: &str, handle: &SandboxHandle) -> Arc<AgentConn> {
         let Ok(mut conns) = self.conns.lock() else {
             return Arc::new(AgentConn::new(handle.socket.clone()));
@@ -598,7 +789,7 @@ impl Manager {
             .clone()
     }
 
-    fn forget(&self, id: &str) {
+    pub(crate) fn forget(&self, id: &str) {
         if let Ok(mut conns) = self.conns.lock() {
             conns.remove(id);
         }
@@ -608,7 +799,10 @@ impl Manager {
     pub async fn get(&self, owner: &str, id: &str) -> Result<SandboxRecord, ApiError> {
         match self.store.get_sandbox(id).await? {
             // A sandbox being torn down is already gone as far as callers are concerned.
-            Some(r) if r.owner == owner && r.state != SandboxState::Stopping => Ok(r),
+            Some(r) if r.owner == owner && r.state != SandboxState::Stopping => {
+                self.touch(id);
+                Ok(r)
+            }
             _ => Err(ApiError::not_found(format!("sandbox {id} not found"))),
         }
     }
@@ -619,7 +813,12 @@ impl Manager {
         owner: &str,
         id: &str,
     ) -> Result<(SandboxRecord, Arc<AgentConn>), ApiError> {
-        let rec = self.get(owner, id).await?;
+        let mut rec = self.get(owner, id).await?;
+        if matches!(rec.state, SandboxState::Paused | SandboxState::Hibernated)
+            && rec.life.auto_resume
+        {
+            rec = self.resume(&rec).await?;
+        }
         if rec.state != SandboxState::Running {
             return Err(ApiError::conflict(format!(
                 "sandbox {id} is {}",
@@ -653,6 +852,7 @@ impl Manager {
             SandboxState::Creating,
             SandboxState::Running,
             SandboxState::Paused,
+            SandboxState::Hibernated,
             SandboxState::Error,
         ];
         let Some(cur) = self
@@ -669,6 +869,8 @@ impl Manager {
         };
         self.forget(&cur.id);
         self.pools.forget(&cur.id);
+        // Set once the record is gone: its layers are unused from then on.
+        let gc = (!cur.life.layers.is_empty()).then(|| self.gc_wanted.clone());
         let store = self.store.clone();
         let id = cur.id.clone();
         // The handle comes from the row just changed: a copy read before the create
@@ -697,6 +899,9 @@ impl Manager {
                     if let Err(e) = done {
                         tracing::warn!(id, error = %e, "recording a teardown failed");
                     }
+                    if let Some(gc) = gc {
+                        gc.store(true, Ordering::Release);
+                    }
                     teardowns.fetch_sub(1, Ordering::AcqRel);
                 });
             }
@@ -704,6 +909,9 @@ impl Manager {
             // gone and clean up after itself).
             _ => {
                 self.store.delete_sandbox(&id).await?;
+                if let Some(gc) = gc {
+                    gc.store(true, Ordering::Release);
+                }
             }
         }
         Ok(())
@@ -724,42 +932,6 @@ impl Manager {
         wait_for_zero(&self.teardowns, max).await;
     }
 
-    /// Freezes every process of a running sandbox (memory stays in RAM).
-    pub async fn pause(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
-        self.set_frozen(rec, true).await
-    }
-
-    /// Thaws a paused sandbox.
-    pub async fn resume(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
-        self.set_frozen(rec, false).await
-    }
-
-    async fn set_frozen(&self, rec: &SandboxRecord, freeze: bool) -> Result<(), ApiError> {
-        let (from, to, verb) = if freeze {
-            (SandboxState::Running, SandboxState::Paused, "pausing")
-        } else {
-            (SandboxState::Paused, SandboxState::Running, "resuming")
-        };
-        if rec.state != from {
-            return Err(ApiError::conflict(format!(
-                "sandbox {} is {}, not {}",
-                rec.id,
-                rec.state.as_str(),
-                from.as_str()
-            )));
-        }
-        let (rt, h) = self.runtime_of(rec)?;
-        tokio::task::spawn_blocking(move || if freeze { rt.freeze(&h) } else { rt.thaw(&h) })
-            .await
-            .map_err(|e| ApiError::internal(e.to_string()))??;
-        match self.store.transition(&rec.id, &[from], to, None).await? {
-            Some(_) => Ok(()),
-            None => Err(ApiError::conflict(format!(
-                "sandbox changed state while {verb}"
-            ))),
-        }
-    }
-
     /// Sets the sandbox to expire `secs` from now.
     pub async fn set_timeout(&self, rec: &SandboxRecord, secs: u64) -> Result<(), ApiError> {
         let secs = self.timeout(Some(secs))?;
@@ -770,19 +942,17 @@ impl Manager {
     }
 
     /// One pass of housekeeping: expire sandboxes past their TTL and clean up dead ones.
-    pub async fn tick(&self) {
+    pub async fn tick(self: &Arc<Self>) {
         let states = [
             SandboxState::Running,
             SandboxState::Paused,
+            SandboxState::Hibernated,
             SandboxState::Error,
         ];
         match self.store.expired_sandboxes(now_ms(), &states).await {
             Ok(expired) => {
                 for rec in expired {
-                    tracing::info!(id = %rec.id, "sandbox expired");
-                    if let Err(e) = self.destroy(&rec).await {
-                        tracing::warn!(id = %rec.id, error = %e.message, "destroying expired sandbox failed");
-                    }
+                    self.expire(&rec).await;
                 }
             }
             Err(e) => tracing::warn!(error = %e, "listing expired sandboxes failed"),
@@ -790,6 +960,7 @@ impl Manager {
         let Ok(live) = self.store.live_sandboxes().await else {
             return;
         };
+        self.lifecycle_tick(&live).await;
         let running: Vec<(SandboxRecord, Arc<dyn Runtime>, SandboxHandle)> = live
             .into_iter()
             .filter(|r| r.state == SandboxState::Running)
@@ -850,6 +1021,9 @@ impl Manager {
         {
             tracing::warn!(id = %cur.id, error = %e, "recording a stopped sandbox failed");
         }
+        if !cur.life.layers.is_empty() {
+            self.gc_wanted.store(true, Ordering::Release);
+        }
     }
 
     /// Removes a sandbox's resources and waits for it.
@@ -870,6 +1044,28 @@ impl Manager {
         let live = self.store.live_sandboxes().await?;
         let mut keep = Vec::new();
         for rec in live {
+            if rec.state == SandboxState::Hibernated {
+                // Nothing of it runs; its files are in its layers.
+                continue;
+            }
+            if rec.state == SandboxState::Creating && rec.life.paused_at_ms.is_some() {
+                // A wake from hibernation cut short: whatever it started goes, and the
+                // sandbox is hibernated again on the files it had.
+                tracing::info!(id = %rec.id, "finishing an interrupted wake: back to hibernated");
+                if let Err(e) = self.teardown_now(&rec).await {
+                    tracing::warn!(id = %rec.id, error = %e, "removing a half-woken sandbox failed");
+                }
+                let _ = self
+                    .store
+                    .transition(
+                        &rec.id,
+                        &[SandboxState::Creating],
+                        SandboxState::Hibernated,
+                        None,
+                    )
+                    .await;
+                continue;
+            }
             let usable = match self.runtime_of(&rec) {
                 Ok((rt, h)) => {
                     let (rt2, h2) = (rt.clone(), h.clone());
@@ -1173,6 +1369,7 @@ impl Manager {
                 DEFAULT_WORKDIR.into(),
                 // Idle pool members never expire; a claim sets the caller's deadline.
                 i64::MAX,
+                Default::default(),
             )
             .await
         };

@@ -238,8 +238,27 @@ impl Manager {
         self.volume_mounts(sandbox_id).await
     }
 
+    /// The volumes sandbox `sandbox_id` mounts, as a create would ask for them.
+    pub(crate) async fn volume_specs(
+        &self,
+        sandbox_id: &str,
+    ) -> Result<Vec<VolumeMountSpec>, ApiError> {
+        Ok(self
+            .store
+            .sandbox_volumes(sandbox_id)
+            .await?
+            .into_iter()
+            .map(|(_, a)| VolumeMountSpec {
+                name: a.name,
+                path: a.path,
+                read_only: a.read_only,
+            })
+            .collect())
+    }
+
     /// What the runtime mounts for sandbox `sandbox_id`, each volume mounted on the host
-    /// first: at its create, and whenever it starts again on its files.
+    /// first: at its create, and whenever it starts again on its files (a wake from
+    /// hibernation).
     pub async fn volume_mounts(&self, sandbox_id: &str) -> Result<Vec<VolumeMount>, ApiError> {
         let mut out = Vec::new();
         for (v, a) in self.store.sandbox_volumes(sandbox_id).await? {

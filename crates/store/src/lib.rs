@@ -9,6 +9,7 @@ mod model;
 mod pools;
 mod sandboxes;
 mod schema;
+mod snapshots;
 mod templates;
 mod volumes;
 
@@ -21,8 +22,8 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 
 pub use error::StoreError;
 pub use model::{
-    ApiKey, ParseSandboxStateError, PoolRecord, SandboxFilter, SandboxPage, SandboxRecord,
-    SandboxState, TemplateRecord,
+    ApiKey, Lifecycle, OnTimeout, ParseSandboxStateError, PoolRecord, SandboxFilter, SandboxPage,
+    SandboxRecord, SandboxState, SnapshotRecord, TemplateRecord,
 };
 pub use pools::Claim;
 pub use schema::SCHEMA_VERSION;

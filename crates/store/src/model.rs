@@ -31,6 +31,8 @@ pub enum SandboxState {
     Running,
     /// Frozen; can be resumed.
     Paused,
+    /// No processes; its files are kept and a resume starts it again on them.
+    Hibernated,
     /// Being torn down.
     Stopping,
     /// Torn down (final).
@@ -41,10 +43,11 @@ pub enum SandboxState {
 
 impl SandboxState {
     /// Every state, in lifecycle order.
-    pub const ALL: [SandboxState; 6] = [
+    pub const ALL: [SandboxState; 7] = [
         SandboxState::Creating,
         SandboxState::Running,
         SandboxState::Paused,
+        SandboxState::Hibernated,
         SandboxState::Stopping,
         SandboxState::Stopped,
         SandboxState::Error,
@@ -59,6 +62,7 @@ impl SandboxState {
             SandboxState::Creating => "creating",
             SandboxState::Running => "running",
             SandboxState::Paused => "paused",
+            SandboxState::Hibernated => "hibernated",
             SandboxState::Stopping => "stopping",
             SandboxState::Stopped => "stopped",
             SandboxState::Error => "error",
@@ -133,6 +137,48 @@ pub struct SandboxRecord {
     /// The warm pool it idles in (while `owner` is empty) or was claimed from.
     #[serde(default)]
     pub pool: Option<String>,
+    /// Idle rules, layers and lineage.
+    #[serde(default)]
+    pub life: Lifecycle,
+}
+
+/// What a sandbox does when its TTL passes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnTimeout {
+    /// Destroy it (the default).
+    #[default]
+    Kill,
+    /// Pause it (and hibernate it later, as the daemon's settings say).
+    Pause,
+}
+
+/// Lifecycle settings and state of a sandbox beyond its state machine.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Lifecycle {
+    /// Read-only layers under its writable one (ids of directories the daemon keeps),
+    /// top first: what it was restored, forked or hibernated from.
+    pub layers: Vec<String>,
+    /// The snapshot its files descend from: the parent of its next incremental snapshot.
+    pub snapshot: Option<String>,
+    /// Unix ms of the last API call that touched it.
+    pub last_activity_ms: i64,
+    /// Seconds without API calls after which it is paused; 0 = never.
+    pub idle_timeout_secs: u64,
+    /// What its TTL does.
+    pub on_timeout: OnTimeout,
+    /// Whether a call to it while paused or hibernated resumes it.
+    pub auto_resume: bool,
+    /// Unix ms when it was last paused or hibernated.
+    pub paused_at_ms: Option<i64>,
+    /// Default working directory and user of its commands (kept for a hibernated
+    /// sandbox's restart).
+    pub workdir: Option<String>,
+    /// Default user of its commands.
+    pub user: Option<String>,
+    /// Its lifetime in seconds, given again when a resume follows a timeout pause.
+    pub timeout_secs: u64,
 }
 
 /// A warm pool: how many idle sandboxes of one kind to keep started.
@@ -186,6 +232,37 @@ pub struct SandboxPage {
     pub items: Vec<SandboxRecord>,
     /// Cursor for the next page; `None` when this page is the last.
     pub next_cursor: Option<String>,
+}
+
+/// A stored snapshot of a sandbox's files: one layer archive, full or over its parent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotRecord {
+    /// Unique id.
+    pub id: String,
+    /// Owner (the sandbox's owner).
+    pub owner: String,
+    /// Unique per owner.
+    pub name: String,
+    /// The sandbox it was taken of.
+    pub sandbox_id: String,
+    /// The snapshot this one adds to (incremental), if any.
+    pub parent: Option<String>,
+    /// Template under the layers.
+    pub template: String,
+    /// Runtime of the sandbox it was taken of.
+    pub runtime: String,
+    /// `full` or `incremental`.
+    pub kind: String,
+    /// Size of the stored archive in bytes.
+    pub size_bytes: i64,
+    /// Entries in the archive.
+    pub entries: i64,
+    /// sha256 of the stored archive, hex.
+    pub digest: String,
+    /// The sandbox's settings at the time (limits, env, workdir, user), JSON.
+    pub settings: serde_json::Value,
+    /// Creation time, unix milliseconds.
+    pub created_at_ms: i64,
 }
 
 /// A named root filesystem sandboxes are created from.

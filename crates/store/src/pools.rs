@@ -38,6 +38,8 @@ pub struct Claim<'a> {
     pub metadata: &'a BTreeMap<String, String>,
     /// Expiry computed from the caller's timeout, unix milliseconds.
     pub expires_at_ms: i64,
+    /// The caller's lifecycle settings.
+    pub life: &'a crate::Lifecycle,
 }
 
 impl Store {
@@ -168,7 +170,7 @@ impl Store {
     ) -> Result<Option<SandboxRecord>, StoreError> {
         let row = sqlx::query(&format!(
             "UPDATE sandboxes SET owner = $1, env = $2, metadata = $3, expires_at_ms = $4, \
-             created_at_ms = $5, updated_at_ms = $5, version = version + 1 \
+             created_at_ms = $5, updated_at_ms = $5, version = version + 1, life = $9 \
              WHERE id = $6 AND pool = $7 AND owner = '' AND state = $8 RETURNING {}",
             crate::sandboxes::SANDBOX_COLUMNS
         ))
@@ -180,6 +182,7 @@ impl Store {
         .bind(id)
         .bind(pool)
         .bind(SandboxState::Running.as_str())
+        .bind(serde_json::to_string(claim.life)?)
         .fetch_optional(&self.writer)
         .await?;
         row.as_ref()

@@ -9,7 +9,7 @@ use crate::{SandboxFilter, SandboxPage, SandboxRecord, SandboxState, Store, Stor
 
 pub(crate) const SANDBOX_COLUMNS: &str = "id, owner, template, runtime, state, cpu_millis, memory_bytes, \
      disk_bytes, max_processes, env, metadata, created_at_ms, updated_at_ms, expires_at_ms, \
-     runtime_state, error, version, pool";
+     runtime_state, error, version, pool, life";
 
 const DEFAULT_LIMIT: u32 = 100;
 const MAX_LIMIT: u32 = 1000;
@@ -70,7 +70,9 @@ pub(crate) fn sandbox_from_row(row: &SqliteRow) -> Result<SandboxRecord, StoreEr
     let env: String = row.try_get("env")?;
     let metadata: String = row.try_get("metadata")?;
     let runtime_state: String = row.try_get("runtime_state")?;
+    let life: String = row.try_get("life")?;
     Ok(SandboxRecord {
+        life: decode_json(&id, "life", &life)?,
         owner: row.try_get("owner")?,
         template: row.try_get("template")?,
         runtime: row.try_get("runtime")?,
@@ -113,7 +115,7 @@ impl Store {
     pub async fn insert_sandbox(&self, s: &SandboxRecord) -> Result<(), StoreError> {
         sqlx::query(&format!(
             "INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES \
-             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18)"
+             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19)"
         ))
         .bind(&s.id)
         .bind(&s.owner)
@@ -133,6 +135,7 @@ impl Store {
         .bind(&s.error)
         .bind(s.version)
         .bind(&s.pool)
+        .bind(serde_json::to_string(&s.life)?)
         .execute(&self.writer)
         .await
         .map_err(|e| match StoreError::from(e) {
@@ -246,6 +249,29 @@ impl Store {
         to: SandboxState,
         error: Option<&str>,
     ) -> Result<Option<SandboxRecord>, StoreError> {
+        self.transition_with(id, from, to, error, None).await
+    }
+
+    /// [`Self::transition`] that also replaces the lifecycle document in the same write, so
+    /// that a state and the layers it depends on never disagree.
+    pub async fn transition_life(
+        &self,
+        id: &str,
+        from: &[SandboxState],
+        to: SandboxState,
+        life: &crate::Lifecycle,
+    ) -> Result<Option<SandboxRecord>, StoreError> {
+        self.transition_with(id, from, to, None, Some(life)).await
+    }
+
+    async fn transition_with(
+        &self,
+        id: &str,
+        from: &[SandboxState],
+        to: SandboxState,
+        error: Option<&str>,
+        life: Option<&crate::Lifecycle>,
+    ) -> Result<Option<SandboxRecord>, StoreError> {
         if from.is_empty() {
             return Ok(None);
         }
@@ -253,8 +279,11 @@ impl Store {
         let mut qb: QueryBuilder<'_, Sqlite> = QueryBuilder::new("UPDATE sandboxes SET state = ");
         qb.push_bind(to.as_str())
             .push(", error = ")
-            .push_bind(error.map(str::to_string))
-            .push(", version = version + 1, updated_at_ms = ")
+            .push_bind(error.map(str::to_string));
+        if let Some(life) = life {
+            qb.push(", life = ").push_bind(serde_json::to_string(life)?);
+        }
+        qb.push(", version = version + 1, updated_at_ms = ")
             .push_bind(now_ms())
             .push(" WHERE id = ")
             .push_bind(id.to_string());
@@ -305,6 +334,37 @@ impl Store {
         .execute(&self.writer)
         .await?;
         Ok(done.rows_affected() > 0)
+    }
+
+    /// Replaces a sandbox's lifecycle document; `false` if the id is unknown.
+    pub async fn set_life(&self, id: &str, life: &crate::Lifecycle) -> Result<bool, StoreError> {
+        let done = sqlx::query("UPDATE sandboxes SET life = $1, updated_at_ms = $2 WHERE id = $3")
+            .bind(serde_json::to_string(life)?)
+            .bind(now_ms())
+            .bind(id)
+            .execute(&self.writer)
+            .await?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    /// Records API activity: each sandbox's `last_activity_ms`, never moved backwards.
+    pub async fn touch_sandboxes(&self, touched: &[(String, i64)]) -> Result<(), StoreError> {
+        if touched.is_empty() {
+            return Ok(());
+        }
+        let mut tx = self.writer.begin().await?;
+        for (id, at) in touched {
+            sqlx::query(
+                "UPDATE sandboxes SET life = json_set(life, '$.last_activity_ms', $1) \
+                 WHERE id = $2 AND COALESCE(json_extract(life, '$.last_activity_ms'), 0) < $1",
+            )
+            .bind(at)
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
     }
 
     /// Removes the record; `false` if the id is unknown.

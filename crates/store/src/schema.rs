@@ -73,6 +73,31 @@ pub(crate) const MIGRATIONS: &[(i64, &[&str])] = &[
         ],
     ),
     (
+        3,
+        &[
+            // Lifecycle settings and state of a sandbox (idle rules, layers, snapshot
+            // lineage), one JSON document: read whole, written whole or by field.
+            "ALTER TABLE sandboxes ADD COLUMN life TEXT NOT NULL DEFAULT '{}'",
+            "CREATE TABLE snapshots (
+            id TEXT PRIMARY KEY NOT NULL,
+            owner TEXT NOT NULL,
+            name TEXT NOT NULL,
+            sandbox_id TEXT NOT NULL,
+            parent TEXT,
+            template TEXT NOT NULL,
+            runtime TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            size_bytes BIGINT NOT NULL,
+            entries BIGINT NOT NULL,
+            digest TEXT NOT NULL,
+            settings TEXT NOT NULL,
+            created_at_ms BIGINT NOT NULL
+        )",
+            "CREATE UNIQUE INDEX snapshots_owner_name_idx ON snapshots (owner, name)",
+            "CREATE INDEX snapshots_parent_idx ON snapshots (parent)",
+        ],
+    ),
+    (
         4,
         &[
             // Named persistent volumes; `id` names the image and mount on the host.

@@ -376,6 +376,7 @@ mod tests {
             error: None,
             version: 0,
             pool: None,
+            life: Default::default(),
         }
     }
 

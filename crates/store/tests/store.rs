@@ -28,6 +28,7 @@ fn sandbox(id: &str, owner: &str, created_at_ms: i64) -> SandboxRecord {
         error: None,
         version: 0,
         pool: None,
+        life: Default::default(),
     }
 }
 
@@ -113,6 +114,18 @@ async fn sandbox_roundtrip_keeps_every_field() {
         error: Some("previous failure".into()),
         version: 7,
         pool: Some("warm".into()),
+        life: sandpit_store::Lifecycle {
+            layers: vec!["snap-1".into(), "hib-2".into()],
+            snapshot: Some("snap-1".into()),
+            last_activity_ms: 1_700_000_000_003,
+            idle_timeout_secs: 300,
+            on_timeout: sandpit_store::OnTimeout::Pause,
+            auto_resume: true,
+            paused_at_ms: Some(1_700_000_000_004),
+            workdir: Some("/work".into()),
+            user: Some("root".into()),
+            timeout_secs: 600,
+        },
     };
     store.insert_sandbox(&record).await.unwrap();
     let got = store.get_sandbox("sb-1").await.unwrap().unwrap();
@@ -679,17 +692,19 @@ async fn a_pooled_sandbox_is_claimed_once() {
 
     let env = BTreeMap::from([("K".to_string(), "v".to_string())]);
     let meta = BTreeMap::from([("m".to_string(), "1".to_string())]);
+    let life = sandpit_store::Lifecycle::default();
     let claim = |owner| Claim {
         owner,
         env: &env,
         metadata: &meta,
         expires_at_ms: 99_000,
+        life: &life,
     };
     // Many concurrent claimers of the same sandbox: exactly one wins.
     let mut tasks = Vec::new();
     for i in 0..16 {
         let store = store.clone();
-        let (env, meta) = (env.clone(), meta.clone());
+        let (env, meta, life) = (env.clone(), meta.clone(), life.clone());
         tasks.push(tokio::spawn(async move {
             let owner = format!("owner{i}");
             let c = Claim {
@@ -697,6 +712,7 @@ async fn a_pooled_sandbox_is_claimed_once() {
                 env: &env,
                 metadata: &meta,
                 expires_at_ms: 99_000,
+                life: &life,
             };
             store.claim_pooled("p1", "warm", &c).await.unwrap()
         }));
@@ -743,4 +759,95 @@ async fn a_pooled_sandbox_is_claimed_once() {
         .map(|r| r.id)
         .collect();
     assert_eq!(left, ["p2"]);
+}
+
+#[tokio::test]
+async fn activity_is_recorded_and_never_moves_back() {
+    let store = Store::open_in_memory().await.unwrap();
+    store.insert_sandbox(&sandbox("a", "o", 1)).await.unwrap();
+    store
+        .touch_sandboxes(&[("a".into(), 5_000), ("missing".into(), 9)])
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .get_sandbox("a")
+            .await
+            .unwrap()
+            .unwrap()
+            .life
+            .last_activity_ms,
+        5_000
+    );
+    store.touch_sandboxes(&[("a".into(), 4_000)]).await.unwrap();
+    let got = store.get_sandbox("a").await.unwrap().unwrap();
+    assert_eq!(got.life.last_activity_ms, 5_000);
+    let mut life = got.life.clone();
+    life.layers = vec!["l1".into()];
+    assert!(store.set_life("a", &life).await.unwrap());
+    assert!(!store.set_life("missing", &life).await.unwrap());
+    let got = store.get_sandbox("a").await.unwrap().unwrap();
+    assert_eq!(got.life.layers, vec!["l1".to_string()]);
+    assert_eq!(got.life.last_activity_ms, 5_000);
+}
+
+#[tokio::test]
+async fn snapshots_are_found_by_id_or_name_and_know_their_children() {
+    let store = Store::open_in_memory().await.unwrap();
+    let snap = |id: &str, name: &str, parent: Option<&str>| sandpit_store::SnapshotRecord {
+        id: id.into(),
+        owner: "o".into(),
+        name: name.into(),
+        sandbox_id: "sb".into(),
+        parent: parent.map(String::from),
+        template: "host".into(),
+        runtime: "container".into(),
+        kind: if parent.is_some() {
+            "incremental"
+        } else {
+            "full"
+        }
+        .into(),
+        size_bytes: 10,
+        entries: 2,
+        digest: "ab".into(),
+        settings: json!({"env": {"A": "1"}}),
+        created_at_ms: 1,
+    };
+    store
+        .insert_snapshot(&snap("s1", "base", None))
+        .await
+        .unwrap();
+    store
+        .insert_snapshot(&snap("s2", "next", Some("s1")))
+        .await
+        .unwrap();
+    let dup = store.insert_snapshot(&snap("s3", "base", None)).await;
+    assert!(matches!(dup, Err(StoreError::Conflict(_))), "{dup:?}");
+    assert_eq!(
+        store.get_snapshot("o", "next").await.unwrap().unwrap().id,
+        "s2"
+    );
+    assert_eq!(
+        store.get_snapshot("o", "s1").await.unwrap().unwrap().name,
+        "base"
+    );
+    assert!(store.get_snapshot("other", "s1").await.unwrap().is_none());
+    let kids = store.snapshot_children("s1").await.unwrap();
+    assert_eq!(
+        kids.iter().map(|k| k.id.as_str()).collect::<Vec<_>>(),
+        ["s2"]
+    );
+    assert_eq!(store.list_snapshots(Some("o")).await.unwrap().len(), 2);
+    assert_eq!(
+        store
+            .get_snapshot("o", "s1")
+            .await
+            .unwrap()
+            .unwrap()
+            .settings,
+        json!({"env": {"A": "1"}})
+    );
+    assert!(store.delete_snapshot("s2").await.unwrap());
+    assert!(store.snapshot_children("s1").await.unwrap().is_empty());
 }

@@ -269,3 +269,15 @@ pub async fn wait_no_leftovers(d: &Daemon, id: &str) -> Vec<String> {
     }
     leftovers(d, id)
 }
+
+/// A test-only tool that `scripts/setup.sh --test` installs into the repository's own
+/// virtualenv (`target/test-venv`), else the one on PATH.
+pub fn test_tool(name: &str) -> PathBuf {
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let venv = repo.join("target/test-venv/bin").join(name);
+    if venv.exists() {
+        venv
+    } else {
+        PathBuf::from(name)
+    }
+}

@@ -493,7 +493,15 @@ async fn cli_run_prints_42_and_serve_refuses_unsafe_flags() {
 async fn pause_freezes_processes_and_resume_keeps_them() {
     let d = Daemon::start().await;
     let c = d.client();
-    let id = d.sandbox(LimitsSpec::default()).await;
+    let id = c
+        .create_sandbox(&CreateSandboxRequest {
+            timeout: Some(600),
+            auto_resume: Some(false),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .id;
     let bg = c
         .run_background(
             &id,
@@ -513,9 +521,9 @@ async fn pause_freezes_processes_and_resume_keeps_them() {
         c.pause(&id).await.unwrap();
         assert_eq!(c.get_sandbox(&id).await.unwrap().state, "paused");
         assert_eq!(
-            c.pause(&id).await.unwrap_err().status(),
-            Some(409),
-            "round {round}"
+            c.pause(&id).await.unwrap().state,
+            "paused",
+            "round {round}: pausing again changes nothing"
         );
         assert_eq!(
             sh_status(&c, &id).await,
@@ -530,7 +538,7 @@ async fn pause_freezes_processes_and_resume_keeps_them() {
             "no CPU while frozen"
         );
         c.resume(&id).await.unwrap();
-        assert_eq!(c.resume(&id).await.unwrap_err().status(), Some(409));
+        assert_eq!(c.resume(&id).await.unwrap().state, "running");
         let a = sh(&c, &id, "cat /tmp/count").await.stdout;
         tokio::time::sleep(Duration::from_millis(300)).await;
         let b = sh(&c, &id, "cat /tmp/count").await.stdout;

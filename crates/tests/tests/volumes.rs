@@ -688,3 +688,83 @@ async fn a_restart_removes_volumes_a_crash_left_half_made() {
     delete_volume_and_check(&d, &c, "good").await;
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hibernation_forks_and_snapshots_keep_volumes_outside_the_files() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    c.create_volume("life", 32 * MIB).await.unwrap();
+    let s = c
+        .create_sandbox(&with_volumes(vec![mount("life", "/data", false)]))
+        .await
+        .unwrap();
+    let r = sh(&c, &s.id, "echo vol > /data/v && echo layer > /home/user/l").await;
+    assert_eq!(r.exit_code, 0, "{r:?}");
+
+    // Hibernated, the sandbox still holds its volume, and gets it back when it wakes.
+    assert_eq!(c.hibernate(&s.id).await.unwrap().state, "hibernated");
+    assert_eq!(
+        c.get_volume("life").await.unwrap().in_use_by,
+        vec![s.id.clone()]
+    );
+    assert_eq!(
+        c.delete_volume("life").await.unwrap_err().status(),
+        Some(409)
+    );
+    c.resume(&s.id).await.unwrap();
+    let r = sh(&c, &s.id, "cat /data/v /home/user/l; echo again >> /data/v").await;
+    assert_eq!(r.stdout, "vol\nlayer\n", "{r:?}");
+
+    // A fork copies the files and shares the volume.
+    let forks = c
+        .fork(&s.id, &sandpit_api::ForkRequest::default())
+        .await
+        .unwrap();
+    assert_eq!(forks.len(), 1);
+    let f = &forks[0].id;
+    let r = sh(
+        &c,
+        f,
+        "cat /data/v /home/user/l; echo fork > /data/from-fork",
+    )
+    .await;
+    assert_eq!(r.stdout, "vol\nagain\nlayer\n", "{r:?}");
+    assert_eq!(sh(&c, &s.id, "cat /data/from-fork").await.stdout, "fork\n");
+    let mut users = c.get_volume("life").await.unwrap().in_use_by;
+    users.sort();
+    let mut want = vec![s.id.clone(), f.clone()];
+    want.sort();
+    assert_eq!(users, want);
+
+    // A snapshot holds the sandbox's own files, not the volume's: a sandbox started from
+    // it finds an empty mount point, or the volume when its create names it.
+    let snap = c
+        .snapshot(&s.id, &sandpit_api::CreateSnapshotRequest::default())
+        .await
+        .unwrap();
+    let plain = c
+        .create_sandbox(&CreateSandboxRequest {
+            snapshot: Some(snap.id.clone()),
+            ..with_volumes(vec![])
+        })
+        .await
+        .unwrap();
+    let r = sh(&c, &plain.id, "cat /home/user/l; ls -A /data | wc -l").await;
+    assert_eq!(r.stdout, "layer\n0\n", "{r:?}");
+    let mounted = c
+        .create_sandbox(&CreateSandboxRequest {
+            snapshot: Some(snap.id.clone()),
+            ..with_volumes(vec![mount("life", "/data", true)])
+        })
+        .await
+        .unwrap();
+    let r = sh(&c, &mounted.id, "cat /data/from-fork").await;
+    assert_eq!(r.stdout, "fork\n", "{r:?}");
+
+    for id in [&s.id, f, &plain.id, &mounted.id] {
+        c.delete_sandbox(id).await.unwrap();
+    }
+    c.delete_snapshot(&snap.id, true).await.unwrap();
+    delete_volume_and_check(&d, &c, "life").await;
+    d.shutdown().await;
+}

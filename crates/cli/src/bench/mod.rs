@@ -12,6 +12,7 @@
 
 mod baselines;
 mod chart;
+mod lifecycle;
 mod memory;
 mod phases;
 mod proc;
@@ -49,10 +50,12 @@ pub enum Phase {
     Memory,
     /// 100 MiB upload and download.
     Files,
+    /// Pause/resume, hibernate/wake, snapshots of 100 MiB, restore, fork of 10.
+    Lifecycle,
 }
 
 impl Phase {
-    const ALL: [Phase; 8] = [
+    const ALL: [Phase; 9] = [
         Phase::Baselines,
         Phase::Cold,
         Phase::Pool,
@@ -61,6 +64,7 @@ impl Phase {
         Phase::Sustained,
         Phase::Memory,
         Phase::Files,
+        Phase::Lifecycle,
     ];
 
     fn name(self) -> &'static str {
@@ -73,6 +77,7 @@ impl Phase {
             Phase::Sustained => "sustained",
             Phase::Memory => "memory",
             Phase::Files => "files",
+            Phase::Lifecycle => "lifecycle",
         }
     }
 }
@@ -103,7 +108,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 8)]
     pub pool_size: u32,
     /// Run only these phases (comma-separated): baselines, cold, pool, exec, concurrent,
-    /// sustained, memory, files. Default: all.
+    /// sustained, memory, files, lifecycle. Default: all.
     #[arg(long, value_delimiter = ',', value_enum)]
     pub only: Vec<Phase>,
     /// Directory for results.json, results.txt and latency.png
@@ -698,6 +703,10 @@ impl Bench {
         if on(Phase::Files) {
             let r = self.file_io(&mut report).await;
             phase(&mut report, "file_io", r)?;
+        }
+        if on(Phase::Lifecycle) {
+            let r = self.lifecycle(&mut report).await;
+            phase(&mut report, "lifecycle", r)?;
         }
 
         for &n in &self.idle {

@@ -403,7 +403,7 @@ impl Bench {
 }
 
 /// Writes `len` bytes of pseudo-random data (incompressible, so no layer can cheat).
-fn write_payload(path: &Path, len: u64) -> anyhow::Result<()> {
+pub(super) fn write_payload(path: &Path, len: u64) -> anyhow::Result<()> {
     let mut file = std::io::BufWriter::new(
         std::fs::File::create(path).with_context(|| format!("create {}", path.display()))?,
     );

@@ -587,6 +587,72 @@ impl Report {
             }
             dist_row(&mut t, "  exec `true` in each", &k("exec"), none);
         }
+        if self.figures.contains_key("pause.p50_ms") {
+            t.blank();
+            dist_row(
+                &mut t,
+                "pause (freeze)",
+                "pause",
+                (
+                    "cgroup freeze",
+                    "baseline.cgroup_freeze.p50_ms",
+                    "ratio.pause_vs_cgroup_freeze",
+                ),
+            );
+            dist_row(
+                &mut t,
+                "resume (thaw)",
+                "resume",
+                (
+                    "cgroup thaw",
+                    "baseline.cgroup_thaw.p50_ms",
+                    "ratio.resume_vs_cgroup_thaw",
+                ),
+            );
+            dist_row(&mut t, "hibernate (101 MiB)", "hibernate", none);
+            dist_row(&mut t, "wake -> first exec", "wake_first_exec", none);
+            value_row(
+                &mut t,
+                "snapshot of 100 MiB, ms",
+                "snapshot_full.ms",
+                (
+                    "tar --zstd",
+                    "baseline.tar_zstd.ms",
+                    "ratio.snapshot_vs_tar_zstd",
+                ),
+            );
+            value_row(&mut t, "  its size, MB", "snapshot_full.size_mb", none);
+            value_row(
+                &mut t,
+                "incremental (1 MiB), ms",
+                "snapshot_incremental.ms",
+                none,
+            );
+            value_row(
+                &mut t,
+                "  its size, MB",
+                "snapshot_incremental.size_mb",
+                none,
+            );
+            value_row(
+                &mut t,
+                "restore -> first exec, ms",
+                "restore_first_exec.first_ms",
+                none,
+            );
+            value_row(
+                &mut t,
+                "  chain already unpacked",
+                "restore_first_exec.cached_ms",
+                none,
+            );
+            value_row(
+                &mut t,
+                "fork of 10 copies, ms",
+                "fork_10.ms",
+                ("cp -a x10", "baseline.cp_10.ms", "ratio.fork_10_vs_cp_10"),
+            );
+        }
         let baselines = self.figures.keys().any(|k| k.starts_with("baseline."));
         if baselines {
             t.blank();

@@ -154,6 +154,7 @@ impl ContainerRuntime {
             timing,
             cgroup_tasks: self.cgroups.procs_files(&spec.id),
             volumes: spec.volumes.clone(),
+            layers: spec.layers.clone(),
         };
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()
             .map_err(|e| RuntimeError::io("config socket", e))?;
@@ -226,6 +227,85 @@ impl ContainerRuntime {
             Err(e) => Err(RuntimeError::io(format!("remove {}", dir.display()), e)),
         }
     }
+}
+
+/// Lower layers are joined with ':' in overlay options, which know no escaping here.
+fn check_layer_path(p: &Path) -> Result<(), RuntimeError> {
+    let s = p.as_os_str().as_encoded_bytes();
+    if !p.is_absolute() || s.iter().any(|b| matches!(b, b':' | b',' | b'\\' | 0)) {
+        return Err(RuntimeError::InvalidSpec(format!(
+            "layer path {} must be absolute, without ':', ',' or '\\'",
+            p.display()
+        )));
+    }
+    if !p.is_dir() {
+        return Err(RuntimeError::InvalidSpec(format!(
+            "layer {} does not exist",
+            p.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Opens the writable layer of a running sandbox through its root. The sandbox can rename
+/// and replace anything on that path (it owns `/`), so the walk follows no symlink and the
+/// result must be the layer's tmpfs itself: a separate tmpfs whose root the host's root
+/// owns with mode 0700 and holds overlay's `work` directory, none of which a sandbox can
+/// make.
+fn open_upper(h: &SandboxHandle) -> Result<std::os::fd::OwnedFd, RuntimeError> {
+    use nix::fcntl::{OFlag, OpenHow, ResolveFlag, openat2};
+    use nix::sys::stat::fstat;
+    if h.pid <= 0 || !crate::same_process(h.pid, h.pid_start) {
+        return Err(RuntimeError::Setup("the sandbox is not running".into()));
+    }
+    let io = |what: &str, e: nix::Error| RuntimeError::io(what.to_string(), e.into());
+    let dir = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW;
+    let root = nix::fcntl::open(
+        format!("/proc/{}/root", h.pid).as_str(),
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map_err(|e| io("open the sandbox's root", e))?;
+    let how = OpenHow::new().flags(dir).resolve(
+        ResolveFlag::RESOLVE_NO_SYMLINKS
+            | ResolveFlag::RESOLVE_NO_MAGICLINKS
+            | ResolveFlag::RESOLVE_BENEATH,
+    );
+    let layer = openat2(&root, crate::init::LAYER_MOUNT, how).map_err(|e| {
+        RuntimeError::Tampered(format!(
+            "/{} cannot be opened: {e}",
+            crate::init::LAYER_MOUNT
+        ))
+    })?;
+    let (root_st, layer_st) = (
+        fstat(&root).map_err(|e| io("stat root", e))?,
+        fstat(&layer).map_err(|e| io("stat layer", e))?,
+    );
+    let is_tmpfs = nix::sys::statfs::fstatfs(&layer)
+        .is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC);
+    let how = OpenHow::new().flags(dir).resolve(
+        ResolveFlag::RESOLVE_NO_SYMLINKS
+            | ResolveFlag::RESOLVE_NO_MAGICLINKS
+            | ResolveFlag::RESOLVE_NO_XDEV
+            | ResolveFlag::RESOLVE_BENEATH,
+    );
+    let work_ok = openat2(&layer, "work", how)
+        .ok()
+        .and_then(|w| fstat(&w).ok())
+        .is_some_and(|w| w.st_uid == 0 && w.st_mode & 0o7777 == 0o700);
+    let genuine = is_tmpfs
+        && layer_st.st_dev != root_st.st_dev
+        && layer_st.st_uid == 0
+        && layer_st.st_mode & 0o7777 == 0o700
+        && work_ok;
+    if !genuine {
+        tracing::warn!(id = %h.id, "the sandbox's layer mount was tampered with");
+        return Err(RuntimeError::Tampered(format!(
+            "/{} is not the sandbox's writable layer",
+            crate::init::LAYER_MOUNT
+        )));
+    }
+    openat2(&layer, "upper", how).map_err(|e| io("open the upper layer", e))
 }
 
 /// Writes `payload` to `sock`, the first part together with `fd` (SCM_RIGHTS).
@@ -374,6 +454,9 @@ impl Runtime for ContainerRuntime {
         }
         crate::volume::check_targets(spec.volumes.iter().map(|v| v.target.as_str()))
             .map_err(RuntimeError::InvalidSpec)?;
+        for l in &spec.layers {
+            check_layer_path(l)?;
+        }
         let slot = self.alloc_slot(&spec.id)?;
         let uid_base = UID_FLOOR + slot * ID_RANGE;
         let dir = self.dir_of(&spec.id);
@@ -465,6 +548,18 @@ impl Runtime for ContainerRuntime {
         if let (Some(base), Ok(mut slots)) = (h.uid_base, self.slots.lock()) {
             slots.insert((base - UID_FLOOR) / ID_RANGE, h.id.clone());
         }
+    }
+
+    fn open_upper(&self, h: &SandboxHandle) -> Result<crate::UpperView, RuntimeError> {
+        let id_base = h
+            .uid_base
+            .ok_or_else(|| RuntimeError::Setup("no uid range".into()))?;
+        let fd = open_upper(h)?;
+        // The pid could have been reused between the check and the open.
+        if !crate::same_process(h.pid, h.pid_start) {
+            return Err(RuntimeError::Setup("the sandbox is not running".into()));
+        }
+        Ok(crate::UpperView { fd, id_base })
     }
 
     fn release(&self) {

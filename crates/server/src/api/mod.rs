@@ -5,6 +5,7 @@ pub mod files;
 pub mod passthrough;
 pub mod pools;
 pub mod sandboxes;
+pub mod snapshots;
 pub mod volumes;
 
 use crate::error::ApiError;
@@ -179,6 +180,8 @@ async fn authenticate(
         files::download, files::upload, files::list, files::stat, files::mkdir, files::move_path, files::copy, files::remove,
         pools::list, pools::get, pools::create, pools::resize, pools::delete,
         volumes::list, volumes::get, volumes::create, volumes::delete,
+        sandboxes::fork, snapshots::create, snapshots::list, snapshots::get, snapshots::delete,
+        snapshots::verify,
     ),
     components(schemas(sandpit_api::ErrorBody, sandpit_api::CommandEvent, sandpit_api::ClientMessage)),
     modifiers(&BearerAuth)
@@ -235,6 +238,14 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sandboxes/{id}/keepalive", post(sandboxes::keepalive))
         .route("/v1/sandboxes/{id}/pause", post(sandboxes::pause))
         .route("/v1/sandboxes/{id}/resume", post(sandboxes::resume))
+        .route("/v1/sandboxes/{id}/fork", post(sandboxes::fork))
+        .route("/v1/sandboxes/{id}/snapshots", post(snapshots::create))
+        .route("/v1/snapshots", get(snapshots::list))
+        .route(
+            "/v1/snapshots/{id}",
+            get(snapshots::get).delete(snapshots::delete),
+        )
+        .route("/v1/snapshots/{id}/verify", post(snapshots::verify))
         .route("/v1/sandboxes/{id}/stats", get(sandboxes::stats))
         .route(
             "/v1/sandboxes/{id}/commands",

@@ -28,6 +28,18 @@ pub fn to_api(rec: &SandboxRecord, isolated: bool) -> Sandbox {
         expires_at_ms: rec.expires_at_ms,
         error: rec.error.clone(),
         pool: rec.pool.clone(),
+        lifecycle: sandpit_api::Lifecycle {
+            idle_timeout: rec.life.idle_timeout_secs,
+            on_timeout: match rec.life.on_timeout {
+                sandpit_store::OnTimeout::Kill => "kill",
+                sandpit_store::OnTimeout::Pause => "pause",
+            }
+            .into(),
+            auto_resume: rec.life.auto_resume,
+            last_activity_ms: rec.life.last_activity_ms,
+            paused_at_ms: rec.life.paused_at_ms,
+            snapshot: rec.life.snapshot.clone(),
+        },
     }
 }
 
@@ -178,28 +190,62 @@ pub async fn set_timeout(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// Freeze every process of the sandbox; commands and files answer 409 until it resumes.
-#[utoipa::path(post, path = "/v1/sandboxes/{id}/pause", responses((status = 204), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 501, body = ErrorBody)))]
+/// Pause the sandbox: by default its processes are frozen with their memory
+/// (`paused`); with `{"memory": false}` they end and only its files are kept
+/// (`hibernated`). A call to a paused sandbox resumes it when its `auto_resume` is set.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/pause", request_body(content = Option<PauseRequest>),
+    responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 501, body = ErrorBody)))]
 pub async fn pause(
     State(state): State<AppState>,
     owner: Owner,
     Path(id): Path<String>,
-) -> Result<StatusCode, ApiError> {
+    body: axum::body::Bytes,
+) -> Result<Json<Sandbox>, ApiError> {
+    let req: PauseRequest = if body.iter().all(u8::is_ascii_whitespace) {
+        PauseRequest::default()
+    } else {
+        serde_json::from_slice(&body)
+            .map_err(|e| ApiError::bad_request(format!("invalid pause request: {e}")))?
+    };
     let rec = state.manager.get(&owner.0, &id).await?;
-    state.manager.pause(&rec).await?;
-    Ok(StatusCode::NO_CONTENT)
+    let rec = state
+        .manager
+        .pause(&rec, req.memory.unwrap_or(true))
+        .await?;
+    Ok(Json(view(&state, &rec)))
 }
 
-/// Thaw a paused sandbox.
-#[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", responses((status = 204), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+/// Resume a paused sandbox (thaw) or a hibernated one (started again on its files); a
+/// running one is returned as it is.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn resume(
     State(state): State<AppState>,
     owner: Owner,
     Path(id): Path<String>,
-) -> Result<StatusCode, ApiError> {
+) -> Result<Json<Sandbox>, ApiError> {
     let rec = state.manager.get(&owner.0, &id).await?;
-    state.manager.resume(&rec).await?;
-    Ok(StatusCode::NO_CONTENT)
+    let rec = state.manager.resume(&rec).await?;
+    Ok(Json(view(&state, &rec)))
+}
+
+/// Make independent copies of the sandbox's files, each a new sandbox with its own
+/// processes, limits and identity.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/fork", request_body = ForkRequest,
+    responses((status = 201, body = ForkResponse), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
+pub async fn fork(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<ForkRequest>,
+) -> Result<(StatusCode, Json<ForkResponse>), ApiError> {
+    let rec = state.manager.get(&owner.0, &id).await?;
+    let made = state.manager.fork(&rec, &req).await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(ForkResponse {
+            items: made.iter().map(|r| view(&state, r)).collect(),
+        }),
+    ))
 }
 
 /// Restart the sandbox's default lifetime from now.

@@ -1,0 +1,591 @@
+//! Pause (freeze, memory kept), hibernation (files kept, processes ended), the idle rules
+//! that trigger them, and the read-only layers that hibernation, forks and snapshots leave
+//! under a sandbox's writable layer.
+
+use crate::error::ApiError;
+use crate::manager::{DEFAULT_WORKDIR, Failed, Manager, now_ms};
+use crate::pools::POOL_OWNER;
+use sandpit_runtime::{Runtime, SandboxHandle, SandboxSpec};
+use sandpit_store::{OnTimeout, SandboxRecord, SandboxState};
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Top-level entries of a writable layer that belong to sandpit, never to the sandbox's
+/// files: mount points and the agent.
+pub const SKIP_TOP: &[&str] = &["proc", "sys", "dev", ".sandpit"];
+
+/// How long an automatic pause or hibernation that failed waits before it is tried again.
+const AUTO_RETRY: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Daemon-wide idle and lifetime rules (`[lifecycle]` in the config file).
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LifecycleConfig {
+    /// Idle timeout of sandboxes whose create names none; 0 = never pause on idleness.
+    pub idle_timeout_secs: u64,
+    /// A paused sandbox is hibernated after this long; 0 = never.
+    pub hibernate_after_secs: u64,
+    /// Hard maximum lifetime of any sandbox, whatever its timeout; 0 = none.
+    pub max_lifetime_secs: u64,
+}
+
+impl Default for LifecycleConfig {
+    fn default() -> Self {
+        Self {
+            idle_timeout_secs: 300,
+            hibernate_after_secs: 600,
+            max_lifetime_secs: 0,
+        }
+    }
+}
+
+/// Layer ids as they appear in `Lifecycle::layers` and under `DATA_DIR/layers`.
+pub fn valid_layer_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 128
+        && !id.starts_with('.')
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+/// Takes a layer id out of garbage collection while it is being made and recorded.
+pub(crate) struct Pin<'a> {
+    m: &'a Manager,
+    id: String,
+}
+
+impl Drop for Pin<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut p) = self.m.layer_pins.lock() {
+            p.remove(&self.id);
+        }
+    }
+}
+
+impl Manager {
+    /// Where read-only layers live (on disk: hibernated files must survive a reboot).
+    pub(crate) fn layers_dir(&self) -> PathBuf {
+        self.cfg.data_dir.join("layers")
+    }
+
+    /// The directory of layer `id`.
+    pub(crate) fn layer_path(&self, id: &str) -> Result<PathBuf, ApiError> {
+        if !valid_layer_id(id) {
+            return Err(ApiError::internal(format!("bad layer id {id:?}")));
+        }
+        Ok(self.layers_dir().join(id))
+    }
+
+    /// Paths of a record's layers, top first.
+    pub(crate) fn layer_paths(&self, rec: &SandboxRecord) -> Result<Vec<PathBuf>, ApiError> {
+        rec.life.layers.iter().map(|l| self.layer_path(l)).collect()
+    }
+
+    pub(crate) fn pin(&self, id: &str) -> Pin<'_> {
+        if let Ok(mut p) = self.layer_pins.lock() {
+            p.insert(id.to_string());
+        }
+        Pin {
+            m: self,
+            id: id.to_string(),
+        }
+    }
+
+    /// Serializes pause, resume, hibernation, snapshots and forks of one sandbox.
+    pub(crate) async fn op_lock(&self, id: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = {
+            let mut ops = match self.ops.lock() {
+                Ok(o) => o,
+                Err(p) => p.into_inner(),
+            };
+            // Forget locks nobody holds or waits for, so the map stays small.
+            ops.retain(|_, l| Arc::strong_count(l) > 1);
+            ops.entry(id.to_string()).or_default().clone()
+        };
+        lock.lock_owned().await
+    }
+
+    /// Records that an API call touched sandbox `id` (its idle timer restarts).
+    pub fn touch(&self, id: &str) {
+        if let Ok(mut a) = self.activity.lock() {
+            a.insert(id.to_string(), now_ms());
+        }
+    }
+
+    /// Writes the activity gathered since the last call to the store.
+    pub(crate) async fn flush_activity(&self) {
+        let touched: Vec<(String, i64)> = match self.activity.lock() {
+            Ok(mut a) => a.drain().collect(),
+            Err(_) => return,
+        };
+        if let Err(e) = self.store.touch_sandboxes(&touched).await {
+            tracing::warn!(error = %e, "recording sandbox activity failed");
+        }
+    }
+
+    /// When an API call last touched the sandbox (including calls not yet flushed).
+    fn last_activity(&self, rec: &SandboxRecord) -> i64 {
+        let pending = self
+            .activity
+            .lock()
+            .ok()
+            .and_then(|a| a.get(&rec.id).copied())
+            .unwrap_or(0);
+        rec.life
+            .last_activity_ms
+            .max(pending)
+            .max(rec.created_at_ms)
+    }
+
+    /// The current record, for operations that waited for the sandbox's op lock.
+    async fn fresh(&self, id: &str) -> Result<SandboxRecord, ApiError> {
+        match self.store.get_sandbox(id).await? {
+            Some(r) if r.state != SandboxState::Stopping && !r.state.is_final() => Ok(r),
+            _ => Err(ApiError::not_found(format!("sandbox {id} not found"))),
+        }
+    }
+
+    /// Pauses a sandbox: `memory` keeps its processes frozen in RAM, otherwise it is
+    /// hibernated (files kept, processes ended).
+    pub async fn pause(
+        &self,
+        rec: &SandboxRecord,
+        memory: bool,
+    ) -> Result<SandboxRecord, ApiError> {
+        if !memory {
+            return self.hibernate(rec).await;
+        }
+        let _op = self.op_lock(&rec.id).await;
+        let rec = self.fresh(&rec.id).await?;
+        match rec.state {
+            SandboxState::Running => {}
+            SandboxState::Paused | SandboxState::Hibernated => return Ok(rec),
+            other => {
+                return Err(ApiError::conflict(format!(
+                    "sandbox {} is {other}, not running",
+                    rec.id
+                )));
+            }
+        }
+        let (rt, h) = self.runtime_of(&rec)?;
+        blocking(move || rt.freeze(&h)).await?;
+        let mut life = rec.life.clone();
+        life.paused_at_ms = Some(now_ms());
+        self.store
+            .transition_life(
+                &rec.id,
+                &[SandboxState::Running],
+                SandboxState::Paused,
+                &life,
+            )
+            .await?
+            .ok_or_else(|| ApiError::conflict("sandbox changed state while pausing"))
+    }
+
+    /// Resumes a paused sandbox (thaw) or a hibernated one (start again on its files); a
+    /// running one is returned as it is.
+    pub async fn resume(&self, rec: &SandboxRecord) -> Result<SandboxRecord, ApiError> {
+        let _op = self.op_lock(&rec.id).await;
+        let rec = self.fresh(&rec.id).await?;
+        let woken = match rec.state {
+            SandboxState::Running => return Ok(rec),
+            SandboxState::Paused => {
+                let (rt, h) = self.runtime_of(&rec)?;
+                blocking(move || rt.thaw(&h)).await?;
+                let mut life = rec.life.clone();
+                life.paused_at_ms = None;
+                self.store
+                    .transition_life(
+                        &rec.id,
+                        &[SandboxState::Paused],
+                        SandboxState::Running,
+                        &life,
+                    )
+                    .await?
+                    .ok_or_else(|| ApiError::conflict("sandbox changed state while resuming"))?
+            }
+            SandboxState::Hibernated => self.wake(&rec).await?,
+            other => {
+                return Err(ApiError::conflict(format!(
+                    "sandbox {} is {other}, not paused",
+                    rec.id
+                )));
+            }
+        };
+        self.touch(&woken.id);
+        if woken.expires_at_ms == i64::MAX && woken.life.timeout_secs > 0 {
+            // Paused by its timeout: a resume gives it its lifetime again.
+            let at = now_ms() + woken.life.timeout_secs as i64 * 1000;
+            self.store.set_expires_at(&woken.id, at).await?;
+            return Ok(SandboxRecord {
+                expires_at_ms: at,
+                ..woken
+            });
+        }
+        Ok(woken)
+    }
+
+    /// Keeps the sandbox's files, ends its processes and frees everything else. Its writable
+    /// layer becomes a read-only layer on disk, which a resume starts it on.
+    pub async fn hibernate(&self, rec: &SandboxRecord) -> Result<SandboxRecord, ApiError> {
+        let _op = self.op_lock(&rec.id).await;
+        let rec = self.fresh(&rec.id).await?;
+        match rec.state {
+            SandboxState::Running | SandboxState::Paused => {}
+            SandboxState::Hibernated => return Ok(rec),
+            other => {
+                return Err(ApiError::conflict(format!(
+                    "sandbox {} is {other}, not running or paused",
+                    rec.id
+                )));
+            }
+        }
+        let (rt, h) = self.runtime_of(&rec)?;
+        let layer_id = format!("hib-{}-{}", rec.id, now_ms());
+        let dest = self.layer_path(&layer_id)?;
+        let _pin = self.pin(&layer_id);
+        let was_running = rec.state == SandboxState::Running;
+        self.capture_upper(&rt, &h, was_running, &dest).await?;
+        let mut life = rec.life.clone();
+        life.layers.insert(0, layer_id.clone());
+        life.paused_at_ms = Some(now_ms());
+        let from = [SandboxState::Running, SandboxState::Paused];
+        let Some(cur) = self
+            .store
+            .transition_life(&rec.id, &from, SandboxState::Hibernated, &life)
+            .await?
+        else {
+            remove_dir(dest).await;
+            if was_running {
+                let (rt, h) = (rt.clone(), h.clone());
+                let _ = blocking(move || rt.thaw(&h)).await;
+            }
+            return Err(ApiError::conflict(
+                "sandbox changed state while hibernating",
+            ));
+        };
+        self.forget(&rec.id);
+        if let Err(e) = crate::manager::run_destroy(rt, h).await {
+            // The files are safe; what is left of the processes goes with the next
+            // start's orphan sweep.
+            tracing::warn!(id = %rec.id, error = %e, "ending a hibernated sandbox's processes failed");
+        }
+        tracing::info!(id = %rec.id, layer = layer_id, "sandbox hibernated");
+        Ok(self.fold_private_layer(cur).await)
+    }
+
+    /// Copies a sandbox's writable layer into a new read-only layer at `dest`, freezing
+    /// the sandbox meanwhile when it runs (and thawing it after a failure).
+    pub(crate) async fn capture_upper(
+        &self,
+        rt: &Arc<dyn Runtime>,
+        h: &SandboxHandle,
+        freeze: bool,
+        dest: &Path,
+    ) -> Result<(), ApiError> {
+        if freeze {
+            let (rt, h) = (rt.clone(), h.clone());
+            blocking(move || rt.freeze(&h)).await?;
+        }
+        let (rt2, h2, dest2) = (rt.clone(), h.clone(), dest.to_path_buf());
+        let copied = blocking(move || {
+            let up = rt2.open_upper(&h2)?;
+            copy_into_new_layer(
+                &sandpit_image::Layer {
+                    dir: up.path(),
+                    id_base: up.id_base,
+                },
+                &dest2,
+            )
+        })
+        .await;
+        if let Err(e) = copied {
+            if freeze {
+                let (rt, h) = (rt.clone(), h.clone());
+                let _ = blocking(move || rt.thaw(&h)).await;
+            }
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Folds a freshly hibernated sandbox's top layer into the layer below it when that
+    /// one is its own from an earlier hibernation and nobody else uses it, so that
+    /// hibernating again and again does not stack up layers.
+    async fn fold_private_layer(&self, rec: SandboxRecord) -> SandboxRecord {
+        let [top, below, ..] = rec.life.layers.as_slice() else {
+            return rec;
+        };
+        if !below.starts_with(&format!("hib-{}-", rec.id)) {
+            return rec;
+        }
+        let Ok(live) = self.store.live_sandboxes().await else {
+            return rec;
+        };
+        if live
+            .iter()
+            .any(|r| r.id != rec.id && r.life.layers.contains(below))
+        {
+            return rec;
+        }
+        let (Ok(top_dir), Ok(below_dir)) = (self.layer_path(top), self.layer_path(below)) else {
+            return rec;
+        };
+        let merged = blocking(move || {
+            sandpit_image::merge_layer(
+                &sandpit_image::Layer {
+                    dir: top_dir,
+                    id_base: 0,
+                },
+                &below_dir,
+                &[],
+            )
+            .map_err(|e| ApiError::internal(format!("merge layers: {e}")))
+        })
+        .await;
+        if let Err(e) = merged {
+            tracing::warn!(id = %rec.id, error = %e.message, "folding hibernation layers failed; keeping both");
+            return rec;
+        }
+        // The lower layer now holds both; until the record says so, both are listed,
+        // which gives the same files.
+        let mut life = rec.life.clone();
+        let top = life.layers.remove(0);
+        match self.store.set_life(&rec.id, &life).await {
+            Ok(true) => {
+                if let Ok(p) = self.layer_path(&top) {
+                    remove_dir(p).await;
+                }
+                SandboxRecord { life, ..rec }
+            }
+            _ => rec,
+        }
+    }
+
+    /// Starts a hibernated sandbox again on its files (called under its op lock).
+    async fn wake(&self, rec: &SandboxRecord) -> Result<SandboxRecord, ApiError> {
+        let limits = crate::snapshots::limits_of(rec);
+        let plan = self
+            .plan(Some(&rec.template), Some(&rec.runtime), &limits)
+            .await?;
+        let layers = self.layer_paths(rec)?;
+        let volumes = self.volume_mounts(&rec.id).await?;
+        let cur = self
+            .store
+            .transition(
+                &rec.id,
+                &[SandboxState::Hibernated],
+                SandboxState::Creating,
+                None,
+            )
+            .await?
+            .ok_or_else(|| ApiError::conflict("sandbox changed state while resuming"))?;
+        let spec = SandboxSpec {
+            id: rec.id.clone(),
+            template: plan.template.clone(),
+            limits: plan.runtime_limits(),
+            env: rec.env.clone(),
+            workdir: rec
+                .life
+                .workdir
+                .clone()
+                .unwrap_or_else(|| DEFAULT_WORKDIR.into()),
+            layers,
+            volumes,
+        };
+        let running = self
+            .boot(
+                &cur,
+                plan.runtime.clone(),
+                spec,
+                Failed::Restore(SandboxState::Hibernated),
+            )
+            .await?;
+        if let Some(user) = rec.life.user.as_deref() {
+            self.set_default_user(&running, user).await?;
+        }
+        let mut life = running.life.clone();
+        life.paused_at_ms = None;
+        self.store.set_life(&running.id, &life).await?;
+        tracing::info!(id = %rec.id, "hibernated sandbox resumed");
+        Ok(SandboxRecord { life, ..running })
+    }
+
+    /// Idle pauses, timeouts that pause, automatic hibernation and the hard lifetime
+    /// limit; run by the housekeeping tick over the live sandboxes.
+    pub(crate) async fn lifecycle_tick(self: &Arc<Self>, live: &[SandboxRecord]) {
+        self.flush_activity().await;
+        if self
+            .gc_wanted
+            .swap(false, std::sync::atomic::Ordering::AcqRel)
+        {
+            self.gc_layers().await;
+        }
+        let now = now_ms();
+        let cfg = self.cfg.lifecycle.clone();
+        for rec in live.iter().filter(|r| r.owner != POOL_OWNER) {
+            if cfg.max_lifetime_secs > 0
+                && now - rec.created_at_ms > cfg.max_lifetime_secs as i64 * 1000
+            {
+                tracing::info!(id = %rec.id, "sandbox reached the maximum lifetime");
+                if let Err(e) = self.destroy(rec).await {
+                    tracing::warn!(id = %rec.id, error = %e.message, "destroying a sandbox at its maximum lifetime failed");
+                }
+                continue;
+            }
+            let action = match rec.state {
+                SandboxState::Running
+                    if rec.life.idle_timeout_secs > 0
+                        && now - self.last_activity(rec)
+                            > rec.life.idle_timeout_secs as i64 * 1000
+                        && !self.has_requests_in_flight(&rec.id) =>
+                {
+                    Some(("idle", true))
+                }
+                SandboxState::Paused
+                    if cfg.hibernate_after_secs > 0
+                        && rec.life.paused_at_ms.is_some_and(|at| {
+                            now - at > cfg.hibernate_after_secs as i64 * 1000
+                        }) =>
+                {
+                    Some(("paused for long", false))
+                }
+                _ => None,
+            };
+            if let Some((why, memory)) = action {
+                self.spawn_pause(rec, why, memory);
+            }
+        }
+    }
+
+    /// A sandbox past its timeout: destroyed, or paused when its `on_timeout` says so.
+    pub(crate) async fn expire(self: &Arc<Self>, rec: &SandboxRecord) {
+        if rec.life.on_timeout == OnTimeout::Pause
+            && matches!(
+                rec.state,
+                SandboxState::Running | SandboxState::Paused | SandboxState::Hibernated
+            )
+        {
+            // Never selected again by the timeout; a resume sets a new deadline.
+            if let Err(e) = self.store.set_expires_at(&rec.id, i64::MAX).await {
+                tracing::warn!(id = %rec.id, error = %e, "recording a timeout pause failed");
+                return;
+            }
+            if rec.state == SandboxState::Running {
+                self.spawn_pause(rec, "timeout", true);
+            }
+            return;
+        }
+        tracing::info!(id = %rec.id, "sandbox expired");
+        if let Err(e) = self.destroy(rec).await {
+            tracing::warn!(id = %rec.id, error = %e.message, "destroying expired sandbox failed");
+        }
+    }
+
+    /// Pauses in the background; after a failure the sandbox is left alone for
+    /// [`AUTO_RETRY`], so that a sandbox that cannot be paused is not retried every tick.
+    fn spawn_pause(self: &Arc<Self>, rec: &SandboxRecord, why: &'static str, memory: bool) {
+        if let Ok(mut failed) = self.auto_failures.lock() {
+            failed.retain(|_, at| at.elapsed() < AUTO_RETRY);
+            if failed.contains_key(&rec.id) {
+                return;
+            }
+        }
+        let (me, rec) = (self.clone(), rec.clone());
+        tokio::spawn(async move {
+            match me.pause(&rec, memory).await {
+                Ok(r) => tracing::info!(id = %rec.id, why, state = %r.state, "sandbox paused"),
+                Err(e) => {
+                    tracing::warn!(id = %rec.id, why, error = %e.message, "automatic pause failed");
+                    if let Ok(mut failed) = me.auto_failures.lock() {
+                        failed.insert(rec.id.clone(), std::time::Instant::now());
+                    }
+                }
+            }
+        });
+    }
+
+    /// Removes layer directories that no live sandbox and no snapshot uses.
+    pub(crate) async fn gc_layers(&self) {
+        let _gc = self.gc_lock.lock().await;
+        let (Ok(live), Ok(snaps)) = (
+            self.store.live_sandboxes().await,
+            self.store.list_snapshots(None).await,
+        ) else {
+            return;
+        };
+        let mut keep: HashSet<String> = live
+            .into_iter()
+            .flat_map(|r| r.life.layers.into_iter())
+            .collect();
+        keep.extend(
+            snaps
+                .iter()
+                .map(|s| crate::snapshots::cache_layer_id(&s.id)),
+        );
+        if let Ok(p) = self.layer_pins.lock() {
+            keep.extend(p.iter().cloned());
+        }
+        let dir = self.layers_dir();
+        let gone = blocking(move || {
+            let mut gone = Vec::new();
+            if let Ok(rd) = std::fs::read_dir(&dir) {
+                for e in rd.flatten() {
+                    let name = e.file_name().to_string_lossy().to_string();
+                    // `<id>.partial` is a pinned layer being written.
+                    let stem = name.split('.').next().unwrap_or_default();
+                    if !keep.contains(&name) && !keep.contains(stem) {
+                        let _ = std::fs::remove_dir_all(e.path());
+                        gone.push(name);
+                    }
+                }
+            }
+            Ok::<_, ApiError>(gone)
+        })
+        .await
+        .unwrap_or_default();
+        if !gone.is_empty() {
+            tracing::info!(?gone, "removed unused layers");
+        }
+    }
+}
+
+/// Copies a writable layer into a new layer directory: first under a temporary name, so
+/// that a crash never leaves a half-copied layer under a name a record could use.
+pub(crate) fn copy_into_new_layer(
+    from: &sandpit_image::Layer,
+    dest: &Path,
+) -> Result<(), ApiError> {
+    let tmp = dest.with_extension("partial");
+    let _ = std::fs::remove_dir_all(&tmp);
+    if let Some(parent) = dest.parent() {
+        std::fs::create_dir_all(parent)
+            .map_err(|e| ApiError::internal(format!("create {}: {e}", parent.display())))?;
+    }
+    let done = sandpit_image::copy_layer(from, &tmp, SKIP_TOP)
+        .map_err(crate::snapshots::image_err)
+        .and_then(|_| {
+            std::fs::rename(&tmp, dest)
+                .map_err(|e| ApiError::internal(format!("rename {}: {e}", tmp.display())))
+        });
+    if done.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    done
+}
+
+/// Runs blocking work (runtime calls, file trees) off the async threads.
+pub(crate) async fn blocking<T: Send + 'static, E: Into<ApiError> + Send + 'static>(
+    f: impl FnOnce() -> Result<T, E> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::internal(format!("task: {e}")))?
+        .map_err(Into::into)
+}
+
+async fn remove_dir(p: PathBuf) {
+    let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(p)).await;
+}

@@ -1,0 +1,840 @@
+//! Pause, hibernation, idle rules, snapshots (local and S3) and forks, against real
+//! sandboxes.
+
+use sandpit_api::{
+    CreateSandboxRequest, CreateSnapshotRequest, ForkRequest, LimitsSpec, RunCommandRequest,
+};
+use sandpit_client::Client;
+use sandpit_tests::{Daemon, sh, sh_root, wait_no_leftovers};
+use std::time::Duration;
+
+fn small() -> LimitsSpec {
+    LimitsSpec {
+        memory_bytes: Some(256 << 20),
+        disk_bytes: Some(256 << 20),
+        ..Default::default()
+    }
+}
+
+async fn create(c: &Client, req: CreateSandboxRequest) -> String {
+    let req = CreateSandboxRequest {
+        limits: small(),
+        timeout: req.timeout.or(Some(600)),
+        ..req
+    };
+    c.create_sandbox(&req).await.expect("create sandbox").id
+}
+
+/// Waits (up to 30 s) until the sandbox is in `state`.
+async fn wait_state(c: &Client, id: &str, state: &str) -> String {
+    let mut last = String::new();
+    for _ in 0..300 {
+        match c.get_sandbox(id).await {
+            Ok(s) if s.state == state => return s.state,
+            Ok(s) => last = s.state,
+            Err(e) => last = format!("error: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    last
+}
+
+/// A daemon with a config file.
+async fn daemon_with_config(toml: &str) -> Daemon {
+    let dir = tempfile::Builder::new()
+        .prefix("sandpit-test-cfg-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let path = dir.path().join("config.toml");
+    std::fs::write(&path, toml).unwrap();
+    let d = Daemon::start_with(&["--config", path.to_str().unwrap()]).await;
+    // The daemon read the file at start.
+    drop(dir);
+    d
+}
+
+/// sha256 of every file below the listed paths, as `sha256sum` prints them, sorted.
+async fn hashes(c: &Client, id: &str) -> String {
+    let r = sh_root(
+        c,
+        id,
+        "cd / && find home/user/data etc/sandpit-test var/tmp/sandpit-vt opt/tool -type f -print0 2>/dev/null | sort -z | xargs -0 sha256sum; \
+         find home/user/data etc/sandpit-test var/tmp/sandpit-vt opt/tool 2>/dev/null | sort | xargs -r stat -c '%n %A %U' ",
+    )
+    .await;
+    assert_eq!(r.exit_code, 0, "{}", r.stderr);
+    r.stdout
+}
+
+fn layer_dirs(d: &Daemon) -> Vec<String> {
+    std::fs::read_dir(d.data.path().join("layers"))
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+async fn wait_no_layers(d: &Daemon) -> Vec<String> {
+    for _ in 0..100 {
+        if layer_dirs(d).is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    layer_dirs(d)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_counter_continues_where_it_stopped_across_two_pauses_with_its_files_env_and_cwd() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let id = create(
+        &c,
+        CreateSandboxRequest {
+            auto_resume: Some(false),
+            ..Default::default()
+        },
+    )
+    .await;
+    // The log stays open on fd 3 the whole time.
+    sh(&c, &id, "mkdir -p /tmp/work").await;
+    let bg = c
+        .run_background(
+            &id,
+            &RunCommandRequest {
+                argv: vec![
+                    "bash".into(),
+                    "-c".into(),
+                    "exec 3>>/tmp/work/log; i=0; while true; do i=$((i+1)); echo $i > count; echo $i >&3; sleep 0.05; done"
+                        .into(),
+                ],
+                env: [("COUNTER_ENV".to_string(), "kept".to_string())].into(),
+                cwd: Some("/tmp/work".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    for round in 0..2 {
+        let before: u64 = sh(&c, &id, "cat /tmp/work/count")
+            .await
+            .stdout
+            .trim()
+            .parse()
+            .unwrap();
+        let paused = c.pause(&id).await.unwrap();
+        assert_eq!(paused.state, "paused", "round {round}");
+        assert!(paused.lifecycle.paused_at_ms.is_some());
+        // Pausing a paused sandbox changes nothing.
+        assert_eq!(c.pause(&id).await.unwrap().state, "paused");
+        // Without auto_resume, work on a paused sandbox is refused.
+        let refused = c
+            .run(
+                &id,
+                &RunCommandRequest {
+                    argv: vec!["true".into()],
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(refused.status(), Some(409), "round {round}");
+        let frozen_at = c.stats(&id).await.unwrap().cpu_usage_ns;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert_eq!(
+            c.stats(&id).await.unwrap().cpu_usage_ns,
+            frozen_at,
+            "no CPU while frozen"
+        );
+        assert_eq!(c.resume(&id).await.unwrap().state, "running");
+        assert_eq!(
+            c.resume(&id).await.unwrap().state,
+            "running",
+            "resume is idempotent"
+        );
+        let after: u64 = sh(&c, &id, "cat /tmp/work/count")
+            .await
+            .stdout
+            .trim()
+            .parse()
+            .unwrap();
+        // Running on for the 1.5 s pause would have added about 30; starting over, 1.
+        assert!(
+            after >= before && after - before < 15,
+            "round {round}: {before} before the pause, {after} after"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let later: u64 = sh(&c, &id, "cat /tmp/work/count")
+            .await
+            .stdout
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(later > after, "the loop goes on after resume");
+    }
+    // The same process, with its env, cwd and open file.
+    // Read as the process's own user: root inside lacks CAP_SYS_PTRACE.
+    let check = sh(
+        &c,
+        &id,
+        &format!(
+            "tr '\\0' '\\n' < /proc/{0}/environ | grep COUNTER_ENV; readlink /proc/{0}/cwd; readlink /proc/{0}/fd/3; \
+             tail -n1 /tmp/work/log; cat /tmp/work/count",
+            bg.pid
+        ),
+    )
+    .await;
+    let lines: Vec<&str> = check.stdout.lines().collect();
+    assert_eq!(lines.len(), 5, "{check:?}");
+    assert_eq!(
+        &lines[..3],
+        ["COUNTER_ENV=kept", "/tmp/work", "/tmp/work/log"],
+        "{check:?}"
+    );
+    let (logged, count): (u64, u64) = (lines[3].parse().unwrap(), lines[4].parse().unwrap());
+    assert!(
+        count.abs_diff(logged) <= 1,
+        "the open log got every count: {logged} vs {count}"
+    );
+    c.delete_sandbox(&id).await.unwrap();
+    assert!(wait_no_leftovers(&d, &id).await.is_empty());
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hibernation_keeps_files_ends_processes_and_survives_a_restart() {
+    let mut d = Daemon::start().await;
+    let c = d.client();
+    let id = create(
+        &c,
+        CreateSandboxRequest {
+            env: [("HIB".to_string(), "env-kept".to_string())].into(),
+            workdir: Some("/tmp".into()),
+            user: Some("root".into()),
+            ..Default::default()
+        },
+    )
+    .await;
+    let setup = sh_root(
+        &c,
+        &id,
+        "mkdir -p /home/user/data/sub /etc/sandpit-test /var/tmp/sandpit-vt /opt/tool && echo vt > /var/tmp/sandpit-vt/f && echo tool > /opt/tool/t && head -c 300000 /dev/urandom > /home/user/data/blob \
+         && echo hello > /home/user/data/sub/a && ln -s sub/a /home/user/data/link && echo x > /etc/sandpit-test/conf \
+         && chown 1000:1000 /home/user/data/sub/a && chmod 4750 /etc/sandpit-test/conf && rm /etc/debian_version && echo one > /home/user/gone",
+    )
+    .await;
+    assert_eq!(setup.exit_code, 0, "{setup:?}");
+    let before = hashes(&c, &id).await;
+    let bg = c
+        .run_background(
+            &id,
+            &RunCommandRequest {
+                argv: vec!["sleep".into(), "1000".into()],
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    for round in 0..3 {
+        let h = c.hibernate(&id).await.unwrap();
+        assert_eq!(h.state, "hibernated", "round {round}");
+        // Nothing of it runs on the host.
+        assert!(wait_no_leftovers(&d, &id).await.is_empty(), "round {round}");
+        if round == 1 {
+            // A hibernated sandbox survives a daemon restart.
+            let port = d.port;
+            d.stop();
+            let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
+            d = Daemon::start_in(data, port).await;
+        }
+        let c = d.client();
+        assert_eq!(c.get_sandbox(&id).await.unwrap().state, "hibernated");
+        // A command wakes it (auto_resume is on by default).
+        let r = sh(
+            &c,
+            &id,
+            "pwd; whoami; echo $HIB; test -e /etc/debian_version || echo no-debian-version",
+        )
+        .await;
+        assert_eq!(
+            r.stdout, "/tmp\nroot\nenv-kept\nno-debian-version\n",
+            "round {round}: {r:?}"
+        );
+        assert_eq!(c.get_sandbox(&id).await.unwrap().state, "running");
+        assert_eq!(hashes(&c, &id).await, before, "round {round}");
+        let procs = c.list_commands(&id).await.unwrap();
+        assert!(
+            procs.iter().all(|p| p.pid != bg.pid),
+            "processes end with hibernation"
+        );
+        // Changes after a resume are kept by the next hibernation, deletions too.
+        let r = sh(&c, &id, "cat /home/user/gone 2>/dev/null || echo absent").await;
+        let want = if round == 0 { "one\n" } else { "absent\n" };
+        assert_eq!(r.stdout, want, "round {round}");
+        sh_root(&c, &id, "rm -f /home/user/gone").await;
+    }
+    // Hibernating again and again does not pile up layers: they fold into one.
+    let c = d.client();
+    c.hibernate(&id).await.unwrap();
+    let layers = layer_dirs(&d);
+    assert_eq!(layers.len(), 1, "{layers:?}");
+    c.delete_sandbox(&id).await.unwrap();
+    assert!(wait_no_leftovers(&d, &id).await.is_empty());
+    assert_eq!(
+        wait_no_layers(&d).await,
+        Vec::<String>::new(),
+        "a deleted sandbox's layers go"
+    );
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_sandboxes_pause_and_wake_on_the_next_call_and_keepalive_holds_them() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let idle = create(
+        &c,
+        CreateSandboxRequest {
+            idle_timeout: Some(2),
+            ..Default::default()
+        },
+    )
+    .await;
+    let kept = create(
+        &c,
+        CreateSandboxRequest {
+            idle_timeout: Some(3),
+            ..Default::default()
+        },
+    )
+    .await;
+    let never = create(
+        &c,
+        CreateSandboxRequest {
+            idle_timeout: Some(0),
+            ..Default::default()
+        },
+    )
+    .await;
+    sh(&c, &idle, "echo state > /tmp/s").await;
+    // `kept` gets a keep-alive every second for 6 s.
+    for _ in 0..6 {
+        c.keepalive(&kept).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    assert_eq!(wait_state(&c, &idle, "paused").await, "paused");
+    assert_eq!(
+        c.get_sandbox(&kept).await.unwrap().state,
+        "running",
+        "keep-alives hold it"
+    );
+    assert_eq!(c.get_sandbox(&never).await.unwrap().state, "running");
+    // The next call wakes the idle one, with its files.
+    assert_eq!(sh(&c, &idle, "cat /tmp/s").await.stdout, "state\n");
+    assert_eq!(c.get_sandbox(&idle).await.unwrap().state, "running");
+    // A long command counts as activity while it runs.
+    let r = sh(&c, &idle, "sleep 4; echo done").await;
+    assert_eq!(r.stdout, "done\n");
+    assert_eq!(c.get_sandbox(&idle).await.unwrap().state, "running");
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeouts_pause_or_kill_and_paused_sandboxes_hibernate_later() {
+    let d =
+        daemon_with_config("[lifecycle]\nhibernate_after_secs = 2\nmax_lifetime_secs = 40\n").await;
+    let c = d.client();
+    let pausing = create(
+        &c,
+        CreateSandboxRequest {
+            timeout: Some(2),
+            on_timeout: Some("pause".into()),
+            ..Default::default()
+        },
+    )
+    .await;
+    let killed = create(
+        &c,
+        CreateSandboxRequest {
+            timeout: Some(2),
+            ..Default::default()
+        },
+    )
+    .await;
+    sh(&c, &pausing, "echo kept > /tmp/f").await;
+    // Timeout → pause; paused for 2 s → hibernated.
+    assert_eq!(wait_state(&c, &pausing, "hibernated").await, "hibernated");
+    let gone = c.get_sandbox(&killed).await;
+    assert_eq!(
+        gone.unwrap_err().status(),
+        Some(404),
+        "the default timeout kills"
+    );
+    let woke = c.resume(&pausing).await.unwrap();
+    assert_eq!(woke.state, "running");
+    assert!(
+        woke.expires_at_ms > sandpit_tests_now_ms()
+            && woke.expires_at_ms < sandpit_tests_now_ms() + 10_000,
+        "a resume gives the timeout again: {}",
+        woke.expires_at_ms
+    );
+    assert_eq!(sh(&c, &pausing, "cat /tmp/f").await.stdout, "kept\n");
+    c.delete_sandbox(&pausing).await.unwrap();
+    let bad = c
+        .create_sandbox(&CreateSandboxRequest {
+            on_timeout: Some("explode".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(bad.status(), Some(400));
+    d.shutdown().await;
+}
+
+fn sandpit_tests_now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_maximum_lifetime_ends_any_sandbox() {
+    let d = daemon_with_config("[lifecycle]\nmax_lifetime_secs = 3\n").await;
+    let c = d.client();
+    let id = create(&c, CreateSandboxRequest::default()).await;
+    let mut gone = false;
+    for _ in 0..200 {
+        if c.get_sandbox(&id).await.is_err() {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        gone,
+        "a 600 s timeout does not outlive a 3 s maximum lifetime"
+    );
+    assert!(wait_no_leftovers(&d, &id).await.is_empty());
+    d.shutdown().await;
+}
+
+/// Takes a full snapshot, then two incremental ones, and restores each: every restore has
+/// exactly the files of its point. Then checks integrity, deletion rules and cleanup.
+async fn snapshot_chain_restores_exact_files(d: &Daemon) {
+    let c = d.client();
+    let id = create(&c, CreateSandboxRequest::default()).await;
+    sh_root(
+        &c,
+        &id,
+        "mkdir -p /home/user/data/dir /etc/sandpit-test && head -c 2000000 /dev/urandom > /home/user/data/big \
+         && echo v1 > /home/user/data/dir/f && echo keep > /home/user/data/keep && ln -s dir/f /home/user/data/link \
+         && echo cfg > /etc/sandpit-test/c && chown -R 1000:1000 /home/user/data",
+    )
+    .await;
+    let h1 = hashes(&c, &id).await;
+    let s1 = c
+        .snapshot(
+            &id,
+            &CreateSnapshotRequest {
+                name: Some(format!("one-{id}")),
+                incremental: true,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(s1.kind, "full", "no snapshot before: a full one");
+    assert!(s1.parent.is_none());
+    sh_root(
+        &c,
+        &id,
+        "echo v2 > /home/user/data/dir/f && rm /home/user/data/keep && echo new > /home/user/data/new && rm -r /etc/sandpit-test",
+    )
+    .await;
+    let h2 = hashes(&c, &id).await;
+    let s2 = c
+        .snapshot(
+            &id,
+            &CreateSnapshotRequest {
+                name: Some(format!("two-{id}")),
+                incremental: true,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(s2.kind, "incremental");
+    assert_eq!(s2.parent.as_deref(), Some(s1.id.as_str()));
+    assert!(
+        s2.size_bytes < s1.size_bytes / 4,
+        "the increment holds only the changes: {} vs {}",
+        s2.size_bytes,
+        s1.size_bytes
+    );
+    // Restore the middle point, change it, snapshot incrementally on top of it.
+    let r2 = create(
+        &c,
+        CreateSandboxRequest {
+            snapshot: Some(s2.name.clone()),
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(hashes(&c, &r2).await, h2);
+    sh_root(&c, &r2, "echo v3 > /home/user/data/dir/f && mkdir -p /etc/sandpit-test && echo back > /etc/sandpit-test/c").await;
+    let h3 = hashes(&c, &r2).await;
+    let s3 = c
+        .snapshot(
+            &r2,
+            &CreateSnapshotRequest {
+                name: Some(format!("three-{id}")),
+                incremental: true,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(s3.parent.as_deref(), Some(s2.id.as_str()));
+    for (snap, want) in [(&s1, &h1), (&s2, &h2), (&s3, &h3)] {
+        let r = create(
+            &c,
+            CreateSandboxRequest {
+                snapshot: Some(snap.id.clone()),
+                ..Default::default()
+            },
+        )
+        .await;
+        assert_eq!(&hashes(&c, &r).await, want, "restore of {}", snap.name);
+        c.delete_sandbox(&r).await.unwrap();
+    }
+    // A full snapshot of a restored sandbox stands alone.
+    let full = c
+        .snapshot(
+            &r2,
+            &CreateSnapshotRequest {
+                name: None,
+                incremental: false,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!((full.kind.as_str(), full.parent.as_deref()), ("full", None));
+    let check = c.verify_snapshot(&s3.id).await.unwrap();
+    assert!(check.ok && check.chain.len() == 3, "{check:?}");
+    // Deleting a snapshot others build on is refused unless forced.
+    assert_eq!(
+        c.delete_snapshot(&s1.id, false).await.unwrap_err().status(),
+        Some(409)
+    );
+    c.delete_snapshot(&full.id, false).await.unwrap();
+    c.delete_snapshot(&s1.id, true).await.unwrap();
+    for s in [&s1, &s2, &s3] {
+        assert_eq!(c.get_snapshot(&s.id).await.unwrap_err().status(), Some(404));
+    }
+    // The restored sandbox keeps running on its layers.
+    assert_eq!(
+        sh(&c, &r2, "cat /home/user/data/dir/f").await.stdout,
+        "v3\n"
+    );
+    let missing = c
+        .create_sandbox(&CreateSandboxRequest {
+            snapshot: Some("no-such".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(missing.status(), Some(404));
+    c.delete_sandbox(&r2).await.unwrap();
+    c.delete_sandbox(&id).await.unwrap();
+    assert_eq!(wait_no_layers(d).await, Vec::<String>::new());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_chains_restore_identical_files_from_a_local_store() {
+    let d = Daemon::start().await;
+    snapshot_chain_restores_exact_files(&d).await;
+    // A damaged archive is caught by the check and refused at restore.
+    let c = d.client();
+    let id = create(&c, CreateSandboxRequest::default()).await;
+    sh(
+        &c,
+        &id,
+        "mkdir -p /home/user/data && echo x > /home/user/data/x",
+    )
+    .await;
+    let s = c
+        .snapshot(&id, &CreateSnapshotRequest::default())
+        .await
+        .unwrap();
+    let archive = d
+        .data
+        .path()
+        .join("snapshots")
+        .join(&s.id)
+        .join("layer.tar.zst");
+    let mut bytes = std::fs::read(&archive).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0xff;
+    std::fs::write(&archive, bytes).unwrap();
+    let check = c.verify_snapshot(&s.id).await.unwrap();
+    assert!(!check.ok, "{check:?}");
+    let refused = c
+        .create_sandbox(&CreateSandboxRequest {
+            snapshot: Some(s.id.clone()),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.status(), Some(409), "{refused}");
+    d.shutdown().await;
+}
+
+/// An S3-compatible server (moto) on a free loopback port, with one bucket.
+struct S3Server {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl S3Server {
+    async fn start() -> S3Server {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let bin = sandpit_tests::test_tool("moto_server");
+        let child = std::process::Command::new(bin)
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start moto_server (scripts/setup.sh --test installs it)");
+        // Killed and waited for on drop, also when it never comes up.
+        let server = S3Server { child, port };
+        let http = reqwest::Client::new();
+        let url = format!("http://127.0.0.1:{port}/snapshots-bucket");
+        for _ in 0..300 {
+            if http
+                .put(&url)
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success())
+            {
+                return server;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        drop(server);
+        panic!("moto_server did not come up on port {port}");
+    }
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_chains_restore_identical_files_from_an_s3_store() {
+    let s3 = S3Server::start().await;
+    let d = daemon_with_config(&format!(
+        "[snapshots]\nkind = \"s3\"\nbucket = \"snapshots-bucket\"\nprefix = \"test/run\"\n\
+         endpoint = \"http://127.0.0.1:{}\"\nregion = \"us-east-1\"\naccess_key_id = \"test\"\n\
+         secret_access_key = \"test\"\nallow_http = true\n",
+        s3.port
+    ))
+    .await;
+    snapshot_chain_restores_exact_files(&d).await;
+    // Nothing went to the local directory.
+    let local = d.data.path().join("snapshots");
+    assert!(!local.exists() || std::fs::read_dir(&local).unwrap().next().is_none());
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forks_are_independent_copies_with_their_own_processes_and_limits() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let src = create(&c, CreateSandboxRequest::default()).await;
+    sh(&c, &src, "mkdir -p /home/user/data && echo parent > /home/user/data/f && head -c 1000000 /dev/urandom > /home/user/data/big").await;
+    let want = hashes(&c, &src).await;
+    let bg = c
+        .run_background(
+            &src,
+            &RunCommandRequest {
+                argv: vec!["sleep".into(), "1000".into()],
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let copies = c
+        .fork(
+            &src,
+            &ForkRequest {
+                count: Some(3),
+                limits: Some(LimitsSpec {
+                    memory_bytes: Some(128 << 20),
+                    ..small()
+                }),
+                metadata: Some([("copy".to_string(), "yes".to_string())].into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(copies.len(), 3);
+    let mut ids: Vec<&str> = copies.iter().map(|s| s.id.as_str()).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 3, "each copy has its own id");
+    for (i, copy) in copies.iter().enumerate() {
+        assert_eq!(copy.state, "running");
+        assert_eq!(copy.limits.memory_bytes, 128 << 20);
+        assert_eq!(copy.metadata.get("copy").map(String::as_str), Some("yes"));
+        assert_eq!(hashes(&c, &copy.id).await, want);
+        let procs = c.list_commands(&copy.id).await.unwrap();
+        assert!(
+            procs
+                .iter()
+                .all(|p| p.pid != bg.pid || p.argv[0] != "sleep"),
+            "processes are not copied"
+        );
+        sh(&c, &copy.id, &format!("echo copy{i} > /home/user/data/f")).await;
+    }
+    // Writes in one copy reach neither the others nor the source.
+    for (i, copy) in copies.iter().enumerate() {
+        assert_eq!(
+            sh(&c, &copy.id, "cat /home/user/data/f").await.stdout,
+            format!("copy{i}\n")
+        );
+    }
+    assert_eq!(
+        sh(&c, &src, "cat /home/user/data/f").await.stdout,
+        "parent\n"
+    );
+    sh(&c, &src, "echo changed > /home/user/data/f").await;
+    assert_eq!(
+        sh(&c, &copies[0].id, "cat /home/user/data/f").await.stdout,
+        "copy0\n"
+    );
+    // Bad counts are refused.
+    for count in [0, 65] {
+        let e = c
+            .fork(
+                &src,
+                &ForkRequest {
+                    count: Some(count),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(e.status(), Some(400));
+    }
+    for copy in &copies {
+        c.delete_sandbox(&copy.id).await.unwrap();
+    }
+    c.delete_sandbox(&src).await.unwrap();
+    assert_eq!(wait_no_layers(&d).await, Vec::<String>::new());
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_layer_mount_cannot_be_entered_or_redirected_from_inside() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let id = create(&c, CreateSandboxRequest::default()).await;
+    // Root inside cannot enter the writable layer's mount.
+    let r = sh_root(&c, &id, "ls /.sandpit/layer 2>&1; echo rc=$?").await;
+    assert!(
+        r.stdout.contains("Permission denied") && r.stdout.contains("rc=2"),
+        "{r:?}"
+    );
+    // Moving it away and planting a symlink to the host's /etc in its place: a snapshot
+    // must refuse, never read the host.
+    let r = sh_root(
+        &c,
+        &id,
+        "mkdir -p /home/user/data && echo mine > /home/user/data/x && mv /.sandpit /.moved 2>&1; \
+         mkdir -p /.sandpit && ln -s /etc /.sandpit/layer && ls -la /.sandpit; echo rc=$?",
+    )
+    .await;
+    let moved = r.stdout.contains("layer -> /etc");
+    let snap = c.snapshot(&id, &CreateSnapshotRequest::default()).await;
+    if moved {
+        let e = snap.unwrap_err();
+        assert!(e.status().unwrap_or(0) >= 400, "{e}");
+    } else {
+        // The rename was refused (a mount point below it): the snapshot has only the
+        // sandbox's files.
+        let s = snap.unwrap();
+        assert!(s.entries < 100, "{s:?}");
+    }
+    c.delete_sandbox(&id).await.unwrap();
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wake_cut_short_by_a_crash_leaves_the_sandbox_hibernated_with_its_files() {
+    let mut d = Daemon::start().await;
+    let c = d.client();
+    let id = create(&c, CreateSandboxRequest::default()).await;
+    sh(&c, &id, "echo survived > /home/user/f").await;
+    assert_eq!(c.hibernate(&id).await.unwrap().state, "hibernated");
+    // As if the daemon died in the middle of a wake: the record says `creating`.
+    let port = d.port;
+    d.kill9();
+    {
+        let store = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
+            .await
+            .unwrap();
+        let moved = store
+            .transition(
+                &id,
+                &[sandpit_store::SandboxState::Hibernated],
+                sandpit_store::SandboxState::Creating,
+                None,
+            )
+            .await
+            .unwrap();
+        assert!(moved.is_some());
+    }
+    let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
+    let d = Daemon::start_in(data, port).await;
+    let c = d.client();
+    assert_eq!(c.get_sandbox(&id).await.unwrap().state, "hibernated");
+    assert_eq!(sh(&c, &id, "cat /home/user/f").await.stdout, "survived\n");
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_name_no_layer_can_hold_fails_the_snapshot_clearly_and_the_sandbox_runs_on() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let id = create(&c, CreateSandboxRequest::default()).await;
+    let r = sh(
+        &c,
+        &id,
+        "touch \"/home/user/bad-$(printf '\\377')\" && echo made",
+    )
+    .await;
+    assert_eq!(r.stdout, "made\n", "{r:?}");
+    let e = c
+        .snapshot(&id, &CreateSnapshotRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.status(), Some(422), "{e}");
+    // Thawed again, and nothing of the failed snapshot is listed.
+    assert_eq!(c.get_sandbox(&id).await.unwrap().state, "running");
+    assert_eq!(sh(&c, &id, "echo alive").await.stdout, "alive\n");
+    assert!(c.list_snapshots().await.unwrap().items.is_empty());
+    // Hibernation copies names as they are: the file comes back.
+    assert_eq!(c.hibernate(&id).await.unwrap().state, "hibernated");
+    let r = sh(&c, &id, "ls /home/user | grep -c bad-").await;
+    assert_eq!(r.stdout, "1\n");
+    d.shutdown().await;
+}
