@@ -20,9 +20,10 @@ pub struct Volume {
     pub size_bytes: u64,
     /// `ready`, or `creating` / `deleting` while that is under way.
     pub state: String,
-    /// Bytes in use (file data and file system metadata); absent unless ready.
+    /// Bytes in use (file data and file system metadata); absent unless ready (or when
+    /// the host cannot mount it just now).
     pub used_bytes: Option<u64>,
-    /// Bytes that can still be written; absent unless ready.
+    /// Bytes that can still be written; absent when `used_bytes` is.
     pub available_bytes: Option<u64>,
     /// Unix milliseconds.
     pub created_at_ms: i64,

@@ -70,12 +70,19 @@ impl Manager {
         self.volumes.clone()
     }
 
-    /// The API view of a volume: usage (mounting it if needed) when it is ready.
+    /// The API view of a volume: usage (mounting it if needed) when it is ready and the
+    /// host can mount it.
     async fn volume_view(&self, v: VolumeRecord) -> Result<Volume, ApiError> {
         let (used, available) = if v.state == VolumeState::Ready {
             let (vh, id) = (self.volume_host(), v.id.clone());
-            let (u, a) = host(move || vh.usage(&id)).await?;
-            (Some(u), Some(a))
+            match host(move || vh.usage(&id)).await {
+                Ok((u, a)) => (Some(u), Some(a)),
+                // One volume the host cannot mount must not hide the others from a list.
+                Err(e) => {
+                    tracing::warn!(id = %v.id, error = %e.message, "reading a volume's usage failed");
+                    (None, None)
+                }
+            }
         } else {
             (None, None)
         };
