@@ -1,6 +1,7 @@
 //! Request and response bodies of the REST API under `/v1`, shared by server and client.
 
 pub mod paths;
+pub mod templates;
 pub mod volumes;
 
 pub use volumes::{CreateVolumeRequest, Volume, VolumeList, VolumeMountSpec};
@@ -8,6 +9,10 @@ pub use volumes::{CreateVolumeRequest, Volume, VolumeList, VolumeMountSpec};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use utoipa::ToSchema;
+
+pub use templates::{
+    BuildLogLine, BuildTemplateRequest, TemplateBuild, TemplateSettings, TemplateSourceSpec,
+};
 
 /// Default port of a local daemon.
 pub const DEFAULT_PORT: u16 = 7423;
@@ -366,11 +371,32 @@ pub struct MoveRequest {
 }
 
 /// A template a sandbox can start from.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
 pub struct Template {
     pub name: String,
     /// Root filesystem directory; `host` for the host template.
     pub rootfs: String,
+    /// `building`, `ready`, `failed` or `deleting`; only ready templates start sandboxes.
+    #[serde(default = "templates::ready_state")]
+    pub state: String,
+    #[serde(flatten)]
+    pub settings: TemplateSettings,
+    /// Where the root filesystem came from (`None` for the built-in `host`).
+    #[serde(default)]
+    pub source: Option<TemplateSourceSpec>,
+    /// Bytes the root filesystem takes.
+    #[serde(default)]
+    pub size_bytes: u64,
+    /// Why the build failed.
+    #[serde(default)]
+    pub error: Option<String>,
+    #[serde(default)]
+    pub build_id: Option<String>,
+    /// Unix milliseconds.
+    #[serde(default)]
+    pub created_at_ms: i64,
+    #[serde(default)]
+    pub updated_at_ms: i64,
 }
 
 /// What a runtime can do.

@@ -138,10 +138,21 @@ pub async fn template_add(ctx: &Ctx, name: &str, rootfs: &Path) -> anyhow::Resul
         .with_context(|| format!("{} is not valid UTF-8", dir.display()))?
         .to_string();
     let store = open_store(ctx, true).await?;
+    // A built template owns its directory; repointing it would orphan that.
+    if let Some(existing) = store.get_template(name).await?
+        && !existing.source.is_null()
+    {
+        store.close().await;
+        anyhow::bail!(
+            "template {name} was built by the daemon; remove it first (`sandpit template rm {name}`)"
+        );
+    }
     let record = TemplateRecord {
         name: name.to_string(),
         rootfs,
         created_at_ms: now_ms(),
+        updated_at_ms: now_ms(),
+        ..Default::default()
     };
     store.upsert_template(&record).await?;
     store.close().await;

@@ -8,6 +8,7 @@ mod exec;
 mod lifecycle;
 mod pools;
 mod sandboxes;
+mod templates;
 mod util;
 mod volumes;
 
@@ -162,7 +163,7 @@ enum Command {
     /// Manage API keys (local administration: works on the daemon's database directly).
     #[command(subcommand)]
     Keys(KeysCommand),
-    /// List or register templates.
+    /// Build, list, inspect and remove templates.
     #[command(subcommand)]
     Template(TemplateCommand),
     /// Manage warm pools: sandboxes kept started so that matching creates take one at once.
@@ -398,8 +399,22 @@ enum KeysCommand {
 
 #[derive(Debug, Subcommand)]
 enum TemplateCommand {
+    /// Build a template (admin key) and follow its progress; Ctrl-C stops following, the
+    /// build goes on (`template rm` cancels it).
+    Build(Box<templates::BuildArgs>),
     /// List templates (through the daemon).
     Ls,
+    /// Show a template: settings, source, size, build state (JSON).
+    Inspect {
+        /// Template name.
+        name: String,
+    },
+    /// Remove templates (admin key); refused while sandboxes or pools use them.
+    Rm {
+        /// Template names.
+        #[arg(required = true)]
+        names: Vec<String>,
+    },
     /// Register a root filesystem directory as a template (local administration).
     Add {
         /// Template name.
@@ -543,10 +558,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Keys(cmd) => admin::keys(&ctx, cmd).await.map(|()| 0),
         Command::Pool(cmd) => pools::run(&ctx, cmd).await.map(|()| 0),
         Command::Volume(cmd) => volumes::run(&ctx, cmd).await,
-        Command::Template(TemplateCommand::Ls) => sandboxes::templates(&ctx).await.map(|()| 0),
-        Command::Template(TemplateCommand::Add { name, rootfs }) => {
-            admin::template_add(&ctx, &name, &rootfs).await.map(|()| 0)
-        }
+        Command::Template(cmd) => templates::run(&ctx, cmd).await.map(|()| 0),
         Command::Bench(args) => bench::run(&ctx, args).await.map(|()| 0),
         Command::Pause { id, hibernate } => {
             lifecycle::pause(&ctx, &id, hibernate).await.map(|()| 0)

@@ -1,5 +1,4 @@
-//! Sandbox lifecycle subcommands through the daemon's API: create, ls, info, rm, timeout,
-//! template ls.
+//! Sandbox lifecycle subcommands through the daemon's API: create, ls, info, rm, timeout.
 
 use sandpit_api::{CreateSandboxRequest, Sandbox, SandboxList};
 
@@ -212,19 +211,5 @@ pub async fn remove(ctx: &Ctx, ids: &[String]) -> anyhow::Result<u8> {
 /// `sandpit timeout ID SECS`.
 pub async fn set_timeout(ctx: &Ctx, id: &str, secs: u64) -> anyhow::Result<()> {
     ctx.client()?.set_timeout(id, secs).await?;
-    Ok(())
-}
-
-/// `sandpit template ls`.
-pub async fn templates(ctx: &Ctx) -> anyhow::Result<()> {
-    let templates = ctx.client()?.list_templates().await?;
-    if ctx.json {
-        return print_json(&templates);
-    }
-    let rows: Vec<Vec<String>> = templates
-        .iter()
-        .map(|t| vec![t.name.clone(), t.rootfs.clone()])
-        .collect();
-    print_table(&["NAME", "ROOTFS"], &rows);
     Ok(())
 }

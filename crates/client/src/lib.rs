@@ -18,6 +18,7 @@
 
 mod error;
 mod stream;
+mod templates;
 
 use std::path::Path;
 use std::time::Duration;

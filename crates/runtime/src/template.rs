@@ -89,10 +89,21 @@ pub fn remove_old_skeletons(templates_dir: &Path, current: &Path) {
     for e in rd.flatten() {
         let p = e.path();
         let name = e.file_name();
-        if p != current && name.to_string_lossy().starts_with("host") {
+        if p != current && is_skeleton_name(&name.to_string_lossy()) {
             let _ = std::fs::remove_dir_all(&p);
         }
     }
+}
+
+/// `host`, `host-<16 hex digits>`, either with `.new`: names [`host_skeleton`] and
+/// [`build_host_skeleton`] use. Built templates share the directory and may be called
+/// `hostile-...`; those are not skeletons.
+fn is_skeleton_name(name: &str) -> bool {
+    let name = name.strip_suffix(".new").unwrap_or(name);
+    name == "host"
+        || name
+            .strip_prefix("host-")
+            .is_some_and(|fp| fp.len() == 16 && fp.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
 /// FNV-1a over names, sizes, mtimes and link targets of everything the skeleton copies.
@@ -287,7 +298,10 @@ mod tests {
         let (a, _) = host_skeleton(t.path()).unwrap();
         let (b, _) = host_skeleton(t.path()).unwrap();
         assert_eq!(a, b);
+        let built = t.path().join("hostile-abc123");
+        std::fs::create_dir(&built).unwrap();
         remove_old_skeletons(t.path(), &a);
         assert!(a.is_dir() && !dir.exists());
+        assert!(built.is_dir(), "a built template is not a skeleton");
     }
 }

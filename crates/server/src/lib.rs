@@ -8,6 +8,7 @@ pub mod lifecycle;
 pub mod manager;
 pub mod pools;
 pub mod snapshots;
+pub mod templates;
 pub mod volumes;
 
 use manager::{Manager, ManagerConfig};
@@ -156,6 +157,7 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
     if let Err(e) = manager.reconcile_volumes().await {
         tracing::warn!(error = %e.message, "reconciling volumes failed");
     }
+    manager.templates.recover(&manager.store).await;
     if let Err(e) = manager.load_pools(&file.pools).await {
         tracing::warn!(error = %e.message, "loading warm pools failed");
     }

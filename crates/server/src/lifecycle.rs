@@ -370,7 +370,7 @@ impl Manager {
         let plan = self
             .plan(Some(&rec.template), Some(&rec.runtime), &limits)
             .await?;
-        let layers = self.layer_paths(rec)?;
+        let layers = self.start_layers(rec, &plan.defaults)?;
         let volumes = self.volume_mounts(&rec.id).await?;
         let cur = self
             .store

@@ -79,6 +79,8 @@ pub struct Manager {
     pub snapshot_store: crate::snapshots::SnapshotStore,
     /// Sandboxes whose automatic pause failed, and when.
     pub(crate) auto_failures: Mutex<HashMap<String, std::time::Instant>>,
+    /// Template builds, and creates holding templates.
+    pub templates: crate::templates::Templates,
 }
 
 /// What the agent's `/init` sets.
@@ -105,6 +107,8 @@ pub(crate) struct Plan {
     pub(crate) template: TemplateSource,
     /// Volumes to mount (never for a pool's sandboxes).
     pub(crate) volumes: Vec<sandpit_api::VolumeMountSpec>,
+    /// The template's settings (and the hold that keeps it from being deleted meanwhile).
+    pub(crate) defaults: crate::templates::Defaults,
 }
 
 impl Plan {
@@ -216,6 +220,7 @@ impl Manager {
         snapshot_store: crate::snapshots::SnapshotStore,
     ) -> Arc<Self> {
         Arc::new(Self {
+            templates: crate::templates::Templates::new(&cfg.data_dir),
             store,
             runtimes,
             cfg,
@@ -280,18 +285,6 @@ impl Manager {
         Ok(t)
     }
 
-    async fn template(&self, name: &str) -> Result<TemplateSource, ApiError> {
-        if name == "host" {
-            return Ok(TemplateSource::Host);
-        }
-        match self.store.get_template(name).await? {
-            Some(t) => Ok(TemplateSource::Rootfs {
-                path: t.rootfs.into(),
-            }),
-            None => Err(ApiError::bad_request(format!("unknown template {name:?}"))),
-        }
-    }
-
     /// Validates runtime, template and limits of a create or a pool definition.
     pub(crate) async fn plan(
         &self,
@@ -311,7 +304,7 @@ impl Manager {
         }
         let runtime = self.runtime(&runtime_name)?.clone();
         let template_name = template.unwrap_or("host").to_string();
-        let template = self.template(&template_name).await?;
+        let (template, defaults) = self.templates.resolve(&self.store, &template_name).await?;
         let limits = Self::limits(limits)?;
         Ok(Plan {
             runtime,
@@ -322,6 +315,7 @@ impl Manager {
             },
             template,
             volumes: Vec::new(),
+            defaults,
         })
     }
 
@@ -363,6 +357,7 @@ impl Manager {
         let mut plan = self
             .plan(req.template.as_deref(), req.runtime.as_deref(), &req.limits)
             .await?;
+        let req = crate::templates::with_defaults(req, &plan.defaults);
         crate::volumes::check_mounts(&req.volumes)?;
         plan.volumes = req.volumes.clone();
         let timeout = self.timeout(req.timeout)?;
@@ -628,7 +623,7 @@ impl Manager {
             env,
             workdir,
             volumes,
-            layers: self.layer_paths(&rec)?,
+            layers: self.start_layers(&rec, &plan.defaults)?,
         };
         self.boot(&rec, plan.runtime, spec, Failed::Delete).await
     }
@@ -700,7 +695,11 @@ impl Manager {
                 other => other.into(),
             });
         }
-        match self.wait_ready(rec, &handle).await {
+        let ready = async {
+            crate::templates::start_services(self, rec, &handle).await?;
+            self.wait_ready(rec, &handle).await
+        };
+        match ready.await {
             Ok(r) => Ok(r),
             Err(e) => {
                 // Whoever moves the record out of `creating` tears it down; if a delete
@@ -755,6 +754,17 @@ impl Manager {
             .ok_or_else(|| ApiError::conflict("sandbox was deleted while it was being created"))
     }
 
+    /// A sandbox's read-only layers at start: its own, then its template's.
+    pub(crate) fn start_layers(
+        &self,
+        rec: &SandboxRecord,
+        template: &crate::templates::Defaults,
+    ) -> Result<Vec<std::path::PathBuf>, ApiError> {
+        let mut layers = self.layer_paths(rec)?;
+        layers.extend(template.layers.iter().cloned());
+        Ok(layers)
+    }
+
     /// Whether a request is using the sandbox's agent right now (a long command, a
     /// stream): the connection is then held beyond the manager's own reference.
     pub(crate) fn has_requests_in_flight(&self, id: &str) -> bool {
@@ -779,7 +789,7 @@ impl Manager {
         self.init_agent(rec, &init).await
     }
 
-    fn conn_for(&self, id: &str, handle: &SandboxHandle) -> Arc<AgentConn> {
+    pub(crate) fn conn_for(&self, id: &str, handle: &SandboxHandle) -> Arc<AgentConn> {
         let Ok(mut conns) = self.conns.lock() else {
             return Arc::new(AgentConn::new(handle.socket.clone()));
         };

@@ -696,6 +696,59 @@ impl Manager {
     }
 }
 
+impl Manager {
+    /// A template build's source from a snapshot: its chain unpacked (checked against
+    /// its digests), and the snapshot's env, workdir and user where the build request
+    /// names none. The admin may name any owner's snapshot by id, its own also by name.
+    pub async fn snapshot_template_source(
+        &self,
+        admin: &str,
+        snapshot: &str,
+        mut req: sandpit_api::BuildTemplateRequest,
+    ) -> Result<
+        (
+            sandpit_api::BuildTemplateRequest,
+            Option<crate::templates::Source>,
+        ),
+        ApiError,
+    > {
+        let owner = match self.store.get_snapshot(admin, snapshot).await? {
+            Some(s) => s.owner,
+            None => self
+                .store
+                .list_snapshots(None)
+                .await?
+                .into_iter()
+                .find(|s| s.id == snapshot)
+                .map(|s| s.owner)
+                .ok_or_else(|| ApiError::not_found(format!("snapshot {snapshot} not found")))?,
+        };
+        let chain = self.snapshot_chain(&owner, snapshot).await?;
+        let mut from = Vec::new();
+        for s in &chain {
+            from.push(self.layer_path(&self.ensure_cached(s).await?)?);
+        }
+        let top = &chain[0];
+        let settings: Settings = serde_json::from_value(top.settings.clone()).unwrap_or_default();
+        if req.env.is_empty() {
+            req.env = settings.env;
+        }
+        req.workdir = req.workdir.or(settings.workdir);
+        req.default_user = req.default_user.or(settings.user);
+        req.source = sandpit_api::TemplateSourceSpec::Snapshot {
+            snapshot: top.id.clone(),
+            base: Some(top.template.clone()),
+        };
+        Ok((
+            req,
+            Some(crate::templates::Source::Layers {
+                from,
+                base: top.template.clone(),
+            }),
+        ))
+    }
+}
+
 /// A snapshot's layers and settings, ready for a create.
 pub(crate) struct Restore<'a> {
     pub snapshot: SnapshotRecord,

@@ -23,10 +23,11 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 pub use error::StoreError;
 pub use model::{
     ApiKey, Lifecycle, OnTimeout, ParseSandboxStateError, PoolRecord, SandboxFilter, SandboxPage,
-    SandboxRecord, SandboxState, SnapshotRecord, TemplateRecord,
+    SandboxRecord, SandboxState, SnapshotRecord, TemplateRecord, TemplateState,
 };
 pub use pools::Claim;
 pub use schema::SCHEMA_VERSION;
+pub use templates::TemplateUsers;
 pub use volumes::{VolumeAttach, VolumeDeletion, VolumeRecord, VolumeState};
 
 /// How long a connection waits on another writer's lock before failing with "database is locked".
@@ -161,6 +162,37 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(fk, 1);
+    }
+
+    #[tokio::test]
+    async fn a_migration_that_lands_after_a_higher_one_still_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("gap.db");
+        let store = Store::open(&path).await.unwrap();
+        // As if this database had been made by a build without migration 3.
+        sqlx::query("DELETE FROM schema_version WHERE version = 3")
+            .execute(&store.writer)
+            .await
+            .unwrap();
+        sqlx::query("DROP TABLE snapshots")
+            .execute(&store.writer)
+            .await
+            .unwrap();
+        sqlx::query("ALTER TABLE sandboxes DROP COLUMN life")
+            .execute(&store.writer)
+            .await
+            .unwrap();
+        store.close().await;
+        let store = Store::open(&path).await.unwrap();
+        let all: Vec<i64> = schema::MIGRATIONS.iter().map(|(v, _)| *v).collect();
+        let mut got = schema_rows(&store).await;
+        got.sort();
+        assert_eq!(got, all);
+        let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM snapshots")
+            .fetch_one(&store.pool)
+            .await
+            .unwrap();
+        assert_eq!(n, 0);
     }
 
     #[tokio::test]

@@ -265,8 +265,8 @@ pub struct SnapshotRecord {
     pub created_at_ms: i64,
 }
 
-/// A named root filesystem sandboxes are created from.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// A named root filesystem sandboxes are created from, with the settings they start with.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TemplateRecord {
     /// Unique template name.
     pub name: String,
@@ -274,4 +274,92 @@ pub struct TemplateRecord {
     pub rootfs: String,
     /// Registration time, unix milliseconds.
     pub created_at_ms: i64,
+    /// `user` or `root`: who commands run as when a create names nobody.
+    #[serde(default)]
+    pub default_user: Option<String>,
+    /// Working directory of commands when a create names none.
+    #[serde(default)]
+    pub workdir: Option<String>,
+    /// Environment every sandbox of the template starts with (a create's own values win).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Shell command started in the background once a sandbox's agent is up.
+    #[serde(default)]
+    pub start_cmd: Option<String>,
+    /// Shell command run until it exits 0 before a sandbox counts as ready.
+    #[serde(default)]
+    pub ready_cmd: Option<String>,
+    /// How long the readiness check may keep failing (`None`: the daemon's default).
+    #[serde(default)]
+    pub ready_timeout_secs: Option<i64>,
+    /// Where the root filesystem came from (JSON; `null` for a directory registered in place).
+    #[serde(default)]
+    pub source: serde_json::Value,
+    /// Bytes the root filesystem takes (0 when unknown).
+    #[serde(default)]
+    pub size_bytes: i64,
+    /// Build state; only `ready` templates start sandboxes.
+    #[serde(default)]
+    pub state: TemplateState,
+    /// Why the build failed, when it did.
+    #[serde(default)]
+    pub error: Option<String>,
+    /// Last change, unix milliseconds.
+    #[serde(default)]
+    pub updated_at_ms: i64,
+    /// The build that made (or is making) the root filesystem.
+    #[serde(default)]
+    pub build_id: Option<String>,
+}
+
+/// Build state of a template.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TemplateState {
+    /// Its root filesystem is being made.
+    Building,
+    /// Usable.
+    #[default]
+    Ready,
+    /// The build failed; the record says why and nothing of the build is left on disk.
+    Failed,
+    /// Being removed (no new sandbox may start from it).
+    Deleting,
+}
+
+impl TemplateState {
+    /// Every state.
+    pub const ALL: [TemplateState; 4] = [
+        TemplateState::Building,
+        TemplateState::Ready,
+        TemplateState::Failed,
+        TemplateState::Deleting,
+    ];
+
+    /// The lowercase name used in storage and on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TemplateState::Building => "building",
+            TemplateState::Ready => "ready",
+            TemplateState::Failed => "failed",
+            TemplateState::Deleting => "deleting",
+        }
+    }
+}
+
+impl fmt::Display for TemplateState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for TemplateState {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        TemplateState::ALL
+            .into_iter()
+            .find(|state| state.as_str() == s)
+            .ok_or_else(|| format!("unknown template state {s:?}"))
+    }
 }

@@ -121,10 +121,32 @@ pub(crate) const MIGRATIONS: &[(i64, &[&str])] = &[
             "CREATE INDEX sandbox_volumes_volume_idx ON sandbox_volumes (volume_id)",
         ],
     ),
+    (
+        6,
+        &[
+            // Templates built by the daemon: settings sandboxes start with, where the root
+            // filesystem came from, and the state of its build. Rows registered before
+            // (`sandpit template add`) are ready, with no settings.
+            "ALTER TABLE templates ADD COLUMN default_user TEXT",
+            "ALTER TABLE templates ADD COLUMN workdir TEXT",
+            "ALTER TABLE templates ADD COLUMN env TEXT NOT NULL DEFAULT '{}'",
+            "ALTER TABLE templates ADD COLUMN start_cmd TEXT",
+            "ALTER TABLE templates ADD COLUMN ready_cmd TEXT",
+            "ALTER TABLE templates ADD COLUMN ready_timeout_secs BIGINT",
+            "ALTER TABLE templates ADD COLUMN source TEXT NOT NULL DEFAULT 'null'",
+            "ALTER TABLE templates ADD COLUMN size_bytes BIGINT NOT NULL DEFAULT 0",
+            "ALTER TABLE templates ADD COLUMN state TEXT NOT NULL DEFAULT 'ready'",
+            "ALTER TABLE templates ADD COLUMN error TEXT",
+            "ALTER TABLE templates ADD COLUMN updated_at_ms BIGINT NOT NULL DEFAULT 0",
+            "ALTER TABLE templates ADD COLUMN build_id TEXT",
+            // Deleting a template asks whether any sandbox still uses it.
+            "CREATE INDEX sandboxes_template_idx ON sandboxes (template)",
+        ],
+    ),
 ];
 
 /// Highest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 4;
+pub const SCHEMA_VERSION: i64 = 6;
 
 /// Brings the database up to [`SCHEMA_VERSION`]; a no-op when it is already there.
 pub(crate) async fn apply(pool: &SqlitePool) -> Result<(), StoreError> {
@@ -148,7 +170,15 @@ pub(crate) async fn apply(pool: &SqlitePool) -> Result<(), StoreError> {
             supported: SCHEMA_VERSION,
         });
     }
-    for (version, statements) in MIGRATIONS.iter().filter(|(v, _)| *v > current) {
+    // Versions are handed out per feature and may land out of order (a database made by a
+    // build with 1, 2, 6 later meets 3): every migration not yet recorded runs.
+    let applied: Vec<(i64,)> = sqlx::query_as("SELECT version FROM schema_version")
+        .fetch_all(&mut *tx)
+        .await?;
+    let missing = MIGRATIONS
+        .iter()
+        .filter(|(v, _)| !applied.iter().any(|(a,)| a == v));
+    for (version, statements) in missing {
         tracing::info!(version, "applying store schema migration");
         for statement in statements.iter() {
             sqlx::query(statement).execute(&mut *tx).await?;

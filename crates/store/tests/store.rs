@@ -528,11 +528,13 @@ async fn templates_crud() {
         name: "base".into(),
         rootfs: "/var/lib/sandpit/base".into(),
         created_at_ms: 5,
+        ..Default::default()
     };
     let py = TemplateRecord {
         name: "python".into(),
         rootfs: "/var/lib/sandpit/py".into(),
         created_at_ms: 6,
+        ..Default::default()
     };
     store.upsert_template(&py).await.unwrap();
     store.upsert_template(&base).await.unwrap();
@@ -579,6 +581,7 @@ async fn file_database_survives_reopen() {
                 name: "t".into(),
                 rootfs: "/r".into(),
                 created_at_ms: 1,
+                ..Default::default()
             })
             .await
             .unwrap();

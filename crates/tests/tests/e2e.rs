@@ -821,6 +821,7 @@ async fn a_failed_create_leaves_no_half_made_sandbox() {
         name: "gone".into(),
         rootfs: "/var/tmp/sandpit-no-such-rootfs".into(),
         created_at_ms: 0,
+        ..Default::default()
     };
     db.upsert_template(&t).await.unwrap();
     db.close().await;

@@ -838,3 +838,136 @@ async fn a_name_no_layer_can_hold_fails_the_snapshot_clearly_and_the_sandbox_run
     assert_eq!(r.stdout, "1\n");
     d.shutdown().await;
 }
+
+/// Waits (up to 60 s) for a template build to end; its final state.
+async fn built(c: &Client, name: &str) -> String {
+    for _ in 0..600 {
+        let t = c.get_template(name).await.unwrap();
+        if t.state != "building" {
+            return t.state;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    "still building".into()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_built_from_a_snapshot_of_setup_commands_gives_every_sandbox_those_files() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let src = create(
+        &c,
+        CreateSandboxRequest {
+            env: [("TOOL_HOME".to_string(), "/opt/tool".to_string())].into(),
+            ..Default::default()
+        },
+    )
+    .await;
+    // The build steps.
+    let r = sh_root(
+        &c,
+        &src,
+        "mkdir -p /opt/tool && printf '#!/bin/sh\\necho tool-ok\\n' > /opt/tool/run && chmod 755 /opt/tool/run \
+         && rm /etc/debian_version && echo rc > /home/user/.toolrc && chown 1000:1000 /home/user/.toolrc",
+    )
+    .await;
+    assert_eq!(r.exit_code, 0, "{r:?}");
+    let snap = c
+        .snapshot(&src, &CreateSnapshotRequest::default())
+        .await
+        .unwrap();
+    let name = format!("steps-{src}");
+    let req = sandpit_api::BuildTemplateRequest {
+        name: name.clone(),
+        source: sandpit_api::TemplateSourceSpec::Snapshot {
+            snapshot: snap.id.clone(),
+            base: None,
+        },
+        default_user: None,
+        workdir: None,
+        env: Default::default(),
+        start_cmd: None,
+        ready_cmd: Some("test -x /opt/tool/run".into()),
+        ready_timeout_secs: None,
+    };
+    c.build_template(&req).await.unwrap();
+    assert_eq!(built(&c, &name).await, "ready");
+    let t = c.get_template(&name).await.unwrap();
+    assert_eq!(
+        t.source,
+        Some(sandpit_api::TemplateSourceSpec::Snapshot {
+            snapshot: snap.id.clone(),
+            base: Some("host".into()),
+        })
+    );
+    assert_eq!(
+        t.settings.env.get("TOOL_HOME").map(String::as_str),
+        Some("/opt/tool")
+    );
+    // The template keeps its own copy: the sandbox and snapshot it came from can go.
+    c.delete_sandbox(&src).await.unwrap();
+    c.delete_snapshot(&snap.id, false).await.unwrap();
+    let sb = create(
+        &c,
+        CreateSandboxRequest {
+            template: Some(name.clone()),
+            ..Default::default()
+        },
+    )
+    .await;
+    let r = sh(
+        &c,
+        &sb,
+        "/opt/tool/run; cat ~/.toolrc; echo $TOOL_HOME; test -e /etc/debian_version || echo no-version; whoami",
+    )
+    .await;
+    assert_eq!(
+        r.stdout, "tool-ok\nrc\n/opt/tool\nno-version\nuser\n",
+        "{r:?}"
+    );
+    // A snapshot of a template's sandbox holds only what changed over the template.
+    sh(&c, &sb, "echo mine > /home/user/mine").await;
+    let small = c
+        .snapshot(&sb, &CreateSnapshotRequest::default())
+        .await
+        .unwrap();
+    assert_eq!(small.template, name);
+    assert!(small.size_bytes < 16 * 1024, "{small:?}");
+    let again = create(
+        &c,
+        CreateSandboxRequest {
+            snapshot: Some(small.id.clone()),
+            ..Default::default()
+        },
+    )
+    .await;
+    let r = sh(&c, &again, "cat /home/user/mine; /opt/tool/run").await;
+    assert_eq!(r.stdout, "mine\ntool-ok\n");
+    // The template cannot go while a snapshot builds on it or sandboxes use it.
+    let e = c.delete_template(&name).await.unwrap_err();
+    assert_eq!(e.status(), Some(409), "{e}");
+    c.delete_snapshot(&small.id, false).await.unwrap();
+    assert_eq!(
+        c.delete_template(&name).await.unwrap_err().status(),
+        Some(409)
+    );
+    c.delete_sandbox(&sb).await.unwrap();
+    c.delete_sandbox(&again).await.unwrap();
+    assert!(wait_no_leftovers(&d, &sb).await.is_empty());
+    c.delete_template(&name).await.unwrap();
+    assert_eq!(wait_no_layers(&d).await, Vec::<String>::new());
+    // A snapshot that does not exist fails the build request at once.
+    let bad = sandpit_api::BuildTemplateRequest {
+        name: format!("none-{src}"),
+        source: sandpit_api::TemplateSourceSpec::Snapshot {
+            snapshot: "no-such".into(),
+            base: None,
+        },
+        ..req
+    };
+    assert_eq!(
+        c.build_template(&bad).await.unwrap_err().status(),
+        Some(404)
+    );
+    d.shutdown().await;
+}

@@ -161,7 +161,7 @@ type StartStream = connectrpc::client::ServerStream<
 >;
 
 /// Starts a command, feeds its stdin text, and returns its pid with the event stream.
-async fn start(
+pub(crate) async fn start(
     conn: &AgentConn,
     req: &RunCommandRequest,
     keep_stdin: bool,

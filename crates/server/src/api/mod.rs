@@ -6,6 +6,7 @@ pub mod passthrough;
 pub mod pools;
 pub mod sandboxes;
 pub mod snapshots;
+pub mod templates;
 pub mod volumes;
 
 use crate::error::ApiError;
@@ -175,13 +176,14 @@ async fn authenticate(
         sandboxes::create, sandboxes::list, sandboxes::get, sandboxes::delete, sandboxes::set_timeout,
         sandboxes::keepalive,
         sandboxes::pause,
-        sandboxes::resume, sandboxes::stats, sandboxes::info, sandboxes::templates,
+        sandboxes::resume, sandboxes::stats, sandboxes::info,
         commands::run, commands::list, commands::signal, commands::stdin, commands::stream, commands::attach,
         files::download, files::upload, files::list, files::stat, files::mkdir, files::move_path, files::copy, files::remove,
         pools::list, pools::get, pools::create, pools::resize, pools::delete,
         volumes::list, volumes::get, volumes::create, volumes::delete,
         sandboxes::fork, snapshots::create, snapshots::list, snapshots::get, snapshots::delete,
         snapshots::verify,
+        templates::list, templates::get, templates::build, templates::progress, templates::delete,
     ),
     components(schemas(sandpit_api::ErrorBody, sandpit_api::CommandEvent, sandpit_api::ClientMessage)),
     modifiers(&BearerAuth)
@@ -215,7 +217,12 @@ pub fn router(state: AppState) -> Router {
     let doc = openapi();
     let authed = Router::new()
         .route("/v1/info", get(sandboxes::info))
-        .route("/v1/templates", get(sandboxes::templates))
+        .route("/v1/templates", get(templates::list).post(templates::build))
+        .route(
+            "/v1/templates/{name}",
+            get(templates::get).delete(templates::delete),
+        )
+        .route("/v1/templates/{name}/build", get(templates::progress))
         .route("/v1/pools", get(pools::list).post(pools::create))
         .route(
             "/v1/pools/{name}",

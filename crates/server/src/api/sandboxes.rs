@@ -315,28 +315,3 @@ pub async fn info(State(state): State<AppState>, _owner: Owner) -> Json<DaemonIn
         max_timeout: state.manager.cfg.max_timeout_secs,
     })
 }
-
-/// Templates sandboxes can start from.
-#[utoipa::path(get, path = "/v1/templates", responses((status = 200, body = Vec<Template>)))]
-pub async fn templates(
-    State(state): State<AppState>,
-    _owner: Owner,
-) -> Result<Json<Vec<Template>>, ApiError> {
-    let mut out = vec![Template {
-        name: "host".into(),
-        rootfs: "host".into(),
-    }];
-    out.extend(
-        state
-            .manager
-            .store
-            .list_templates()
-            .await?
-            .into_iter()
-            .map(|t| Template {
-                name: t.name,
-                rootfs: t.rootfs,
-            }),
-    );
-    Ok(Json(out))
-}
