@@ -1299,6 +1299,57 @@ fn tail(s: &str) -> &str {
     s[from..].trim_end()
 }
 
+/// The base template of a template made from a snapshot (its layers lie over the base).
+fn layered_base(t: &TemplateRecord) -> Option<String> {
+    (t.source.get("kind").and_then(|k| k.as_str()) == Some("snapshot"))
+        .then(|| t.source.get("base")?.as_str().map(String::from))
+        .flatten()
+}
+
+/// The layer directories of a template made from a snapshot, top first.
+fn layer_dirs(dir: &Path) -> Result<Vec<PathBuf>, ApiError> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| ApiError::internal(format!("read {}: {e}", dir.display())))?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_dir())
+        .collect();
+    dirs.sort();
+    Ok(dirs)
+}
+
+/// Templates and snapshots that build on template `name`.
+pub(crate) async fn dependents(store: &Store, name: &str) -> Result<Option<String>, ApiError> {
+    let templates: Vec<String> = store
+        .list_templates()
+        .await?
+        .into_iter()
+        .filter(|t| layered_base(t).as_deref() == Some(name))
+        .map(|t| t.name)
+        .collect();
+    let snapshots: Vec<String> = store
+        .list_snapshots(None)
+        .await?
+        .into_iter()
+        .filter(|s| s.template == name)
+        .map(|s| s.id)
+        .collect();
+    if templates.is_empty() && snapshots.is_empty() {
+        return Ok(None);
+    }
+    let mut parts = Vec::new();
+    if !templates.is_empty() {
+        parts.push(format!("templates {}", templates.join(", ")));
+    }
+    if !snapshots.is_empty() {
+        parts.push(format!("snapshots {}", snapshots.join(", ")));
+    }
+    Ok(Some(format!(
+        "template {name} is the base of {}; delete those first",
+        parts.join(" and ")
+    )))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1453,55 +1504,4 @@ mod tests {
         let e = check_source(&TemplateSourceSpec::Oci { path: "/x".into() }, data.path());
         assert!(e.is_err());
     }
-}
-
-/// The base template of a template made from a snapshot (its layers lie over the base).
-fn layered_base(t: &TemplateRecord) -> Option<String> {
-    (t.source.get("kind").and_then(|k| k.as_str()) == Some("snapshot"))
-        .then(|| t.source.get("base")?.as_str().map(String::from))
-        .flatten()
-}
-
-/// The layer directories of a template made from a snapshot, top first.
-fn layer_dirs(dir: &Path) -> Result<Vec<PathBuf>, ApiError> {
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| ApiError::internal(format!("read {}: {e}", dir.display())))?
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.is_dir())
-        .collect();
-    dirs.sort();
-    Ok(dirs)
-}
-
-/// Templates and snapshots that build on template `name`.
-pub(crate) async fn dependents(store: &Store, name: &str) -> Result<Option<String>, ApiError> {
-    let templates: Vec<String> = store
-        .list_templates()
-        .await?
-        .into_iter()
-        .filter(|t| layered_base(t).as_deref() == Some(name))
-        .map(|t| t.name)
-        .collect();
-    let snapshots: Vec<String> = store
-        .list_snapshots(None)
-        .await?
-        .into_iter()
-        .filter(|s| s.template == name)
-        .map(|s| s.id)
-        .collect();
-    if templates.is_empty() && snapshots.is_empty() {
-        return Ok(None);
-    }
-    let mut parts = Vec::new();
-    if !templates.is_empty() {
-        parts.push(format!("templates {}", templates.join(", ")));
-    }
-    if !snapshots.is_empty() {
-        parts.push(format!("snapshots {}", snapshots.join(", ")));
-    }
-    Ok(Some(format!(
-        "template {name} is the base of {}; delete those first",
-        parts.join(" and ")
-    )))
 }
