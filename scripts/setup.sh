@@ -4,6 +4,7 @@
 #   crun, bubblewrap:  baselines of `sandpit bench`
 #   fonts-dejavu-core: the text of `sandpit bench`'s chart
 #   python3, procps:   what the quickstart and the tests run inside host-template sandboxes
+#   e2fsprogs:         mkfs.ext4, which makes the file system of each volume
 #   python3-venv:      with --test, a virtualenv for the test suite's Python tools
 #   debootstrap:       `sandpit template build --debootstrap` (and its test)
 # With --test it also installs, into target/test-venv, the tools only the tests use:
@@ -13,7 +14,7 @@ cd "$(dirname "$0")/.."
 for_tests=false
 [ "${1:-}" = "--test" ] && for_tests=true
 need=()
-for pkg in protobuf-compiler crun bubblewrap fonts-dejavu-core python3 python3-venv procps debootstrap; do
+for pkg in protobuf-compiler crun bubblewrap fonts-dejavu-core python3 python3-venv procps debootstrap e2fsprogs; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then

@@ -4,6 +4,9 @@ pub mod leases;
 pub mod paths;
 pub mod templates;
 pub mod usage;
+pub mod volumes;
+
+pub use volumes::{CreateVolumeRequest, Volume, VolumeList, VolumeMountSpec};
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -64,6 +67,9 @@ pub struct CreateSandboxRequest {
     pub workdir: Option<String>,
     /// Default user of commands and file operations: `user` (default) or `root`.
     pub user: Option<String>,
+    /// Volumes to mount (a create with volumes never takes a warm pool's sandbox).
+    #[serde(default)]
+    pub volumes: Vec<VolumeMountSpec>,
     /// Start from this snapshot (id or name): its files, template and runtime.
     pub snapshot: Option<String>,
     /// Seconds without API calls after which the sandbox is paused (daemon default 300;

@@ -8,6 +8,8 @@ use crate::util::{parse_key_value, print_json, print_table, time_since};
 use crate::{Ctx, SandboxOpts};
 
 /// `sandpit lease` subcommands.
+// Parsed once per process: the size of the largest variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum LeaseCommand {
     /// Print USER's sandbox id: the running one, a resumed one, or a new one.

@@ -12,6 +12,7 @@ mod sandboxes;
 mod templates;
 mod usage;
 mod util;
+mod volumes;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -170,6 +171,10 @@ enum Command {
     /// Manage warm pools: sandboxes kept started so that matching creates take one at once.
     #[command(subcommand)]
     Pool(PoolCommand),
+    /// Manage volumes: named persistent directories with a size limit, mounted into
+    /// sandboxes with `create --volume NAME:/PATH[:ro]`.
+    #[command(subcommand)]
+    Volume(volumes::VolumeCommand),
     /// Pause a sandbox: freeze its processes (memory kept), or with --hibernate end them
     /// and keep only its files.
     Pause {
@@ -275,6 +280,9 @@ struct SandboxOpts {
     /// Default working directory of commands [default: /home/user].
     #[arg(long, value_name = "DIR")]
     workdir: Option<String>,
+    /// Mount a volume: NAME:/PATH, or NAME:/PATH:ro read-only (repeatable).
+    #[arg(long = "volume", short = 'v', value_name = "NAME:/PATH[:ro]", value_parser = volumes::parse_volume)]
+    volumes: Vec<sandpit_api::VolumeMountSpec>,
 }
 
 #[derive(Debug, Args)]
@@ -561,6 +569,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Cp { src, dst } => cp::copy(&ctx, &src, &dst).await.map(|()| 0),
         Command::Keys(cmd) => admin::keys(&ctx, cmd).await.map(|()| 0),
         Command::Pool(cmd) => pools::run(&ctx, cmd).await.map(|()| 0),
+        Command::Volume(cmd) => volumes::run(&ctx, cmd).await,
         Command::Template(cmd) => templates::run(&ctx, cmd).await.map(|()| 0),
         Command::Bench(args) => bench::run(&ctx, args).await.map(|()| 0),
         Command::Pause { id, hibernate } => {

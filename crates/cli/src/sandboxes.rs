@@ -19,6 +19,7 @@ pub fn create_request(
         env: env.iter().cloned().collect(),
         metadata: opts.meta.iter().cloned().collect(),
         workdir: opts.workdir.clone(),
+        volumes: opts.volumes.clone(),
         ..Default::default()
     }
 }

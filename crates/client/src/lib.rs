@@ -33,7 +33,7 @@ use sandpit_api::{
     BackgroundCommand, CommandInfo, CreateSandboxRequest, DaemonInfo, EntryInfo, MoveRequest,
     PathRequest, Pool, PoolList, PoolSpec, ResizePoolRequest, RunCommandRequest,
     RunCommandResponse, Sandbox, SandboxList, SandboxStats, SetTimeoutRequest, SignalRequest,
-    StdinRequest, Template,
+    StdinRequest, Template, Volume, VolumeList,
 };
 use sandpit_api::{
     CreateSnapshotRequest, ForkRequest, ForkResponse, PauseRequest, Snapshot, SnapshotCheck,
@@ -155,6 +155,36 @@ impl Client {
     /// `DELETE /v1/pools/{name}` (admin key): removes the pool and its idle sandboxes.
     pub async fn delete_pool(&self, name: &str) -> Result<(), ClientError> {
         self.send(self.req(Method::DELETE, &["pools", name])?)
+            .await
+            .map(drop)
+    }
+
+    // ---- volumes ----
+
+    /// `POST /v1/volumes`: creates a volume of `size_bytes`, ready when this returns.
+    pub async fn create_volume(&self, name: &str, size_bytes: u64) -> Result<Volume, ClientError> {
+        let body = sandpit_api::CreateVolumeRequest {
+            name: name.to_string(),
+            size_bytes,
+        };
+        self.json(self.req(Method::POST, &["volumes"])?.json(&body))
+            .await
+    }
+
+    /// `GET /v1/volumes`: the caller's volumes with their usage.
+    pub async fn list_volumes(&self) -> Result<Vec<Volume>, ClientError> {
+        let list: VolumeList = self.json(self.req(Method::GET, &["volumes"])?).await?;
+        Ok(list.items)
+    }
+
+    /// `GET /v1/volumes/{name}`: size, usage and the sandboxes that have it mounted.
+    pub async fn get_volume(&self, name: &str) -> Result<Volume, ClientError> {
+        self.json(self.req(Method::GET, &["volumes", name])?).await
+    }
+
+    /// `DELETE /v1/volumes/{name}`: deletes the volume and its data (refused while mounted).
+    pub async fn delete_volume(&self, name: &str) -> Result<(), ClientError> {
+        self.send(self.req(Method::DELETE, &["volumes", name])?)
             .await
             .map(drop)
     }

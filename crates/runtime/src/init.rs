@@ -49,6 +49,9 @@ pub struct InitConfig {
     /// The cgroup files to write "0" into, joining the sandbox's cgroup.
     #[serde(default)]
     pub cgroup_tasks: Vec<PathBuf>,
+    /// Volumes to mount, idmapped to the sandbox's uid range.
+    #[serde(default)]
+    pub volumes: Vec<crate::volume::VolumeMount>,
     /// Read-only layers (overlay form, ids from 0) between the writable layer and the
     /// template, top first: what a snapshot, fork or hibernation left.
     #[serde(default)]
@@ -211,7 +214,7 @@ fn pipe() -> R<(OwnedFd, OwnedFd)> {
 
 fn run(cfg: &InitConfig) -> R<(i32, u64)> {
     // Made here, in the host's pid namespace, where /proc/PID names the helper correctly.
-    let userns = if cfg.idmap_lower || !cfg.layers.is_empty() {
+    let userns = if cfg.idmap_lower || !cfg.layers.is_empty() || !cfg.volumes.is_empty() {
         Some(id_mapped_userns(cfg.uid_base)?)
     } else {
         None
@@ -338,7 +341,13 @@ fn child(
         return Err(format!("no_new_privs: {}", std::io::Error::last_os_error()));
     }
     if cfg.host_template {
-        crate::container::security::apply_landlock()?;
+        let writable: Vec<&str> = cfg
+            .volumes
+            .iter()
+            .filter(|v| !v.read_only)
+            .map(|v| v.target.as_str())
+            .collect();
+        crate::container::security::apply_landlock(&writable)?;
     }
     mark("c_landlock");
     redirect_stdio()?;
@@ -573,6 +582,11 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
     mark("c_sys");
     mount_dev(&root)?;
     mark("c_dev");
+    // Last, so that their mount points cannot lead onto any mount made above.
+    if let Some(ns) = userns.filter(|_| !cfg.volumes.is_empty()) {
+        crate::volume::mount_in_sandbox(&root, &cfg.volumes, ns, cfg.uid_base)?;
+        mark("c_volumes");
+    }
 
     ctx(nix::unistd::sethostname("sandpit"), || "sethostname".into())?;
     loopback_up()?;
@@ -742,8 +756,28 @@ fn id_mapped_userns(uid_base: u32) -> R<OwnedFd> {
     }
 }
 
+/// Mount attributes of `mount_setattr` (<linux/mount.h>).
+pub(crate) const MOUNT_ATTR_RDONLY: u64 = 0x0000_0001;
+pub(crate) const MOUNT_ATTR_NOSUID: u64 = 0x0000_0002;
+pub(crate) const MOUNT_ATTR_NODEV: u64 = 0x0000_0004;
+const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
+
 /// Attaches an idmapped clone of `src` at `target` (a plain directory it creates).
 fn idmapped_copy(src: &Path, target: &Path, userns: &OwnedFd) -> R<PathBuf> {
+    use std::ffi::CString;
+    ctx(std::fs::create_dir_all(target), || {
+        format!("mkdir {}", target.display())
+    })?;
+    let ctarget = CString::new(target.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+    let tree = idmapped_tree(src, userns, 0)?;
+    attach_tree(&tree, nix::fcntl::AT_FDCWD, &ctarget)
+        .map_err(|e| format!("attach idmapped {}: {e}", src.display()))?;
+    Ok(target.to_path_buf())
+}
+
+/// A detached clone of the mount at `src` whose files appear through `userns`'s id map
+/// (on-disk id N is host id uid_base+N), with the extra `MOUNT_ATTR_*` flags `attrs`.
+pub(crate) fn idmapped_tree(src: &Path, userns: &OwnedFd, attrs: u64) -> R<OwnedFd> {
     use std::ffi::CString;
     #[repr(C)]
     struct MountAttr {
@@ -753,13 +787,7 @@ fn idmapped_copy(src: &Path, target: &Path, userns: &OwnedFd) -> R<PathBuf> {
         userns_fd: u64,
     }
     const OPEN_TREE_CLONE: libc::c_uint = 1;
-    const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
-    const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 4;
-    ctx(std::fs::create_dir_all(target), || {
-        format!("mkdir {}", target.display())
-    })?;
     let csrc = CString::new(src.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
-    let ctarget = CString::new(target.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
     let empty = c"";
     // SAFETY: the new mount API with valid C strings and a correctly sized attr struct.
     unsafe {
@@ -778,7 +806,7 @@ fn idmapped_copy(src: &Path, target: &Path, userns: &OwnedFd) -> R<PathBuf> {
         }
         let tree = OwnedFd::from_raw_fd(tree);
         let attr = MountAttr {
-            attr_set: MOUNT_ATTR_IDMAP,
+            attr_set: MOUNT_ATTR_IDMAP | attrs,
             attr_clr: 0,
             propagation: 0,
             userns_fd: userns.as_raw_fd() as u64,
@@ -798,23 +826,39 @@ fn idmapped_copy(src: &Path, target: &Path, userns: &OwnedFd) -> R<PathBuf> {
                 std::io::Error::last_os_error()
             ));
         }
-        let r = libc::syscall(
+        Ok(tree)
+    }
+}
+
+/// Attaches a detached mount tree at `path` relative to `dir` (an empty `path` means
+/// `dir` itself, which then needs no path lookup at all).
+pub(crate) fn attach_tree(
+    tree: &OwnedFd,
+    dir: std::os::fd::BorrowedFd<'_>,
+    path: &std::ffi::CStr,
+) -> std::io::Result<()> {
+    const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 4;
+    const MOVE_MOUNT_T_EMPTY_PATH: libc::c_uint = 0x40;
+    let mut flags = MOVE_MOUNT_F_EMPTY_PATH;
+    if path.is_empty() {
+        flags |= MOVE_MOUNT_T_EMPTY_PATH;
+    }
+    // SAFETY: move_mount with open descriptors and NUL-terminated strings.
+    let r = unsafe {
+        libc::syscall(
             libc::SYS_move_mount,
             tree.as_raw_fd(),
-            empty.as_ptr(),
-            libc::AT_FDCWD,
-            ctarget.as_ptr(),
-            MOVE_MOUNT_F_EMPTY_PATH,
-        );
-        if r < 0 {
-            return Err(format!(
-                "attach idmapped {}: {}",
-                src.display(),
-                std::io::Error::last_os_error()
-            ));
-        }
+            c"".as_ptr(),
+            dir.as_raw_fd(),
+            path.as_ptr(),
+            flags,
+        )
+    };
+    if r < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
     }
-    Ok(target.to_path_buf())
 }
 
 fn ro_flags() -> MsFlags {

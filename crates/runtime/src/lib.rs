@@ -6,12 +6,14 @@ pub mod container;
 mod init;
 pub mod process;
 pub mod template;
+pub mod volume;
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 pub use init::init_main;
+pub use volume::VolumeMount;
 
 /// Why a runtime operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -77,6 +79,8 @@ pub struct SandboxSpec {
     pub env: BTreeMap<String, String>,
     /// Default working directory inside the sandbox.
     pub workdir: String,
+    /// Volumes to mount (container runtime only).
+    pub volumes: Vec<VolumeMount>,
     /// Read-only layers over the template (overlay form, ids from 0), top first.
     pub layers: Vec<PathBuf>,
 }

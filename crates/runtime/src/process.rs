@@ -170,6 +170,11 @@ impl Runtime for ProcessRuntime {
                 "the process runtime cannot start from snapshots or forks".into(),
             ));
         }
+        if !spec.volumes.is_empty() {
+            return Err(RuntimeError::InvalidSpec(
+                "volumes need the container runtime".into(),
+            ));
+        }
         let dir = self.sandboxes_dir.join(&spec.id);
         std::fs::create_dir(&dir)
             .map_err(|e| RuntimeError::io(format!("create {}", dir.display()), e))?;

@@ -11,6 +11,7 @@ pub mod pools;
 pub mod snapshots;
 pub mod templates;
 pub mod usage;
+pub mod volumes;
 
 use manager::{Manager, ManagerConfig};
 use sandpit_runtime::Runtime;
@@ -137,12 +138,14 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
     let process =
         sandpit_runtime::process::ProcessRuntime::new(&cfg.data_dir, cfg.self_exe.clone())?;
     runtimes.insert("process".into(), Arc::new(process));
+    let volumes = Arc::new(sandpit_runtime::volume::VolumeHost::new(&cfg.data_dir)?);
     let snapshot_store = snapshots::SnapshotStore::open(&file.snapshots, &cfg.data_dir)
         .map_err(|e| ServerError::Config(format!("snapshot storage: {e}")))?;
     tracing::info!(store = %snapshot_store.describe, "snapshot storage");
     let manager = Manager::new(
         store,
         runtimes,
+        volumes,
         ManagerConfig {
             data_dir: cfg.data_dir.clone(),
             lifecycle: file.lifecycle.clone(),
@@ -154,6 +157,9 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
     );
     if let Err(e) = manager.reconcile().await {
         tracing::warn!(error = %e.message, "reconcile failed");
+    }
+    if let Err(e) = manager.reconcile_volumes().await {
+        tracing::warn!(error = %e.message, "reconciling volumes failed");
     }
     manager.templates.recover(&manager.store).await;
     if let Err(e) = manager.load_pools(&file.pools).await {
@@ -211,5 +217,6 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
     for rt in manager.runtimes.values() {
         rt.release();
     }
+    manager.volumes.release();
     Ok(())
 }

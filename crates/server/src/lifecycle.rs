@@ -378,6 +378,7 @@ impl Manager {
             .plan(Some(&rec.template), Some(&rec.runtime), &limits)
             .await?;
         let layers = self.start_layers(rec, &plan.defaults)?;
+        let volumes = self.volume_mounts(&rec.id).await?;
         let cur = self
             .store
             .transition(
@@ -399,6 +400,7 @@ impl Manager {
                 .clone()
                 .unwrap_or_else(|| DEFAULT_WORKDIR.into()),
             layers,
+            volumes,
         };
         let running = self
             .boot(

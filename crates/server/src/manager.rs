@@ -63,6 +63,8 @@ pub struct Manager {
     last_claim: Mutex<Option<std::time::Instant>>,
     /// Background teardowns in flight (a clean shutdown waits for them).
     teardowns: Arc<AtomicUsize>,
+    /// The host side of volumes.
+    pub volumes: Arc<sandpit_runtime::volume::VolumeHost>,
     /// One lock per sandbox for pause, resume, hibernation, snapshots and forks.
     pub(crate) ops: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// API activity per sandbox not yet written to the store.
@@ -105,6 +107,8 @@ pub(crate) struct Plan {
     pub(crate) runtime: Arc<dyn Runtime>,
     pub(crate) key: PoolKey,
     pub(crate) template: TemplateSource,
+    /// Volumes to mount (never for a pool's sandboxes).
+    pub(crate) volumes: Vec<sandpit_api::VolumeMountSpec>,
     /// The template's settings (and the hold that keeps it from being deleted meanwhile).
     pub(crate) defaults: crate::templates::Defaults,
 }
@@ -129,7 +133,7 @@ pub fn now_ms() -> i64 {
         .unwrap_or(0)
 }
 
-fn new_id() -> String {
+pub(crate) fn new_id() -> String {
     use rand::Rng;
     const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
     let mut rng = rand::rng();
@@ -213,6 +217,7 @@ impl Manager {
     pub fn new(
         store: Store,
         runtimes: BTreeMap<String, Arc<dyn Runtime>>,
+        volumes: Arc<sandpit_runtime::volume::VolumeHost>,
         cfg: ManagerConfig,
         snapshot_store: crate::snapshots::SnapshotStore,
     ) -> Arc<Self> {
@@ -228,6 +233,7 @@ impl Manager {
             pools_stopped: Default::default(),
             teardowns: Arc::default(),
             last_claim: Mutex::default(),
+            volumes,
             ops: Mutex::default(),
             activity: Mutex::default(),
             layer_pins: Mutex::default(),
@@ -311,6 +317,7 @@ impl Manager {
                 limits,
             },
             template,
+            volumes: Vec::new(),
             defaults,
         })
     }
@@ -350,10 +357,12 @@ impl Manager {
             req.workdir = req.workdir.take().or_else(|| r.workdir.clone());
             req.user = req.user.take().or_else(|| r.user.clone());
         }
-        let plan = self
+        let mut plan = self
             .plan(req.template.as_deref(), req.runtime.as_deref(), &req.limits)
             .await?;
         let req = crate::templates::with_defaults(req, &plan.defaults);
+        crate::volumes::check_mounts(&req.volumes)?;
+        plan.volumes = req.volumes.clone();
         let timeout = self.timeout(req.timeout)?;
         check_env(&req.env)?;
         check_metadata(&req.metadata)?;
@@ -403,7 +412,9 @@ impl Manager {
             timeout_secs: timeout,
         };
         let expires_at_ms = now_ms() + (timeout as i64) * 1000;
+        // A pool's sandbox is running already and cannot get mounts any more.
         if restore.is_none()
+            && plan.volumes.is_empty()
             && let Some(rec) = self
                 .claim(owner, &plan.key, &req, &workdir, expires_at_ms, &life)
                 .await
@@ -597,6 +608,13 @@ impl Manager {
             life,
         };
         self.store.insert_sandbox(&rec).await?;
+        let volumes = match self.attach_volumes(&rec.id, owner, &plan.volumes).await {
+            Ok(v) => v,
+            Err(e) => {
+                let _ = self.store.delete_sandbox(&rec.id).await;
+                return Err(e);
+            }
+        };
         let spec = SandboxSpec {
             id: rec.id.clone(),
             template: plan.template,
@@ -608,6 +626,7 @@ impl Manager {
             },
             env,
             workdir,
+            volumes,
             layers: self.start_layers(&rec, &plan.defaults)?,
         };
         self.boot(&rec, plan.runtime, spec, Failed::Delete).await

@@ -611,9 +611,11 @@ impl Manager {
             )));
         }
         let limits = req.limits.unwrap_or_else(|| limits_of(rec));
-        let plan = self
+        let mut plan = self
             .plan(Some(&rec.template), Some(&rec.runtime), &limits)
             .await?;
+        // A volume is shared, not copied: each copy mounts its source's.
+        plan.volumes = self.volume_specs(&rec.id).await?;
         let timeout = self.timeout(req.timeout)?;
         let metadata = req.metadata.clone().unwrap_or_else(|| rec.metadata.clone());
         crate::manager::check_metadata(&metadata)?;

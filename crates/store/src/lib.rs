@@ -13,6 +13,7 @@ mod schema;
 mod snapshots;
 mod templates;
 mod usage;
+mod volumes;
 
 use std::path::Path;
 use std::str::FromStr;
@@ -33,6 +34,7 @@ pub use templates::TemplateUsers;
 pub use usage::{
     ExecutionPage, ExecutionRecord, OwnerUsage, SandboxUsageRecord, UsageEvent, active_ms,
 };
+pub use volumes::{VolumeAttach, VolumeDeletion, VolumeRecord, VolumeState};
 
 /// How long a connection waits on another writer's lock before failing with "database is locked".
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -149,6 +151,7 @@ mod tests {
         let path = dir.path().join("schema.db");
         let store = Store::open(&path).await.unwrap();
         // The versions this build has (numbers are assigned per feature, so gaps are normal).
+        // Every migration this build has (versions are assigned per feature, so there can be gaps).
         let all: Vec<i64> = schema::MIGRATIONS.iter().map(|(v, _)| *v).collect();
         assert_eq!(schema_rows(&store).await, all);
         // Applying again on a live database changes nothing and does not fail.

@@ -98,6 +98,30 @@ pub(crate) const MIGRATIONS: &[(i64, &[&str])] = &[
         ],
     ),
     (
+        4,
+        &[
+            // Named persistent volumes; `id` names the image and mount on the host.
+            "CREATE TABLE volumes (
+            id TEXT PRIMARY KEY NOT NULL,
+            owner TEXT NOT NULL,
+            name TEXT NOT NULL,
+            size_bytes BIGINT NOT NULL,
+            state TEXT NOT NULL,
+            created_at_ms BIGINT NOT NULL,
+            UNIQUE (owner, name)
+        )",
+            // Which sandbox mounts which volume where; goes with either record.
+            "CREATE TABLE sandbox_volumes (
+            sandbox_id TEXT NOT NULL REFERENCES sandboxes (id) ON DELETE CASCADE,
+            volume_id TEXT NOT NULL REFERENCES volumes (id) ON DELETE CASCADE,
+            path TEXT NOT NULL,
+            read_only BOOLEAN NOT NULL,
+            PRIMARY KEY (sandbox_id, path)
+        )",
+            "CREATE INDEX sandbox_volumes_volume_idx ON sandbox_volumes (volume_id)",
+        ],
+    ),
+    (
         5,
         &[
             // Per-user leases (the seed's `sb_container`): one warm sandbox per (owner, user).

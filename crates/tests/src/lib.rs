@@ -188,7 +188,7 @@ impl Drop for Daemon {
     }
 }
 
-/// Deletes the daemon's pools (with their idle sandboxes) and the admin's sandboxes.
+/// Deletes the daemon's pools (with their idle sandboxes), the admin's sandboxes and volumes.
 async fn remove_everything(c: &Client) {
     if let Ok(pools) = c.list_pools().await {
         for p in pools {
@@ -198,6 +198,12 @@ async fn remove_everything(c: &Client) {
     if let Ok(list) = c.list_sandboxes(None, &[], Some(1000), None).await {
         for s in list.items {
             let _ = c.delete_sandbox(&s.id).await;
+        }
+    }
+    // After the sandboxes: a volume is released as soon as its sandbox is being deleted.
+    if let Ok(volumes) = c.list_volumes().await {
+        for v in volumes {
+            let _ = c.delete_volume(&v.name).await;
         }
     }
 }

@@ -153,6 +153,7 @@ impl ContainerRuntime {
                 .map_err(|e| RuntimeError::Setup(e.to_string()))?,
             timing,
             cgroup_tasks: self.cgroups.procs_files(&spec.id),
+            volumes: spec.volumes.clone(),
             layers: spec.layers.clone(),
         };
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()
@@ -201,9 +202,15 @@ impl ContainerRuntime {
                 h.pid_start = start.parse().map_err(|_| bad())?;
                 Ok(())
             }
-            _ => Err(RuntimeError::Setup(
-                line.strip_prefix("ERR ").unwrap_or(line).to_string(),
-            )),
+            _ => {
+                let msg = line.strip_prefix("ERR ").unwrap_or(line).to_string();
+                // A mount path the template turns out to refuse is the request's fault.
+                Err(if msg.starts_with(crate::volume::SPEC_ERROR) {
+                    RuntimeError::InvalidSpec(msg)
+                } else {
+                    RuntimeError::Setup(msg)
+                })
+            }
         }
     }
 
@@ -445,6 +452,8 @@ impl Runtime for ContainerRuntime {
         if let TemplateSource::Rootfs { path } = &spec.template {
             crate::template::check_rootfs(path)?;
         }
+        crate::volume::check_targets(spec.volumes.iter().map(|v| v.target.as_str()))
+            .map_err(RuntimeError::InvalidSpec)?;
         for l in &spec.layers {
             check_layer_path(l)?;
         }

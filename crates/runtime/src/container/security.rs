@@ -187,8 +187,10 @@ const LANDLOCK_WRITABLE: &[&str] = &[
 ];
 
 /// Confines the filesystem with Landlock where the kernel has it: the host's files are
-/// read/execute only (everything but the writable top-level directories), even if a read-only mount were ever remounted. Best effort on old kernels.
-pub fn apply_landlock() -> Result<(), String> {
+/// read/execute only (everything but the writable top-level directories and the mount
+/// points of writable volumes, `volumes`), even if a read-only mount were ever remounted.
+/// Best effort on old kernels.
+pub fn apply_landlock(volumes: &[&str]) -> Result<(), String> {
     use landlock::{
         ABI, Access, AccessFs, Ruleset, RulesetAttr, RulesetCreatedAttr, RulesetStatus,
         path_beneath_rules,
@@ -201,6 +203,7 @@ pub fn apply_landlock() -> Result<(), String> {
         .and_then(|r| r.create())
         .and_then(|r| r.add_rules(path_beneath_rules(["/"], read)))
         .and_then(|r| r.add_rules(path_beneath_rules(LANDLOCK_WRITABLE, all)))
+        .and_then(|r| r.add_rules(path_beneath_rules(volumes, all)))
         .and_then(|r| r.restrict_self())
         .map_err(|e| format!("landlock: {e}"))?;
     if status.ruleset == RulesetStatus::NotEnforced {

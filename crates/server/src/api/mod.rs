@@ -9,6 +9,7 @@ pub mod sandboxes;
 pub mod snapshots;
 pub mod templates;
 pub mod usage;
+pub mod volumes;
 
 use crate::error::ApiError;
 use crate::manager::Manager;
@@ -187,6 +188,7 @@ async fn authenticate(
         commands::run, commands::list, commands::signal, commands::stdin, commands::stream, commands::attach,
         files::download, files::upload, files::list, files::stat, files::mkdir, files::move_path, files::copy, files::remove,
         pools::list, pools::get, pools::create, pools::resize, pools::delete,
+        volumes::list, volumes::get, volumes::create, volumes::delete,
         sandboxes::fork, snapshots::create, snapshots::list, snapshots::get, snapshots::delete,
         snapshots::verify,
         templates::list, templates::get, templates::build, templates::progress, templates::delete,
@@ -235,6 +237,11 @@ pub fn router(state: AppState) -> Router {
         .route(
             "/v1/pools/{name}",
             get(pools::get).patch(pools::resize).delete(pools::delete),
+        )
+        .route("/v1/volumes", get(volumes::list).post(volumes::create))
+        .route(
+            "/v1/volumes/{name}",
+            get(volumes::get).delete(volumes::delete),
         )
         .route(
             "/v1/sandboxes",
