@@ -92,6 +92,19 @@ struct AgentInit<'a> {
     user: Option<&'a str>,
 }
 
+/// Everything a cold start records about a new sandbox.
+pub(crate) struct NewSandbox<'a> {
+    pub owner: &'a str,
+    /// The warm pool it is made for.
+    pub pool: Option<String>,
+    pub plan: Plan,
+    pub env: BTreeMap<String, String>,
+    pub metadata: BTreeMap<String, String>,
+    pub workdir: String,
+    pub expires_at_ms: i64,
+    pub life: sandpit_store::Lifecycle,
+}
+
 /// What becomes of a record whose runtime side failed to start.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Failed {
@@ -421,43 +434,23 @@ impl Manager {
         {
             return Ok(rec);
         }
-        self.start_new(
+        self.start_new(NewSandbox {
             owner,
+            pool: None,
             plan,
-            req.env,
-            req.metadata,
+            env: req.env,
+            metadata: req.metadata,
             workdir,
             expires_at_ms,
             life,
-        )
+        })
         .await
     }
 
     /// Starts a new sandbox cold and applies its default user.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) async fn start_new(
-        &self,
-        owner: &str,
-        plan: Plan,
-        env: BTreeMap<String, String>,
-        metadata: BTreeMap<String, String>,
-        workdir: String,
-        expires_at_ms: i64,
-        life: sandpit_store::Lifecycle,
-    ) -> Result<SandboxRecord, ApiError> {
-        let user = life.user.clone();
-        let rec = self
-            .cold_create(
-                owner,
-                None,
-                plan,
-                env,
-                metadata,
-                workdir,
-                expires_at_ms,
-                life,
-            )
-            .await?;
+    pub(crate) async fn start_new(&self, new: NewSandbox<'_>) -> Result<SandboxRecord, ApiError> {
+        let user = new.life.user.clone();
+        let rec = self.cold_create(new).await?;
         if let Some(user) = user.as_deref()
             && let Err(e) = self.set_default_user(&rec, user).await
         {
@@ -572,18 +565,17 @@ impl Manager {
     }
 
     /// Starts a sandbox from nothing and records it; on failure nothing is left behind.
-    #[allow(clippy::too_many_arguments)]
-    async fn cold_create(
-        &self,
-        owner: &str,
-        pool: Option<String>,
-        plan: Plan,
-        env: BTreeMap<String, String>,
-        metadata: BTreeMap<String, String>,
-        workdir: String,
-        expires_at_ms: i64,
-        life: sandpit_store::Lifecycle,
-    ) -> Result<SandboxRecord, ApiError> {
+    async fn cold_create(&self, new: NewSandbox<'_>) -> Result<SandboxRecord, ApiError> {
+        let NewSandbox {
+            owner,
+            pool,
+            plan,
+            env,
+            metadata,
+            workdir,
+            expires_at_ms,
+            life,
+        } = new;
         let now = now_ms();
         let limits = plan.key.limits;
         let rec = SandboxRecord {
@@ -1382,17 +1374,17 @@ impl Manager {
             let plan = self
                 .plan(Some(&k.template), Some(&k.runtime), &spec)
                 .await?;
-            self.cold_create(
-                POOL_OWNER,
-                Some(refill.pool.clone()),
+            self.cold_create(NewSandbox {
+                owner: POOL_OWNER,
+                pool: Some(refill.pool.clone()),
                 plan,
-                BTreeMap::new(),
-                BTreeMap::new(),
-                DEFAULT_WORKDIR.into(),
+                env: BTreeMap::new(),
+                metadata: BTreeMap::new(),
+                workdir: DEFAULT_WORKDIR.into(),
                 // Idle pool members never expire; a claim sets the caller's deadline.
-                i64::MAX,
-                Default::default(),
-            )
+                expires_at_ms: i64::MAX,
+                life: Default::default(),
+            })
             .await
         };
         match started.await {

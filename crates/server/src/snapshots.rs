@@ -666,15 +666,16 @@ impl Manager {
         // A few at a time: each start is CPU-bound.
         let starts = futures::stream::iter(0..count)
             .map(|_| {
-                self.start_new(
-                    &rec.owner,
-                    plan.clone(),
-                    rec.env.clone(),
-                    metadata.clone(),
-                    workdir.clone(),
-                    expires,
-                    life.clone(),
-                )
+                self.start_new(crate::manager::NewSandbox {
+                    owner: &rec.owner,
+                    pool: None,
+                    plan: plan.clone(),
+                    env: rec.env.clone(),
+                    metadata: metadata.clone(),
+                    workdir: workdir.clone(),
+                    expires_at_ms: expires,
+                    life: life.clone(),
+                })
             })
             .buffer_unordered(4)
             .collect::<Vec<_>>()

@@ -12,14 +12,15 @@ use sandpit_api::{ErrorBody, Limits, Pool, PoolList, PoolSpec, ResizePoolRequest
 /// Owner of the admin key (and of requests on a daemon started without auth).
 pub const ADMIN_OWNER: &str = "admin";
 
-fn require_admin(owner: &Owner) -> Result<(), ApiError> {
+/// 403 unless the request acts as the admin; `what` says what needs the admin key.
+pub(crate) fn require_admin(owner: &Owner, what: &str) -> Result<(), ApiError> {
     if owner.0 == ADMIN_OWNER {
         Ok(())
     } else {
         Err(ApiError::new(
             StatusCode::FORBIDDEN,
             "permission_denied",
-            "managing warm pools needs the admin key",
+            format!("{what} needs the admin key"),
         ))
     }
 }
@@ -82,7 +83,7 @@ pub async fn create(
     owner: Owner,
     ApiJson(spec): ApiJson<PoolSpec>,
 ) -> Result<(StatusCode, Json<Pool>), ApiError> {
-    require_admin(&owner)?;
+    require_admin(&owner, "managing warm pools")?;
     let v = state.manager.create_pool(&spec).await?;
     Ok((StatusCode::CREATED, Json(to_api(v))))
 }
@@ -96,7 +97,7 @@ pub async fn resize(
     Path(name): Path<String>,
     ApiJson(req): ApiJson<ResizePoolRequest>,
 ) -> Result<Json<Pool>, ApiError> {
-    require_admin(&owner)?;
+    require_admin(&owner, "managing warm pools")?;
     Ok(Json(to_api(
         state.manager.resize_pool(&name, req.size).await?,
     )))
@@ -109,7 +110,7 @@ pub async fn delete(
     owner: Owner,
     Path(name): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    require_admin(&owner)?;
+    require_admin(&owner, "managing warm pools")?;
     state.manager.delete_pool(&name).await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -10,18 +10,6 @@ use http::StatusCode;
 use sandpit_api::{BuildTemplateRequest, ErrorBody, Template, TemplateBuild};
 use std::time::Duration;
 
-fn require_admin(owner: &Owner) -> Result<(), ApiError> {
-    if owner.0 == super::pools::ADMIN_OWNER {
-        Ok(())
-    } else {
-        Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "permission_denied",
-            "building and removing templates needs the admin key",
-        ))
-    }
-}
-
 /// Templates sandboxes can start from (`host` first), with their build state.
 #[utoipa::path(get, path = "/v1/templates", responses((status = 200, body = Vec<Template>)))]
 pub async fn list(
@@ -69,7 +57,7 @@ pub async fn build(
     owner: Owner,
     ApiJson(req): ApiJson<BuildTemplateRequest>,
 ) -> Result<(StatusCode, Json<Template>), ApiError> {
-    require_admin(&owner)?;
+    super::pools::require_admin(&owner, "building and removing templates")?;
     let (req, prepared) = match &req.source {
         sandpit_api::TemplateSourceSpec::Snapshot { snapshot, .. } => {
             let snapshot = snapshot.clone();
@@ -130,7 +118,7 @@ pub async fn delete(
     owner: Owner,
     Path(name): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    require_admin(&owner)?;
+    super::pools::require_admin(&owner, "building and removing templates")?;
     state
         .manager
         .templates
