@@ -45,6 +45,9 @@ pub enum SnapshotStoreConfig {
 pub struct SnapshotStore {
     store: Arc<dyn ObjectStore>,
     prefix: String,
+    /// The directory of a local store: archives are moved in and read in place there
+    /// instead of being copied through the object store's streams.
+    local: Option<PathBuf>,
     /// Shown in logs and the README's terms: `local:/path` or `s3://bucket/prefix`.
     pub describe: String,
 }
@@ -60,6 +63,7 @@ impl SnapshotStore {
                 store: Arc::new(fs),
                 prefix: String::new(),
                 describe: format!("local:{}", dir.display()),
+                local: Some(dir.to_path_buf()),
             })
         };
         match cfg {
@@ -95,6 +99,7 @@ impl SnapshotStore {
                     store: Arc::new(s3),
                     describe: format!("s3://{bucket}/{prefix}"),
                     prefix,
+                    local: None,
                 })
             }
         }
@@ -108,8 +113,29 @@ impl SnapshotStore {
         }
     }
 
-    /// Uploads a local file (streamed, multipart when large).
+    /// Where an object lives on this machine, for a local store.
+    fn local_file(&self, key: &ObjPath) -> Option<PathBuf> {
+        self.local.as_ref().map(|d| d.join(key.as_ref()))
+    }
+
+    /// Uploads a local file (streamed, multipart when large); a local store takes it by a
+    /// rename.
     async fn put_file(&self, key: &ObjPath, file: &Path) -> Result<(), String> {
+        if let Some(dest) = self.local_file(key) {
+            let (file, dest2) = (file.to_path_buf(), dest.clone());
+            let moved = tokio::task::spawn_blocking(move || {
+                if let Some(parent) = dest2.parent() {
+                    std::fs::create_dir_all(parent)?;
+                }
+                std::fs::rename(&file, &dest2)
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+            // Another file system: copy through the store as for any other.
+            if moved.is_ok() {
+                return Ok(());
+            }
+        }
         let mut src = tokio::fs::File::open(file)
             .await
             .map_err(|e| format!("open {}: {e}", file.display()))?;
@@ -194,6 +220,14 @@ const UNPACK_LIMITS: sandpit_image::UnpackLimits = sandpit_image::UnpackLimits {
 };
 /// Most copies one fork makes.
 pub const MAX_FORK: u32 = 64;
+
+/// The sha256 of a file, streamed.
+fn sha256_file(path: &Path) -> Result<String, String> {
+    let mut f = std::fs::File::open(path).map_err(|e| format!("open {}: {e}", path.display()))?;
+    let mut hash = sha2::Sha256::new();
+    std::io::copy(&mut f, &mut hash).map_err(|e| format!("read {}: {e}", path.display()))?;
+    Ok(hex::encode(hash.finalize()))
+}
 
 /// The layer directory a snapshot's archive is unpacked into.
 pub fn cache_layer_id(snapshot: &str) -> String {
@@ -452,20 +486,34 @@ impl Manager {
         tokio::fs::create_dir_all(&tmp)
             .await
             .map_err(|e| ApiError::internal(e.to_string()))?;
-        let file = tmp.join(format!("{}.get", snap.id));
-        let digest = self
-            .snapshot_store
-            .get_file(&self.snapshot_store.key(&snap.id, ARCHIVE), &file)
-            .await;
+        let key = self.snapshot_store.key(&snap.id, ARCHIVE);
+        // A local store's archive is read where it is; anything else is downloaded.
+        let (file, downloaded) = match self.snapshot_store.local_file(&key) {
+            Some(path) => (path, false),
+            None => (tmp.join(format!("{}.get", snap.id)), true),
+        };
+        let digest = if downloaded {
+            self.snapshot_store.get_file(&key, &file).await
+        } else {
+            let f = file.clone();
+            blocking(move || Ok::<_, ApiError>(sha256_file(&f)))
+                .await
+                .map_err(|e| e.message)
+                .and_then(|d| d)
+        };
         let digest = match digest {
             Ok(d) => d,
             Err(e) => {
-                let _ = tokio::fs::remove_file(&file).await;
+                if downloaded {
+                    let _ = tokio::fs::remove_file(&file).await;
+                }
                 return Err(store_err(e));
             }
         };
         if digest != snap.digest {
-            let _ = tokio::fs::remove_file(&file).await;
+            if downloaded {
+                let _ = tokio::fs::remove_file(&file).await;
+            }
             return Err(ApiError::conflict(format!(
                 "snapshot {} is corrupt: its archive's sha256 is {digest}, not {}",
                 snap.id, snap.digest
@@ -484,7 +532,9 @@ impl Manager {
             if res.is_err() {
                 let _ = std::fs::remove_dir_all(&partial);
             }
-            let _ = std::fs::remove_file(&file);
+            if downloaded {
+                let _ = std::fs::remove_file(&file);
+            }
             res
         })
         .await;
