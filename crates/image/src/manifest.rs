@@ -128,11 +128,17 @@ impl Manifest {
     }
 }
 
-/// The inner ids of a node if both its owner and group lie in the layer's range.
+/// The inner ids of a node if both its owner and group lie in the layer's range. The
+/// host's root counts too, as the overflow id the sandbox sees it as: overlayfs copies a
+/// template's file up with its owner when the sandbox renames or moves it, and that file
+/// is the sandbox's as much as any other.
 pub(crate) fn inner_ids(uid: u32, gid: u32, base: u32) -> Option<(u32, u32)> {
-    let u = uid.checked_sub(base).filter(|u| *u < ID_RANGE)?;
-    let g = gid.checked_sub(base).filter(|g| *g < ID_RANGE)?;
-    Some((u, g))
+    let inner = |id: u32| match id.checked_sub(base).filter(|i| *i < ID_RANGE) {
+        Some(i) => Some(i),
+        None if id == 0 => Some(crate::archive::OVERFLOW_ID),
+        None => None,
+    };
+    Some((inner(uid)?, inner(gid)?))
 }
 
 /// A path and what is there, as the walker hands them out.

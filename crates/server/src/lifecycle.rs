@@ -58,8 +58,13 @@ pub(crate) struct Pin<'a> {
 
 impl Drop for Pin<'_> {
     fn drop(&mut self) {
-        if let Ok(mut p) = self.m.layer_pins.lock() {
-            p.remove(&self.id);
+        if let Ok(mut p) = self.m.layer_pins.lock()
+            && let Some(n) = p.get_mut(&self.id)
+        {
+            *n -= 1;
+            if *n == 0 {
+                p.remove(&self.id);
+            }
         }
     }
 }
@@ -83,9 +88,11 @@ impl Manager {
         rec.life.layers.iter().map(|l| self.layer_path(l)).collect()
     }
 
+    /// Keeps layer `id` from garbage collection (and from being folded into) until the
+    /// pin is dropped; pins of one layer add up.
     pub(crate) fn pin(&self, id: &str) -> Pin<'_> {
         if let Ok(mut p) = self.layer_pins.lock() {
-            p.insert(id.to_string());
+            *p.entry(id.to_string()).or_default() += 1;
         }
         Pin {
             m: self,
@@ -253,7 +260,8 @@ impl Manager {
         let dest = self.layer_path(&layer_id)?;
         let _pin = self.pin(&layer_id);
         let was_running = rec.state == SandboxState::Running;
-        self.capture_upper(&rt, &h, was_running, &dest).await?;
+        self.capture_upper(&rt, &h, was_running, &dest, rec.disk_bytes as u64)
+            .await?;
         let mut life = rec.life.clone();
         life.layers.insert(0, layer_id.clone());
         life.paused_at_ms = Some(now_ms());
@@ -291,6 +299,7 @@ impl Manager {
         h: &SandboxHandle,
         freeze: bool,
         dest: &Path,
+        disk_bytes: u64,
     ) -> Result<(), ApiError> {
         if freeze {
             let (rt, h) = (rt.clone(), h.clone());
@@ -299,6 +308,7 @@ impl Manager {
         let (rt2, h2, dest2) = (rt.clone(), h.clone(), dest.to_path_buf());
         let copied = blocking(move || {
             let up = rt2.open_upper(&h2)?;
+            check_upper_size(&up.path(), disk_bytes)?;
             copy_into_new_layer(
                 &sandpit_image::Layer {
                     dir: up.path(),
@@ -325,7 +335,12 @@ impl Manager {
         let [top, below, ..] = rec.life.layers.as_slice() else {
             return rec;
         };
-        if !below.starts_with(&format!("hib-{}-", rec.id)) {
+        // A fork under way may be about to start on it.
+        let pinned = self
+            .layer_pins
+            .lock()
+            .map_or(true, |p| p.contains_key(below));
+        if !below.starts_with(&format!("hib-{}-", rec.id)) || pinned {
             return rec;
         }
         let Ok(live) = self.store.live_sandboxes().await else {
@@ -389,6 +404,11 @@ impl Manager {
             )
             .await?
             .ok_or_else(|| ApiError::conflict("sandbox changed state while resuming"))?;
+        // A delete from here on must not tear down with the handle of the processes
+        // hibernation ended (it would hit the new start's cgroup and uid slot).
+        self.store
+            .set_runtime_state(&rec.id, &serde_json::Value::Null)
+            .await?;
         let spec = SandboxSpec {
             id: rec.id.clone(),
             template: plan.template.clone(),
@@ -517,36 +537,41 @@ impl Manager {
     /// Removes layer directories that no live sandbox and no snapshot uses.
     pub(crate) async fn gc_layers(&self) {
         let _gc = self.gc_lock.lock().await;
+        // In this order: a layer listed now was either still pinned when the pins are
+        // read, or its pin was dropped after the record that holds it was written, which
+        // the store read after that then sees.
+        let dir = self.layers_dir();
+        let listed: Vec<String> = match std::fs::read_dir(&dir) {
+            Ok(rd) => rd
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().to_string())
+                .collect(),
+            Err(_) => return,
+        };
+        let mut keep: HashSet<String> = match self.layer_pins.lock() {
+            Ok(p) => p.keys().cloned().collect(),
+            Err(_) => return,
+        };
         let (Ok(live), Ok(snaps)) = (
             self.store.live_sandboxes().await,
             self.store.list_snapshots(None).await,
         ) else {
             return;
         };
-        let mut keep: HashSet<String> = live
-            .into_iter()
-            .flat_map(|r| r.life.layers.into_iter())
-            .collect();
+        keep.extend(live.into_iter().flat_map(|r| r.life.layers.into_iter()));
         keep.extend(
             snaps
                 .iter()
                 .map(|s| crate::snapshots::cache_layer_id(&s.id)),
         );
-        if let Ok(p) = self.layer_pins.lock() {
-            keep.extend(p.iter().cloned());
-        }
-        let dir = self.layers_dir();
         let gone = blocking(move || {
             let mut gone = Vec::new();
-            if let Ok(rd) = std::fs::read_dir(&dir) {
-                for e in rd.flatten() {
-                    let name = e.file_name().to_string_lossy().to_string();
-                    // `<id>.partial` is a pinned layer being written.
-                    let stem = name.split('.').next().unwrap_or_default();
-                    if !keep.contains(&name) && !keep.contains(stem) {
-                        let _ = std::fs::remove_dir_all(e.path());
-                        gone.push(name);
-                    }
+            for name in listed {
+                // `<id>.partial` is a pinned layer being written.
+                let stem = name.split('.').next().unwrap_or_default();
+                if !keep.contains(&name) && !keep.contains(stem) {
+                    let _ = std::fs::remove_dir_all(dir.join(&name));
+                    gone.push(name);
                 }
             }
             Ok::<_, ApiError>(gone)
@@ -581,6 +606,41 @@ pub(crate) fn copy_into_new_layer(
         let _ = std::fs::remove_dir_all(&tmp);
     }
     done
+}
+
+/// Refuses a writable layer whose files are larger in all than the sandbox's disk limit.
+/// Its tmpfs caps the blocks used, not file sizes: sparse files can claim terabytes that
+/// a copy, hash or archive would read and write in full on the host.
+pub(crate) fn check_upper_size(upper: &Path, disk_bytes: u64) -> Result<(), ApiError> {
+    use std::os::unix::fs::MetadataExt;
+    let mut total = 0u64;
+    let mut seen = HashSet::new();
+    let mut dirs = vec![upper.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        let Ok(rd) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let Ok(m) = e.path().symlink_metadata() else {
+                continue;
+            };
+            if m.is_dir() {
+                dirs.push(e.path());
+            } else if m.is_file() && (m.nlink() == 1 || seen.insert(m.ino())) {
+                total = total.saturating_add(m.len());
+            }
+        }
+        if total > disk_bytes {
+            return Err(ApiError::new(
+                http::StatusCode::UNPROCESSABLE_ENTITY,
+                "failed_precondition",
+                format!(
+                    "the sandbox's files add up to more than its disk limit of {disk_bytes} bytes                      (sparse files count at their full size); they cannot be copied or captured"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Runs blocking work (runtime calls, file trees) off the async threads.

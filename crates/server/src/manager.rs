@@ -70,7 +70,7 @@ pub struct Manager {
     /// API activity per sandbox not yet written to the store.
     pub(crate) activity: Mutex<HashMap<String, i64>>,
     /// Layers being made, which garbage collection must leave alone.
-    pub(crate) layer_pins: Mutex<std::collections::HashSet<String>>,
+    pub(crate) layer_pins: Mutex<HashMap<String, usize>>,
     /// One layer garbage collection at a time.
     pub(crate) gc_lock: tokio::sync::Mutex<()>,
     /// Set when a sandbox with layers went: the next tick collects unused layers.
@@ -1055,6 +1055,13 @@ impl Manager {
     /// After a start: re-adopt live sandboxes, clean up dead and half-made ones, and sweep
     /// runtime leftovers that the store does not know.
     pub async fn reconcile(&self) -> Result<(), ApiError> {
+        // Archives half-written or half-downloaded when the daemon stopped.
+        let tmp = self.cfg.data_dir.join("tmp");
+        if tmp.exists()
+            && let Err(e) = std::fs::remove_dir_all(&tmp)
+        {
+            tracing::warn!(dir = %tmp.display(), error = %e, "removing leftover temporary files failed");
+        }
         let live = self.store.live_sandboxes().await?;
         let mut keep = Vec::new();
         for rec in live {

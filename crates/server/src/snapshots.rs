@@ -333,6 +333,7 @@ impl Manager {
             _ => Some(self.runtime_of(&rec)?),
         };
         let freeze = rec.state == SandboxState::Running;
+        let disk_bytes = rec.disk_bytes as u64;
         let (archive2, t0) = (archive.clone(), std::time::Instant::now());
         let captured = blocking(move || {
             if let (Some((rt, h)), true) = (&live, freeze) {
@@ -343,6 +344,9 @@ impl Manager {
                     Some((rt, h)) => Some(rt.open_upper(h)?),
                     None => None,
                 };
+                if let Some(u) = &upper {
+                    crate::lifecycle::check_upper_size(&u.path(), disk_bytes)?;
+                }
                 let mut stack = Vec::new();
                 if let Some(u) = &upper {
                     stack.push(sandpit_image::Layer {
@@ -669,24 +673,36 @@ impl Manager {
         let timeout = self.timeout(req.timeout)?;
         let metadata = req.metadata.clone().unwrap_or_else(|| rec.metadata.clone());
         crate::manager::check_metadata(&metadata)?;
-        let (layers, _pin) = {
+        let (layers, _pins): (Vec<String>, Vec<crate::lifecycle::Pin<'_>>) = {
             let _op = self.op_lock(&rec.id).await;
             let src = self.fresh_record(&rec.id).await?;
             match src.state {
-                SandboxState::Hibernated => (src.life.layers.clone(), None),
+                // Shared as they are, pinned until the copies' records hold them.
+                SandboxState::Hibernated => (
+                    src.life.layers.clone(),
+                    src.life.layers.iter().map(|l| self.pin(l)).collect(),
+                ),
                 SandboxState::Running | SandboxState::Paused => {
                     let (rt, h) = self.runtime_of(&src)?;
                     let layer = format!("fork-{}-{}", src.id, uuid::Uuid::new_v4().simple());
                     let pin = self.pin(&layer);
                     let running = src.state == SandboxState::Running;
-                    self.capture_upper(&rt, &h, running, &self.layer_path(&layer)?)
-                        .await?;
+                    self.capture_upper(
+                        &rt,
+                        &h,
+                        running,
+                        &self.layer_path(&layer)?,
+                        src.disk_bytes as u64,
+                    )
+                    .await?;
                     if running {
                         blocking(move || rt.thaw(&h)).await?;
                     }
                     let mut layers = vec![layer];
                     layers.extend(src.life.layers.iter().cloned());
-                    (layers, Some(pin))
+                    let mut pins = vec![pin];
+                    pins.extend(src.life.layers.iter().map(|l| self.pin(l)));
+                    (layers, pins)
                 }
                 other => {
                     return Err(ApiError::conflict(format!("sandbox {} is {other}", src.id)));

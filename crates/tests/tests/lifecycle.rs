@@ -971,3 +971,45 @@ async fn a_template_built_from_a_snapshot_of_setup_commands_gives_every_sandbox_
     );
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sparse_files_beyond_the_disk_limit_are_refused_and_moved_template_files_survive() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let id = create(&c, CreateSandboxRequest::default()).await;
+    // A template file moved by root: overlayfs copies it up as the host's root's.
+    let r = sh_root(
+        &c,
+        &id,
+        "mv /etc/bash.bashrc /etc/bash.bashrc.orig && truncate -s 4G /home/user/sparse && du -k /home/user/sparse",
+    )
+    .await;
+    assert_eq!(r.exit_code, 0, "{r:?}");
+    // 4 GiB of nothing would be 4 GiB on the host's disk once copied: refused, clearly.
+    let layers_before = layer_dirs(&d);
+    for what in ["hibernate", "snapshot", "fork"] {
+        let e = match what {
+            "hibernate" => c.hibernate(&id).await.map(drop),
+            "snapshot" => c
+                .snapshot(&id, &CreateSnapshotRequest::default())
+                .await
+                .map(drop),
+            _ => c.fork(&id, &ForkRequest::default()).await.map(drop),
+        }
+        .unwrap_err();
+        assert_eq!(e.status(), Some(422), "{what}: {e}");
+        assert!(e.to_string().contains("disk limit"), "{what}: {e}");
+        assert_eq!(c.get_sandbox(&id).await.unwrap().state, "running", "{what}");
+    }
+    assert_eq!(layer_dirs(&d), layers_before, "nothing was written");
+    sh(&c, &id, "rm /home/user/sparse").await;
+    assert_eq!(c.hibernate(&id).await.unwrap().state, "hibernated");
+    let r = sh(
+        &c,
+        &id,
+        "ls /etc/bash.bashrc* 2>&1; head -c 20 /etc/bash.bashrc.orig | wc -c",
+    )
+    .await;
+    assert_eq!(r.stdout, "/etc/bash.bashrc.orig\n20\n", "{r:?}");
+    d.shutdown().await;
+}

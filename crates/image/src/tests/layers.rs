@@ -61,8 +61,12 @@ fn build_upper(u: &Path, b: u32) {
     file(u, "bin/su", b"su", 0o4755, b, b);
     file(u, "bin/sg", b"sg", 0o2755, b, b + 5);
     dir(u, "tmp", 0o1777, b, b);
-    dir(u, "mnt", 0o755, 0, 0);
-    file(u, "mnt/hostfile", b"host", 0o644, 0, 0);
+    // Owned by another range's ids: not this sandbox's, never captured.
+    dir(u, "mnt", 0o755, 4242, 4242);
+    file(u, "mnt/hostfile", b"host", 0o644, 4242, 4242);
+    // A template file overlayfs copied up for the sandbox: the host's root's, shown
+    // inside (and captured) as the overflow id.
+    file(u, "etc/renamed", b"from the template", 0o644, 0, 0);
     dir(u, "proc", 0o555, b, b);
     file(u, "proc/x", b"x", 0o644, b, b);
     dir(u, "run", 0o755, b, b);
@@ -138,6 +142,11 @@ fn manifest_reads_every_kind_with_inner_ids_and_skips_foreign_and_special() {
     assert_eq!(g("bin/su"), Some(file_entry(b"su", 0o4755, 0)));
     assert_eq!(g("bin/sg").map(|e| (e.mode, e.gid)), Some((0o2755, 5)));
     assert_eq!(g("tmp").map(|e| e.mode), Some(0o1777));
+    assert_eq!(
+        g("etc/renamed").map(|e| (e.uid, e.gid)),
+        Some((65534, 65534)),
+        "a copied-up template file is kept, as the overflow id"
+    );
     for absent in ["mnt", "mnt/hostfile", "proc", "proc/x", "run/fifo"] {
         assert_eq!(g(absent), None, "{absent} must not be captured");
     }
@@ -455,9 +464,10 @@ fn copy_layer_shifts_ids_and_keeps_overlay_form() {
     assert_eq!(st.whiteouts, 1);
     assert_eq!(
         st.bytes,
-        (b"hello\n".len() + 300_000 + b"new".len() + 4) as u64
+        (b"hello\n".len() + 300_000 + b"new".len() + 4 + b"from the template".len()) as u64
     );
     assert_eq!(owner(&dest), (0, 0));
+    assert_eq!(owner(&dest.join("etc/renamed")), (65534, 65534));
     assert_eq!(owner(&dest.join("home/user/notes.txt")), (1000, 1000));
     assert_eq!(owner(&dest.join("home/user/link")), (1000, 1000));
     assert_eq!(owner(&dest.join("bin/sg")), (0, 5));
@@ -526,7 +536,7 @@ fn merge_layer_folds_an_upper_into_a_layer_like_overlayfs() {
     dir(&top, "f", 0o755, B, B);
     file(&top, "f/added", b"added", 0o644, B, B);
     whiteout(&top, "g");
-    dir(&top, "mnt", 0o755, 0, 0);
+    dir(&top, "mnt", 0o755, 4242, 4242);
 
     // What the two layers show stacked is what the merged layer must show alone.
     let before = stack(&[(&top, B), (&dest, 0)]);
