@@ -158,6 +158,7 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
     if let Err(e) = manager.reconcile().await {
         tracing::warn!(error = %e.message, "reconcile failed");
     }
+    manager.sweep_snapshot_objects().await;
     if let Err(e) = manager.reconcile_volumes().await {
         tracing::warn!(error = %e.message, "reconciling volumes failed");
     }

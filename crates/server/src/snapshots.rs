@@ -200,6 +200,31 @@ impl SnapshotStore {
             .map_err(|e| format!("download {key}: {e}"))
     }
 
+    /// Snapshot ids that have objects in the store, with the time of their newest object.
+    async fn stored_ids(&self) -> Result<std::collections::HashMap<String, i64>, String> {
+        let prefix = (!self.prefix.is_empty()).then(|| ObjPath::from(self.prefix.as_str()));
+        let mut listing = self.store.list(prefix.as_ref());
+        let mut ids = std::collections::HashMap::new();
+        while let Some(meta) = listing.next().await {
+            let meta = meta.map_err(|e| e.to_string())?;
+            let parts: Vec<String> = meta
+                .location
+                .parts()
+                .map(|p| p.as_ref().to_string())
+                .collect();
+            // `<prefix>/<snapshot id>/<file>`: anything else is not sandpit's.
+            if let [.., id, file] = parts.as_slice()
+                && (file == ARCHIVE || file == MANIFEST)
+                && id.starts_with("snap")
+            {
+                let at = meta.last_modified.timestamp_millis();
+                let newest = ids.entry(id.clone()).or_insert(at);
+                *newest = (*newest).max(at);
+            }
+        }
+        Ok(ids)
+    }
+
     async fn delete(&self, snapshot: &str) {
         for f in [ARCHIVE, MANIFEST] {
             let key = self.key(snapshot, f);
@@ -207,6 +232,13 @@ impl SnapshotStore {
                 Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
                 Err(e) => tracing::warn!(%key, error = %e, "deleting a snapshot object failed"),
             }
+        }
+        // A local store keeps the snapshot's directory; it goes once empty.
+        if let Some(dir) = self
+            .local_file(&self.key(snapshot, ARCHIVE))
+            .and_then(|p| p.parent().map(Path::to_path_buf))
+        {
+            let _ = std::fs::remove_dir(dir);
         }
     }
 }
@@ -813,6 +845,38 @@ impl Manager {
                 base: top.template.clone(),
             }),
         ))
+    }
+}
+
+/// Objects younger than this are left by the orphan sweep: an upload may be under way.
+const ORPHAN_AGE_MS: i64 = 10 * 60 * 1000;
+
+impl Manager {
+    /// At start: removes stored archives no snapshot record names (an upload that a crash
+    /// cut off before the record was written, or a delete cut off after it).
+    pub async fn sweep_snapshot_objects(&self) {
+        let (stored, known) = match (
+            self.snapshot_store.stored_ids().await,
+            self.store.list_snapshots(None).await,
+        ) {
+            (Ok(s), Ok(k)) => (s, k),
+            (Err(e), _) => {
+                tracing::warn!(error = %e, "listing stored snapshots failed");
+                return;
+            }
+            (_, Err(e)) => {
+                tracing::warn!(error = %e, "listing snapshot records failed");
+                return;
+            }
+        };
+        let known: std::collections::HashSet<String> = known.into_iter().map(|s| s.id).collect();
+        let now = now_ms();
+        for (id, newest) in stored {
+            if !known.contains(&id) && now - newest > ORPHAN_AGE_MS {
+                tracing::info!(snapshot = %id, "removing stored snapshot objects no record names");
+                self.snapshot_store.delete(&id).await;
+            }
+        }
     }
 }
 

@@ -1013,3 +1013,52 @@ async fn sparse_files_beyond_the_disk_limit_are_refused_and_moved_template_files
     assert_eq!(r.stdout, "/etc/bash.bashrc.orig\n20\n", "{r:?}");
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_archives_no_record_names_are_swept_at_start_and_deletes_leave_no_directory() {
+    let mut d = Daemon::start().await;
+    let c = d.client();
+    let id = create(&c, CreateSandboxRequest::default()).await;
+    let snap = c
+        .snapshot(&id, &CreateSnapshotRequest::default())
+        .await
+        .unwrap();
+    let store = d.data.path().join("snapshots");
+    assert!(store.join(&snap.id).join("layer.tar.zst").is_file());
+    c.delete_snapshot(&snap.id, false).await.unwrap();
+    assert!(
+        !store.join(&snap.id).exists(),
+        "a deleted snapshot leaves no directory"
+    );
+    // As if a crash came between an upload and its record: one old, one just written.
+    let plant = |name: &str, age: std::time::Duration| {
+        let dir = store.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["layer.tar.zst", "manifest.json"] {
+            let file = std::fs::File::create(dir.join(f)).unwrap();
+            file.set_modified(std::time::SystemTime::now() - age)
+                .unwrap();
+        }
+    };
+    plant("snapdeadbeef", Duration::from_secs(3600));
+    plant("snapfresh", Duration::ZERO);
+    std::fs::write(store.join("not-ours.txt"), "x").unwrap();
+    let port = d.port;
+    d.stop();
+    let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
+    let d = Daemon::start_in(data, port).await;
+    assert!(
+        !store.join("snapdeadbeef").exists(),
+        "an old orphan is swept"
+    );
+    assert!(
+        store.join("snapfresh/layer.tar.zst").exists(),
+        "a fresh upload is left"
+    );
+    assert!(
+        store.join("not-ours.txt").exists(),
+        "what is not sandpit's is left"
+    );
+    std::fs::remove_dir_all(store.join("snapfresh")).unwrap();
+    d.shutdown().await;
+}
