@@ -147,7 +147,7 @@ impl Manager {
     }
 
     /// The current record, for operations that waited for the sandbox's op lock.
-    async fn fresh(&self, id: &str) -> Result<SandboxRecord, ApiError> {
+    pub(crate) async fn fresh(&self, id: &str) -> Result<SandboxRecord, ApiError> {
         match self.store.get_sandbox(id).await? {
             Some(r) if r.state != SandboxState::Stopping && !r.state.is_final() => Ok(r),
             _ => Err(ApiError::sandbox_not_found(id)),

@@ -156,34 +156,40 @@ impl SnapshotStore {
 
     /// Downloads an object into a local file, returning the sha256 of its bytes.
     async fn get_file(&self, key: &ObjPath, file: &Path) -> Result<String, String> {
+        let mut out = tokio::fs::File::create(file)
+            .await
+            .map_err(|e| format!("create {}: {e}", file.display()))?;
+        let digest = self.stream_digest(key, Some((&mut out, file))).await?;
+        out.flush().await.map_err(|e| e.to_string())?;
+        Ok(digest)
+    }
+
+    /// The sha256 of a stored object, streamed.
+    async fn digest(&self, key: &ObjPath) -> Result<String, String> {
+        self.stream_digest(key, None).await
+    }
+
+    /// Streams an object through sha256, writing it to `out` as it comes when given.
+    async fn stream_digest(
+        &self,
+        key: &ObjPath,
+        mut out: Option<(&mut tokio::fs::File, &Path)>,
+    ) -> Result<String, String> {
         let got = self
             .store
             .get(key)
             .await
             .map_err(|e| format!("download {key}: {e}"))?;
         let mut stream = got.into_stream();
-        let mut out = tokio::fs::File::create(file)
-            .await
-            .map_err(|e| format!("create {}: {e}", file.display()))?;
         let mut hash = sha2::Sha256::new();
         while let Some(chunk) = stream.next().await {
             let chunk = chunk.map_err(|e| format!("download {key}: {e}"))?;
             hash.update(&chunk);
-            out.write_all(&chunk)
-                .await
-                .map_err(|e| format!("write {}: {e}", file.display()))?;
-        }
-        out.flush().await.map_err(|e| e.to_string())?;
-        Ok(hex::encode(hash.finalize()))
-    }
-
-    /// The sha256 of a stored object, streamed.
-    async fn digest(&self, key: &ObjPath) -> Result<String, String> {
-        let got = self.store.get(key).await.map_err(|e| e.to_string())?;
-        let mut stream = got.into_stream();
-        let mut hash = sha2::Sha256::new();
-        while let Some(chunk) = stream.next().await {
-            hash.update(&chunk.map_err(|e| e.to_string())?);
+            if let Some((f, path)) = out.as_mut() {
+                f.write_all(&chunk)
+                    .await
+                    .map_err(|e| format!("write {}: {e}", path.display()))?;
+            }
         }
         Ok(hex::encode(hash.finalize()))
     }
@@ -325,7 +331,7 @@ impl Manager {
             ));
         }
         let _op = self.op_lock(&rec.id).await;
-        let rec = self.fresh_record(&rec.id).await?;
+        let rec = self.fresh(&rec.id).await?;
         if !matches!(
             rec.state,
             SandboxState::Running | SandboxState::Paused | SandboxState::Hibernated
@@ -467,13 +473,6 @@ impl Manager {
         self.store.set_life(&rec.id, &life).await?;
         tracing::info!(id = %rec.id, snapshot = %id, kind = %snap.kind, bytes = stats.bytes, entries = stats.entries, frozen_ms, "snapshot taken");
         Ok(snap)
-    }
-
-    async fn fresh_record(&self, id: &str) -> Result<SandboxRecord, ApiError> {
-        match self.store.get_sandbox(id).await? {
-            Some(r) if r.state != SandboxState::Stopping && !r.state.is_final() => Ok(r),
-            _ => Err(ApiError::not_found(format!("sandbox {id} not found"))),
-        }
     }
 
     async fn load_manifest(&self, snapshot: &str) -> Result<sandpit_image::Manifest, ApiError> {
@@ -707,7 +706,7 @@ impl Manager {
         crate::manager::check_metadata(&metadata)?;
         let (layers, _pins): (Vec<String>, Vec<crate::lifecycle::Pin<'_>>) = {
             let _op = self.op_lock(&rec.id).await;
-            let src = self.fresh_record(&rec.id).await?;
+            let src = self.fresh(&rec.id).await?;
             match src.state {
                 // Shared as they are, pinned until the copies' records hold them.
                 SandboxState::Hibernated => (
