@@ -7,6 +7,7 @@ pub mod error;
 pub mod leases;
 pub mod lifecycle;
 pub mod manager;
+pub mod net;
 pub mod pools;
 pub mod snapshots;
 pub mod templates;
