@@ -9,6 +9,9 @@
 #   debootstrap:       `sandpit template build --debootstrap` (and its test)
 # With --test it also installs, into target/test-venv, the tools only the tests use:
 #   moto[server]:      an S3-compatible server on loopback for the snapshot storage tests
+#   e2b, e2b-code-interpreter, pytest: the E2B Python SDK scenarios (tests/e2b/python)
+# and, into target/test-node, the E2B JavaScript SDK for tests/e2b/js (nodejs and npm
+# come from apt when node is missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 for_tests=false
@@ -26,8 +29,23 @@ fi
 command -v cargo >/dev/null || { echo "setup: cargo (Rust) is required: https://rustup.rs" >&2; exit 1; }
 if $for_tests; then
   venv=target/test-venv
-  if [ ! -x "$venv/bin/moto_server" ]; then
-    python3 -m venv "$venv"
-    "$venv/bin/pip" install -q --disable-pip-version-check 'moto[server]==5.2.1'
+  reqs=tests/e2b/requirements.txt
+  [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"
+  # A stamp of the requirements keeps a second run from asking pip again.
+  if ! cmp -s "$reqs" "$venv/.requirements"; then
+    "$venv/bin/pip" install -q --disable-pip-version-check -r "$reqs"
+    cp "$reqs" "$venv/.requirements"
+  fi
+  if ! command -v npm >/dev/null; then
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq nodejs npm
+  fi
+  node_dir=target/test-node
+  if ! cmp -s tests/e2b/js/package.json "$node_dir/package.json"; then
+    mkdir -p "$node_dir"
+    cp tests/e2b/js/package.json "$node_dir/package.json"
+    npm install --silent --no-audit --no-fund --prefix "$node_dir"
   fi
 fi

@@ -23,6 +23,9 @@ pub struct FileConfig {
     /// Where snapshots are stored (`[snapshots]`, default: `DATA_DIR/snapshots`).
     #[serde(default)]
     pub snapshots: crate::snapshots::SnapshotStoreConfig,
+    /// E2B compatibility: template aliases and defaults (`[e2b]`).
+    #[serde(default)]
+    pub e2b: crate::api::e2b::E2bConfig,
 }
 
 impl FileConfig {

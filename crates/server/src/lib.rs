@@ -177,6 +177,7 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
             stale_after: Duration::from_secs(cfg.lease_stale_secs),
             ..Default::default()
         })),
+        e2b: Arc::new(file.e2b.clone()),
     };
     Ok((manager, state))
 }

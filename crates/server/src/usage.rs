@@ -168,7 +168,7 @@ fn sample(rt: &dyn Runtime, h: &SandboxHandle, id: &str) -> Option<UsageEvent> {
 /// Bytes used in a container sandbox's writable layer. The sandbox root is an overlay
 /// whose `statfs` reports its upper layer, the size-capped tmpfs; it is reached through
 /// the agent's `/proc/PID/root` (checked to still be our agent, not a reused pid).
-fn disk_used(h: &SandboxHandle) -> Option<i64> {
+pub(crate) fn disk_used(h: &SandboxHandle) -> Option<i64> {
     // Only containers have a writable layer of their own; the process runtime's root
     // is a host directory, whose file system is not the sandbox's.
     h.uid_base?;

@@ -1,6 +1,7 @@
 //! The REST API under `/v1`: routing, authentication and request decoding.
 
 pub mod commands;
+pub mod e2b;
 pub mod files;
 pub mod leases;
 pub mod passthrough;
@@ -31,6 +32,8 @@ pub struct AppState {
     pub keys: Arc<KeyCache>,
     /// Per-user leases.
     pub leases: Arc<crate::leases::Leases>,
+    /// E2B compatibility settings.
+    pub e2b: Arc<e2b::E2bConfig>,
 }
 
 /// How long a verified API key is trusted without asking the store again; a revoked key
@@ -144,32 +147,37 @@ fn presented_key(headers: &http::HeaderMap) -> Option<String> {
     auth.strip_prefix("Bearer ").map(|k| k.trim().to_string())
 }
 
+/// The owner (and key id) a request's API key stands for; loopback `--insecure-no-auth`
+/// daemons act as the admin owner without a key.
+pub(crate) async fn resolve_owner(
+    state: &AppState,
+    headers: &http::HeaderMap,
+) -> Result<(String, Option<String>), ApiError> {
+    if let Some(o) = &state.no_auth_owner {
+        return Ok((o.clone(), None));
+    }
+    let key = presented_key(headers).ok_or_else(|| {
+        ApiError::unauthenticated("missing API key (Authorization: Bearer <key>)")
+    })?;
+    if let Some((owner, id)) = state.keys.get(&key) {
+        return Ok((owner, Some(id)));
+    }
+    let found = state.manager.store.authenticate(&key).await?;
+    let (owner, id) = found
+        .map(|k| (k.owner, k.id))
+        // The empty owner marks idle pool sandboxes; no key may act as it.
+        .filter(|(o, _)| !o.is_empty())
+        .ok_or_else(|| ApiError::unauthenticated("invalid API key"))?;
+    state.keys.put(key, owner.clone(), id.clone());
+    Ok((owner, Some(id)))
+}
+
 async fn authenticate(
     State(state): State<AppState>,
     mut req: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
-    let (owner, key_id) = match &state.no_auth_owner {
-        Some(o) => (o.clone(), None),
-        None => {
-            let key = presented_key(req.headers()).ok_or_else(|| {
-                ApiError::unauthenticated("missing API key (Authorization: Bearer <key>)")
-            })?;
-            match state.keys.get(&key) {
-                Some((owner, id)) => (owner, Some(id)),
-                None => {
-                    let found = state.manager.store.authenticate(&key).await?;
-                    let (owner, id) = found
-                        .map(|k| (k.owner, k.id))
-                        // The empty owner marks idle pool sandboxes; no key may act as it.
-                        .filter(|(o, _)| !o.is_empty())
-                        .ok_or_else(|| ApiError::unauthenticated("invalid API key"))?;
-                    state.keys.put(key, owner.clone(), id.clone());
-                    (owner, Some(id))
-                }
-            }
-        }
-    };
+    let (owner, key_id) = resolve_owner(&state, req.headers()).await?;
     req.extensions_mut().insert(Owner(owner));
     if let Some(id) = key_id {
         req.extensions_mut().insert(crate::usage::ApiKeyId(id));
@@ -322,6 +330,7 @@ pub fn router(state: AppState) -> Router {
             get(move || async move { axum::Json(doc.clone()) }),
         )
         .merge(authed)
+        .merge(e2b::router(state.clone()))
         .fallback(|| async { ApiError::not_found("no such route") })
         .with_state(state)
 }

@@ -1,0 +1,503 @@
+//! E2B's sandbox routes.
+
+use super::types::{self, ListedSandbox, SandboxDetail};
+use super::{Body, CLIENT_ID, E2bError, ENVD_VERSION, Required, rfc3339};
+use crate::api::{AppState, Owner};
+use crate::error::ApiError;
+use crate::manager::now_ms;
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use http::{HeaderMap, HeaderValue, StatusCode};
+use sandpit_api::{CreateSandboxRequest, VolumeMountSpec};
+use sandpit_store::{OnTimeout, SandboxFilter, SandboxRecord, SandboxState};
+
+/// E2B shows two states: frozen and hibernated sandboxes are both `paused`.
+fn e2b_state(s: SandboxState) -> Option<&'static str> {
+    match s {
+        SandboxState::Creating | SandboxState::Running => Some("running"),
+        SandboxState::Paused | SandboxState::Hibernated => Some("paused"),
+        _ => None,
+    }
+}
+
+/// The sandbox of `owner` as E2B sees it: stopped and failed ones no longer exist.
+async fn live(state: &AppState, owner: &Owner, id: &str) -> Result<SandboxRecord, E2bError> {
+    let rec = state.manager.get(&owner.0, id).await?;
+    if e2b_state(rec.state).is_none() {
+        return Err(ApiError::sandbox_not_found(id).into());
+    }
+    Ok(rec)
+}
+
+fn created(state: &AppState, rec: &SandboxRecord) -> types::Sandbox {
+    let access = crate::api::e2b::access(state, rec);
+    types::Sandbox {
+        template_id: rec.template.clone(),
+        sandbox_id: rec.id.clone(),
+        client_id: CLIENT_ID.into(),
+        alias: rec.template.clone(),
+        envd_version: ENVD_VERSION.into(),
+        envd_access_token: access.envd_token,
+        traffic_access_token: access.traffic_token,
+        domain: access.domain,
+    }
+}
+
+fn listed(rec: &SandboxRecord) -> ListedSandbox {
+    ListedSandbox {
+        template_id: rec.template.clone(),
+        sandbox_id: rec.id.clone(),
+        client_id: CLIENT_ID.into(),
+        alias: rec.template.clone(),
+        started_at: rfc3339(rec.created_at_ms),
+        end_at: rfc3339(rec.expires_at_ms),
+        cpu_count: (rec.cpu_millis.max(1) as u64).div_ceil(1000),
+        memory_mb: rec.memory_bytes.max(0) as u64 >> 20,
+        disk_size_mb: rec.disk_bytes.max(0) as u64 >> 20,
+        state: e2b_state(rec.state).unwrap_or("running"),
+        envd_version: ENVD_VERSION.into(),
+        metadata: rec.metadata.clone(),
+        // Filled in by the detail view, which reads the mounts from the store.
+        volume_mounts: Vec::new(),
+    }
+}
+
+/// `POST /sandboxes`, `POST /v2/sandboxes`: create and wait until it runs.
+pub async fn create(
+    State(state): State<AppState>,
+    owner: Owner,
+    Required(req): Required<types::NewSandbox>,
+) -> Result<(StatusCode, Json<types::Sandbox>), E2bError> {
+    if req.mcp.as_ref().is_some_and(|v| !v.is_null()) {
+        return Err(E2bError::bad_request(
+            "mcp is not supported by sandpit: run MCP servers as processes in the sandbox",
+        ));
+    }
+    if req.iam.as_ref().is_some_and(|v| !v.is_null()) {
+        return Err(E2bError::bad_request("iam is not supported by sandpit"));
+    }
+    let network = crate::api::e2b::network_spec(&req)?;
+    let (template, snapshot) = resolve_template(&state, &owner, &req.template_id).await?;
+    let on_timeout = match req.auto_pause {
+        Some(true) => Some("pause".to_string()),
+        _ => None,
+    };
+    let create = CreateSandboxRequest {
+        template,
+        snapshot,
+        timeout: req.timeout,
+        env: req.env_vars.unwrap_or_default(),
+        metadata: req.metadata.unwrap_or_default(),
+        volumes: req
+            .volume_mounts
+            .unwrap_or_default()
+            .into_iter()
+            .map(|v| VolumeMountSpec {
+                name: v.name,
+                path: v.path,
+                read_only: false,
+            })
+            .collect(),
+        idle_timeout: Some(state.e2b.idle_timeout_secs),
+        on_timeout,
+        auto_resume: req.auto_resume.map(|a| a.enabled),
+        ..Default::default()
+    };
+    let create = crate::api::e2b::apply_access(create, req.secure, network);
+    let rec = state.manager.create(&owner.0, create).await?;
+    Ok((StatusCode::CREATED, Json(created(&state, &rec))))
+}
+
+/// An E2B template id names a configured alias, one of the caller's snapshots (E2B starts
+/// sandboxes from snapshots by passing the snapshot as the template), or a template.
+async fn resolve_template(
+    state: &AppState,
+    owner: &Owner,
+    id: &str,
+) -> Result<(Option<String>, Option<String>), E2bError> {
+    if id.is_empty() {
+        return Err(E2bError::bad_request("templateID is required"));
+    }
+    if let Some(t) = state.e2b.templates.get(id) {
+        return Ok((Some(t.clone()), None));
+    }
+    if let Some(s) = state.manager.store.get_snapshot(&owner.0, id).await? {
+        return Ok((None, Some(s.id)));
+    }
+    Ok((Some(id.to_string()), None))
+}
+
+/// Metadata filters come as one url-encoded query value `k=v&k2=v2` whose keys and values
+/// are url-encoded once more.
+fn metadata_filter(raw: &str) -> Vec<(String, String)> {
+    form_urlencoded::parse(raw.as_bytes())
+        .into_owned()
+        .map(|(k, v)| {
+            let dec = |s: &str| {
+                form_urlencoded::parse(format!("x={s}").as_bytes())
+                    .next()
+                    .map(|(_, v)| v.into_owned())
+                    .unwrap_or_default()
+            };
+            (dec(&k), dec(&v))
+        })
+        .collect()
+}
+
+fn query_pairs(uri: &http::Uri) -> Vec<(String, String)> {
+    form_urlencoded::parse(uri.query().unwrap_or("").as_bytes())
+        .into_owned()
+        .collect()
+}
+
+/// `GET /v2/sandboxes`: running and paused sandboxes, filtered by state and metadata, a page
+/// at a time (`limit`, `nextToken`; the next page's token comes in `X-Next-Token`).
+pub async fn list(
+    State(state): State<AppState>,
+    owner: Owner,
+    uri: http::Uri,
+) -> Result<Response, E2bError> {
+    let mut filter = SandboxFilter {
+        owner: Some(owner.0.clone()),
+        ..Default::default()
+    };
+    let mut template = None;
+    let mut started_after = None;
+    for (k, v) in query_pairs(&uri) {
+        match k.as_str() {
+            "metadata" => filter.metadata.extend(metadata_filter(&v)),
+            "state" => {
+                for s in v.split(',').filter(|s| !s.is_empty()) {
+                    match s {
+                        "running" => filter.states.push(SandboxState::Running),
+                        "paused" => filter
+                            .states
+                            .extend([SandboxState::Paused, SandboxState::Hibernated]),
+                        other => {
+                            return Err(E2bError::bad_request(format!(
+                                "unknown state {other:?} (running, paused)"
+                            )));
+                        }
+                    }
+                }
+            }
+            "limit" => {
+                let n: u32 = v
+                    .parse()
+                    .map_err(|_| E2bError::bad_request("limit must be a number"))?;
+                if n == 0 || n > 1000 {
+                    return Err(E2bError::bad_request("limit must be between 1 and 1000"));
+                }
+                filter.limit = n;
+            }
+            "nextToken" => filter.cursor = Some(v),
+            "template" => template = Some(v),
+            "startedAfter" => started_after = Some(v),
+            // The list is always ordered by start time, oldest first.
+            "order" => {}
+            other => {
+                return Err(E2bError::bad_request(format!(
+                    "unknown query parameter {other:?}"
+                )));
+            }
+        }
+    }
+    if filter.states.is_empty() {
+        filter.states = vec![
+            SandboxState::Creating,
+            SandboxState::Running,
+            SandboxState::Paused,
+            SandboxState::Hibernated,
+        ];
+    }
+    let after_ms = match started_after {
+        Some(t) => Some(parse_time(&t)?),
+        None => None,
+    };
+    let page = state.manager.store.list_sandboxes(&filter).await?;
+    let items: Vec<ListedSandbox> = page
+        .items
+        .iter()
+        .filter(|r| template.as_deref().is_none_or(|t| r.template == t))
+        .filter(|r| after_ms.is_none_or(|a| r.created_at_ms > a))
+        .map(listed)
+        .collect();
+    let mut headers = HeaderMap::new();
+    if let Some(next) = page.next_cursor
+        && let Ok(v) = HeaderValue::from_str(&next)
+    {
+        headers.insert("x-next-token", v);
+    }
+    Ok((headers, Json(items)).into_response())
+}
+
+fn parse_time(t: &str) -> Result<i64, E2bError> {
+    use time::format_description::well_known::Rfc3339;
+    time::OffsetDateTime::parse(t, &Rfc3339)
+        .map(|d| (d.unix_timestamp_nanos() / 1_000_000) as i64)
+        .map_err(|_| E2bError::bad_request(format!("invalid time {t:?} (RFC 3339)")))
+}
+
+/// `GET /sandboxes` (the older list): running sandboxes, filtered by metadata.
+pub async fn list_running(
+    State(state): State<AppState>,
+    owner: Owner,
+    uri: http::Uri,
+) -> Result<Json<Vec<ListedSandbox>>, E2bError> {
+    let mut filter = SandboxFilter {
+        owner: Some(owner.0.clone()),
+        states: vec![SandboxState::Running],
+        limit: 1000,
+        ..Default::default()
+    };
+    for (k, v) in query_pairs(&uri) {
+        match k.as_str() {
+            "metadata" => filter.metadata.extend(metadata_filter(&v)),
+            other => {
+                return Err(E2bError::bad_request(format!(
+                    "unknown query parameter {other:?}"
+                )));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    loop {
+        let page = state.manager.store.list_sandboxes(&filter).await?;
+        out.extend(page.items.iter().map(listed));
+        match page.next_cursor {
+            Some(c) => filter.cursor = Some(c),
+            None => break,
+        }
+    }
+    Ok(Json(out))
+}
+
+/// `GET /sandboxes/{id}`.
+pub async fn detail(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+) -> Result<Json<SandboxDetail>, E2bError> {
+    let rec = live(&state, &owner, &id).await?;
+    let access = crate::api::e2b::access(&state, &rec);
+    let mut listed = listed(&rec);
+    listed.volume_mounts = state
+        .manager
+        .store
+        .sandbox_volumes(&rec.id)
+        .await?
+        .into_iter()
+        .map(|(v, a)| types::VolumeMount {
+            name: v.name,
+            path: a.path,
+        })
+        .collect();
+    Ok(Json(SandboxDetail {
+        listed,
+        envd_access_token: access.envd_token,
+        domain: access.domain,
+        lifecycle: types::Lifecycle {
+            auto_resume: rec.life.auto_resume,
+            on_timeout: match rec.life.on_timeout {
+                OnTimeout::Kill => "kill",
+                OnTimeout::Pause => "pause",
+            }
+            .into(),
+        },
+        allow_internet_access: access.internet,
+    }))
+}
+
+/// `DELETE /sandboxes/{id}`.
+pub async fn kill(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+) -> Result<StatusCode, E2bError> {
+    let rec = live(&state, &owner, &id).await?;
+    state.manager.destroy(&rec).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `POST /sandboxes/{id}/timeout`: the sandbox ends `timeout` seconds from now.
+pub async fn set_timeout(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    Required(req): Required<types::TimeoutRequest>,
+) -> Result<StatusCode, E2bError> {
+    let rec = live(&state, &owner, &id).await?;
+    state.manager.set_timeout(&rec, req.timeout).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Keeps the sandbox at least `secs` more seconds; never shortens its life.
+async fn extend(state: &AppState, rec: &SandboxRecord, secs: u64) -> Result<(), E2bError> {
+    let left = u64::try_from((rec.expires_at_ms - now_ms()) / 1000).unwrap_or(0);
+    if secs > left {
+        state.manager.set_timeout(rec, secs).await?;
+    }
+    Ok(())
+}
+
+/// `POST /sandboxes/{id}/refreshes`: keep it alive `duration` seconds (default 60) more.
+pub async fn refresh(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    Body(req): Body<types::RefreshRequest>,
+) -> Result<StatusCode, E2bError> {
+    let rec = live(&state, &owner, &id).await?;
+    extend(&state, &rec, req.duration.unwrap_or(60)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `POST /sandboxes/{id}/pause`: 204, or 409 when it is not running. `memory: false`
+/// keeps only the files (sandpit's hibernation).
+pub async fn pause(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    Body(req): Body<types::PauseRequest>,
+) -> Result<StatusCode, E2bError> {
+    let rec = live(&state, &owner, &id).await?;
+    if rec.state != SandboxState::Running {
+        return Err(E2bError::new(
+            StatusCode::CONFLICT,
+            format!("sandbox {id} is already paused"),
+        ));
+    }
+    state
+        .manager
+        .pause(&rec, req.memory.unwrap_or(true))
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Brings a paused sandbox back; `memory: false` restarts its processes on its files.
+async fn wake(
+    state: &AppState,
+    rec: &SandboxRecord,
+    memory: Option<bool>,
+) -> Result<SandboxRecord, E2bError> {
+    let rec = if memory == Some(false) && rec.state == SandboxState::Paused {
+        state.manager.hibernate(rec).await?
+    } else {
+        rec.clone()
+    };
+    Ok(state.manager.resume(&rec).await?)
+}
+
+/// `POST /sandboxes/{id}/connect` (and `/v2/...`): 200 with the sandbox when it runs, 201
+/// when this call resumed it. Its timeout is raised to `timeout` if that is later.
+pub async fn connect(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    Body(req): Body<types::ConnectRequest>,
+) -> Result<(StatusCode, Json<types::Sandbox>), E2bError> {
+    let rec = live(&state, &owner, &id).await?;
+    let (status, rec) = match rec.state {
+        SandboxState::Paused | SandboxState::Hibernated => {
+            (StatusCode::CREATED, wake(&state, &rec, req.memory).await?)
+        }
+        _ => (StatusCode::OK, rec),
+    };
+    if let Some(t) = req.timeout {
+        extend(&state, &rec, t).await?;
+    }
+    Ok((status, Json(created(&state, &rec))))
+}
+
+/// `POST /sandboxes/{id}/resume` (the older call): 201, or 409 when it already runs.
+pub async fn resume(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    Body(req): Body<types::ConnectRequest>,
+) -> Result<(StatusCode, Json<types::Sandbox>), E2bError> {
+    let rec = live(&state, &owner, &id).await?;
+    if !matches!(rec.state, SandboxState::Paused | SandboxState::Hibernated) {
+        return Err(E2bError::new(
+            StatusCode::CONFLICT,
+            format!("sandbox {id} is already running"),
+        ));
+    }
+    let rec = wake(&state, &rec, req.memory).await?;
+    if let Some(t) = req.timeout {
+        state.manager.set_timeout(&rec, t).await?;
+    }
+    Ok((StatusCode::CREATED, Json(created(&state, &rec))))
+}
+
+/// `POST /sandboxes/{id}/fork`: copies of its files, each a new running sandbox.
+pub async fn fork(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    Body(req): Body<types::ForkRequest>,
+) -> Result<(StatusCode, Json<Vec<types::ForkResult>>), E2bError> {
+    let rec = live(&state, &owner, &id).await?;
+    let made = state
+        .manager
+        .fork(
+            &rec,
+            &sandpit_api::ForkRequest {
+                count: req.count,
+                timeout: req.timeout,
+                ..Default::default()
+            },
+        )
+        .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(
+            made.iter()
+                .map(|r| types::ForkResult {
+                    sandbox: Some(created(&state, r)),
+                    error: None,
+                })
+                .collect(),
+        ),
+    ))
+}
+
+/// `GET /sandboxes/{id}/metrics`: one sample taken now (sandpit keeps no history).
+pub async fn metrics(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+) -> Result<Json<Vec<types::Metric>>, E2bError> {
+    let rec = live(&state, &owner, &id).await?;
+    if rec.state != SandboxState::Running {
+        return Ok(Json(Vec::new()));
+    }
+    let (rt, h) = state.manager.runtime_of(&rec)?;
+    let h2 = h.clone();
+    let stats = tokio::task::spawn_blocking(move || rt.stats(&h2))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))??;
+    let disk_used = tokio::task::spawn_blocking(move || crate::usage::disk_used(&h))
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(0);
+    let now = now_ms();
+    let cpus = (rec.cpu_millis.max(1) as u64).div_ceil(1000);
+    let wall_ns = (now - rec.created_at_ms).max(1) as f64 * 1e6;
+    // An average over the sandbox's life: one sample cannot give a rate over an interval.
+    let pct =
+        stats.cpu_usage_ns as f64 / (wall_ns * (rec.cpu_millis.max(1) as f64 / 1000.0)) * 100.0;
+    Ok(Json(vec![types::Metric {
+        timestamp: rfc3339(now),
+        timestamp_unix: now / 1000,
+        cpu_count: cpus,
+        cpu_used_pct: pct.clamp(0.0, 100.0),
+        mem_used: stats.memory_current_bytes,
+        mem_total: rec.memory_bytes.max(0) as u64,
+        mem_cache: 0,
+        disk_used: disk_used.max(0) as u64,
+        disk_total: rec.disk_bytes.max(0) as u64,
+    }]))
+}
