@@ -1,0 +1,465 @@
+//! E2B's REST control plane on the daemon: shapes, statuses and error bodies that E2B's
+//! SDKs rely on, checked at the HTTP level (the SDK scenarios are in `e2b_sdk.rs`).
+
+use reqwest::StatusCode;
+use sandpit_tests::Daemon;
+use serde_json::{Value, json};
+
+struct E2b {
+    http: reqwest::Client,
+    url: String,
+    key: String,
+}
+
+impl E2b {
+    fn new(d: &Daemon) -> Self {
+        Self {
+            http: reqwest::Client::new(),
+            url: d.url.clone(),
+            key: d.key.clone(),
+        }
+    }
+
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (StatusCode, Value, reqwest::header::HeaderMap) {
+        let mut req = self
+            .http
+            .request(method, format!("{}{path}", self.url))
+            .header("X-API-Key", &self.key);
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let resp = req.send().await.expect("request");
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let text = resp.text().await.expect("body");
+        let value = if text.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}"))
+        };
+        (status, value, headers)
+    }
+
+    async fn create(&self, body: Value) -> Value {
+        let (s, v, _) = self
+            .call(reqwest::Method::POST, "/v2/sandboxes", Some(body))
+            .await;
+        assert_eq!(s, StatusCode::CREATED, "{v}");
+        v
+    }
+}
+
+fn assert_e2b_error(v: &Value, status: StatusCode) {
+    assert_eq!(v["code"], json!(status.as_u16()), "{v}");
+    assert!(v["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn create_answers_in_e2b_shape_and_maps_base_to_the_host_template() {
+    let d = Daemon::start().await;
+    let e = E2b::new(&d);
+    let v = e
+        .create(json!({"templateID": "base", "timeout": 120, "metadata": {"k": "v"}, "envVars": {"A": "1"}}))
+        .await;
+    let id = v["sandboxID"].as_str().expect("sandboxID").to_string();
+    assert_eq!(v["templateID"], "host");
+    assert_eq!(v["envdVersion"], sandpit_server::api::e2b::ENVD_VERSION);
+    assert_eq!(v["clientID"], "sandpit");
+    assert!(v["domain"].as_str().is_some_and(|d| !d.is_empty()));
+
+    let (s, detail, _) = e
+        .call(reqwest::Method::GET, &format!("/sandboxes/{id}"), None)
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(detail["state"], "running");
+    assert_eq!(detail["metadata"], json!({"k": "v"}));
+    assert_eq!(detail["lifecycle"]["onTimeout"], "kill");
+    let started = detail["startedAt"].as_str().expect("startedAt");
+    let ends = detail["endAt"].as_str().expect("endAt");
+    assert!(started < ends, "{started} {ends}");
+    assert_eq!(detail["memoryMB"], json!(512));
+
+    // The older create path answers the same way.
+    let (s, v1, _) = e
+        .call(
+            reqwest::Method::POST,
+            "/sandboxes",
+            Some(json!({"templateID": "base"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v1}");
+    for sid in [id, v1["sandboxID"].as_str().expect("id").to_string()] {
+        let (s, _, _) = e
+            .call(reqwest::Method::DELETE, &format!("/sandboxes/{sid}"), None)
+            .await;
+        assert_eq!(s, StatusCode::NO_CONTENT);
+    }
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn errors_use_e2b_bodies_and_statuses() {
+    let d = Daemon::start().await;
+    let e = E2b::new(&d);
+    // No key, and a wrong key.
+    let resp = e
+        .http
+        .get(format!("{}/v2/sandboxes", d.url))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), StatusCode::UNAUTHORIZED);
+    assert_e2b_error(&resp.json().await.expect("json"), StatusCode::UNAUTHORIZED);
+    let resp = e
+        .http
+        .get(format!("{}/v2/sandboxes", d.url))
+        .header("X-API-Key", "sp_wrong")
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), StatusCode::UNAUTHORIZED);
+
+    let (s, v, _) = e
+        .call(reqwest::Method::GET, "/sandboxes/nosuchsandbox", None)
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_e2b_error(&v, StatusCode::NOT_FOUND);
+    let (s, v, _) = e
+        .call(reqwest::Method::DELETE, "/sandboxes/nosuchsandbox", None)
+        .await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_e2b_error(&v, StatusCode::NOT_FOUND);
+
+    for (body, why) in [
+        (
+            json!({"templateID": "no-such-template"}),
+            "unknown template",
+        ),
+        (json!({"templateID": "base", "timeout": 0}), "zero timeout"),
+        (
+            json!({"templateID": "base", "timeout": 99999999}),
+            "timeout over the maximum",
+        ),
+        (
+            json!({"templateID": "base", "envVars": {"BAD=NAME": "x"}}),
+            "bad env name",
+        ),
+        (json!({"templateID": "base", "mcp": {"x": {}}}), "mcp"),
+        (json!({"templateID": ""}), "empty template"),
+        (json!({"timeout": 10}), "no template"),
+        (
+            json!({"templateID": "base", "timeout": "soon"}),
+            "wrong type",
+        ),
+    ] {
+        let (s, v, _) = e
+            .call(reqwest::Method::POST, "/v2/sandboxes", Some(body))
+            .await;
+        assert!(s.is_client_error(), "{why}: {s} {v}");
+        assert_e2b_error(&v, s);
+    }
+    let resp = e
+        .http
+        .post(format!("{}/v2/sandboxes", d.url))
+        .header("X-API-Key", &d.key)
+        .body("{not json")
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
+    // Nothing half-made was left behind by the refused creates.
+    let (_, list, _) = e.call(reqwest::Method::GET, "/v2/sandboxes", None).await;
+    assert_eq!(list, json!([]));
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pause_connect_resume_statuses() {
+    let d = Daemon::start().await;
+    let e = E2b::new(&d);
+    let id = e.create(json!({"templateID": "base"})).await["sandboxID"]
+        .as_str()
+        .expect("id")
+        .to_string();
+    let post = |p: &str| format!("/sandboxes/{id}/{p}");
+    // Connecting to a running sandbox: 200.
+    let (s, v, _) = e
+        .call(
+            reqwest::Method::POST,
+            &post("connect"),
+            Some(json!({"timeout": 60})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["sandboxID"], json!(id));
+    // Resuming a running one is a conflict.
+    let (s, v, _) = e.call(reqwest::Method::POST, &post("resume"), None).await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    assert_e2b_error(&v, StatusCode::CONFLICT);
+    // Pause: 204, then 409 for the second.
+    let (s, _, _) = e.call(reqwest::Method::POST, &post("pause"), None).await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    let (s, v, _) = e.call(reqwest::Method::POST, &post("pause"), None).await;
+    assert_eq!(s, StatusCode::CONFLICT);
+    assert_e2b_error(&v, StatusCode::CONFLICT);
+    let (_, detail, _) = e
+        .call(reqwest::Method::GET, &format!("/sandboxes/{id}"), None)
+        .await;
+    assert_eq!(detail["state"], "paused");
+    // The v2 connect resumes it: 201.
+    let (s, v, _) = e
+        .call(
+            reqwest::Method::POST,
+            &format!("/v2/sandboxes/{id}/connect"),
+            Some(json!({"timeout": 60})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let (_, detail, _) = e
+        .call(reqwest::Method::GET, &format!("/sandboxes/{id}"), None)
+        .await;
+    assert_eq!(detail["state"], "running");
+    // Pause without memory (sandpit's hibernation) and resume through the older call.
+    let (s, _, _) = e
+        .call(
+            reqwest::Method::POST,
+            &post("pause"),
+            Some(json!({"memory": false})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    let (s, v, _) = e
+        .call(
+            reqwest::Method::POST,
+            &post("resume"),
+            Some(json!({"timeout": 90})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    // Timeout and refreshes.
+    let (s, _, _) = e
+        .call(
+            reqwest::Method::POST,
+            &post("timeout"),
+            Some(json!({"timeout": 30})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    let (_, before, _) = e
+        .call(reqwest::Method::GET, &format!("/sandboxes/{id}"), None)
+        .await;
+    let (s, _, _) = e
+        .call(
+            reqwest::Method::POST,
+            &post("refreshes"),
+            Some(json!({"duration": 600})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    let (_, after, _) = e
+        .call(reqwest::Method::GET, &format!("/sandboxes/{id}"), None)
+        .await;
+    assert!(
+        after["endAt"].as_str() > before["endAt"].as_str(),
+        "{before} {after}"
+    );
+    let (s, v, _) = e
+        .call(reqwest::Method::POST, &post("timeout"), Some(json!({})))
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_e2b_error(&v, StatusCode::BAD_REQUEST);
+    // Metrics: one sample with the sandbox's limits.
+    let (s, m, _) = e.call(reqwest::Method::GET, &post("metrics"), None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(m[0]["memTotal"], json!(512u64 << 20));
+    assert!(m[0]["memUsed"].as_u64().is_some_and(|u| u > 0), "{m}");
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn list_filters_and_pages_with_next_token() {
+    let d = Daemon::start().await;
+    let e = E2b::new(&d);
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        let v = e
+            .create(json!({"templateID": "base", "metadata": {"team": "blue", "n": i.to_string()}}))
+            .await;
+        ids.push(v["sandboxID"].as_str().expect("id").to_string());
+    }
+    let other = e
+        .create(json!({"templateID": "base", "metadata": {"team": "red"}}))
+        .await;
+    // E2B encodes the metadata filter as one query value: `team=blue` url-encoded.
+    let (s, page1, h) = e
+        .call(
+            reqwest::Method::GET,
+            "/v2/sandboxes?metadata=team%3Dblue&limit=2",
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(page1.as_array().map(Vec::len), Some(2));
+    let token = h
+        .get("x-next-token")
+        .and_then(|v| v.to_str().ok())
+        .expect("X-Next-Token")
+        .to_string();
+    let (_, page2, h2) = e
+        .call(
+            reqwest::Method::GET,
+            &format!("/v2/sandboxes?metadata=team%3Dblue&limit=2&nextToken={token}"),
+            None,
+        )
+        .await;
+    assert!(h2.get("x-next-token").is_none());
+    let mut seen: Vec<String> = page1
+        .as_array()
+        .into_iter()
+        .chain(page2.as_array())
+        .flatten()
+        .map(|s| s["sandboxID"].as_str().expect("id").to_string())
+        .collect();
+    seen.sort();
+    let mut want = ids.clone();
+    want.sort();
+    assert_eq!(seen, want);
+
+    // State filter: pause one; `paused` lists only it, `running` the rest.
+    let (s, _, _) = e
+        .call(
+            reqwest::Method::POST,
+            &format!("/sandboxes/{}/pause", ids[0]),
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    let (_, paused, _) = e
+        .call(reqwest::Method::GET, "/v2/sandboxes?state=paused", None)
+        .await;
+    assert_eq!(paused.as_array().map(Vec::len), Some(1));
+    assert_eq!(paused[0]["sandboxID"], json!(ids[0]));
+    assert_eq!(paused[0]["state"], "paused");
+    // The older list shows running sandboxes only.
+    let (_, old, _) = e.call(reqwest::Method::GET, "/sandboxes", None).await;
+    let old_ids: Vec<&str> = old
+        .as_array()
+        .expect("array")
+        .iter()
+        .filter_map(|s| s["sandboxID"].as_str())
+        .collect();
+    assert_eq!(old_ids.len(), 3);
+    assert!(!old_ids.contains(&ids[0].as_str()));
+    assert!(old_ids.contains(&other["sandboxID"].as_str().expect("id")));
+    let (s, v, _) = e
+        .call(reqwest::Method::GET, "/v2/sandboxes?state=sleeping", None)
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_e2b_error(&v, StatusCode::BAD_REQUEST);
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn snapshots_templates_and_fork() {
+    let d = Daemon::start().await;
+    let e = E2b::new(&d);
+    let id = e.create(json!({"templateID": "base"})).await["sandboxID"]
+        .as_str()
+        .expect("id")
+        .to_string();
+    let (s, snap, _) = e
+        .call(
+            reqwest::Method::POST,
+            &format!("/sandboxes/{id}/snapshots"),
+            Some(json!({"name": "e2b-snap"})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{snap}");
+    assert_eq!(snap["names"], json!(["e2b-snap"]));
+    let snap_id = snap["snapshotID"].as_str().expect("snapshotID").to_string();
+    let (_, list, _) = e
+        .call(
+            reqwest::Method::GET,
+            &format!("/snapshots?sandboxID={id}"),
+            None,
+        )
+        .await;
+    assert_eq!(
+        list,
+        json!([{"snapshotID": snap_id, "names": ["e2b-snap"]}])
+    );
+    // A memory snapshot is refused, not faked.
+    let (s, v, _) = e
+        .call(
+            reqwest::Method::POST,
+            &format!("/sandboxes/{id}/snapshots"),
+            Some(json!({"memory": true})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_e2b_error(&v, StatusCode::BAD_REQUEST);
+    // A sandbox starts from the snapshot by its id, and by its name.
+    for t in [snap_id.as_str(), "e2b-snap"] {
+        let v = e.create(json!({"templateID": t})).await;
+        assert_eq!(v["templateID"], "host");
+    }
+    // Fork: two copies, each a sandbox in E2B's shape.
+    let (s, forks, _) = e
+        .call(
+            reqwest::Method::POST,
+            &format!("/sandboxes/{id}/fork"),
+            Some(json!({"count": 2})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{forks}");
+    let forks = forks.as_array().expect("array");
+    assert_eq!(forks.len(), 2);
+    assert!(
+        forks
+            .iter()
+            .all(|f| f["sandbox"]["sandboxID"].as_str().is_some_and(|s| s != id))
+    );
+    // Templates: the host template with its E2B aliases.
+    let (_, templates, _) = e.call(reqwest::Method::GET, "/templates", None).await;
+    let host = templates
+        .as_array()
+        .expect("array")
+        .iter()
+        .find(|t| t["templateID"] == "host")
+        .expect("host template")
+        .clone();
+    let aliases = host["aliases"].as_array().expect("aliases");
+    assert!(aliases.contains(&json!("base")), "{host}");
+    let (s, base, _) = e.call(reqwest::Method::GET, "/templates/base", None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(base["templateID"], "host");
+    assert_eq!(base["builds"][0]["status"], "ready");
+    // E2B deletes snapshots through the template route.
+    let (s, _, _) = e
+        .call(
+            reqwest::Method::DELETE,
+            &format!("/templates/{snap_id}"),
+            None,
+        )
+        .await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    let (_, list, _) = e
+        .call(
+            reqwest::Method::GET,
+            &format!("/snapshots?sandboxID={id}"),
+            None,
+        )
+        .await;
+    assert_eq!(list, json!([]));
+    let (s, v, _) = e
+        .call(reqwest::Method::DELETE, "/templates/base", None)
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_e2b_error(&v, StatusCode::BAD_REQUEST);
+    d.shutdown().await;
+}
