@@ -523,11 +523,16 @@ pub(crate) struct Ctx {
 impl Ctx {
     /// A client of the daemon, authenticating with the chosen or the local admin key.
     pub(crate) fn client(&self) -> anyhow::Result<Client> {
-        let key = match self.api_key.as_deref().map(str::trim) {
+        Client::new(&self.url, self.key())
+            .with_context(|| format!("cannot use daemon URL {}", self.url))
+    }
+
+    /// The chosen API key, else the local admin key.
+    pub(crate) fn key(&self) -> Option<String> {
+        match self.api_key.as_deref().map(str::trim) {
             Some(k) if !k.is_empty() => Some(k.to_string()),
             _ => self.local_admin_key(),
-        };
-        Client::new(&self.url, key).with_context(|| format!("cannot use daemon URL {}", self.url))
+        }
     }
 
     /// The first admin key the local daemon left in its data dir, if this user can read it.

@@ -12,6 +12,7 @@
 
 mod baselines;
 mod chart;
+mod e2b;
 mod lifecycle;
 mod memory;
 mod phases;
@@ -52,10 +53,12 @@ pub enum Phase {
     Files,
     /// Pause/resume, hibernate/wake, snapshots of 100 MiB, restore, fork of 10.
     Lifecycle,
+    /// E2B's Python SDK: `Sandbox.create()` -> first `commands.run("true")`.
+    E2b,
 }
 
 impl Phase {
-    const ALL: [Phase; 9] = [
+    const ALL: [Phase; 10] = [
         Phase::Baselines,
         Phase::Cold,
         Phase::Pool,
@@ -65,6 +68,7 @@ impl Phase {
         Phase::Memory,
         Phase::Files,
         Phase::Lifecycle,
+        Phase::E2b,
     ];
 
     fn name(self) -> &'static str {
@@ -78,6 +82,7 @@ impl Phase {
             Phase::Memory => "memory",
             Phase::Files => "files",
             Phase::Lifecycle => "lifecycle",
+            Phase::E2b => "e2b",
         }
     }
 }
@@ -108,9 +113,13 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 8)]
     pub pool_size: u32,
     /// Run only these phases (comma-separated): baselines, cold, pool, exec, concurrent,
-    /// sustained, memory, files, lifecycle. Default: all.
+    /// sustained, memory, files, lifecycle, e2b. Default: all.
     #[arg(long, value_delimiter = ',', value_enum)]
     pub only: Vec<Phase>,
+    /// Python with the `e2b` package, for the e2b phase (default: the test virtualenv
+    /// `target/test-venv/bin/python` when it exists, else `python3`).
+    #[arg(long)]
+    pub e2b_python: Option<PathBuf>,
     /// Directory for results.json, results.txt and latency.png
     /// (default ./bench-results/<UTC time>).
     #[arg(long)]
@@ -194,6 +203,18 @@ pub async fn run(ctx: &crate::Ctx, args: BenchArgs) -> anyhow::Result<()> {
         pool_size: args.pool_size.max(1),
         pool_name: format!("sandpit-bench-{run_id}"),
         pool_created: AtomicBool::new(false),
+        e2b: ctx.key().map(|key| E2bSdk {
+            url: ctx.url.clone(),
+            key,
+            python: args.e2b_python.clone().unwrap_or_else(|| {
+                let venv = PathBuf::from("target/test-venv/bin/python");
+                if venv.exists() {
+                    venv
+                } else {
+                    PathBuf::from("python3")
+                }
+            }),
+        }),
     };
     let outcome = {
         let work = bench.run_all();
@@ -602,6 +623,15 @@ struct Bench {
     pool_name: String,
     /// Whether the pool may exist on the daemon (and so must be deleted).
     pool_created: AtomicBool,
+    /// How the e2b phase reaches the daemon through E2B's SDK.
+    e2b: Option<E2bSdk>,
+}
+
+/// The daemon's URL and key, and the Python that has E2B's SDK.
+struct E2bSdk {
+    url: String,
+    key: String,
+    python: PathBuf,
 }
 
 impl Bench {
@@ -707,6 +737,10 @@ impl Bench {
         if on(Phase::Lifecycle) {
             let r = self.lifecycle(&mut report).await;
             phase(&mut report, "lifecycle", r)?;
+        }
+        if on(Phase::E2b) {
+            let r = self.e2b(&mut report).await;
+            phase(&mut report, "e2b_sdk_create_first_exec", r)?;
         }
 
         for &n in &self.idle {

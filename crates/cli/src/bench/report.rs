@@ -653,6 +653,22 @@ impl Report {
                 ("cp -a x10", "baseline.cp_10.ms", "ratio.fork_10_vs_cp_10"),
             );
         }
+        if self
+            .figures
+            .contains_key("e2b_sdk_create_first_exec.p50_ms")
+        {
+            t.blank();
+            dist_row(
+                &mut t,
+                "E2B SDK create -> run(true)",
+                "e2b_sdk_create_first_exec",
+                (
+                    "native API",
+                    "baseline.native_create_first_exec.p50_ms",
+                    "ratio.e2b_sdk_vs_native",
+                ),
+            );
+        }
         let baselines = self.figures.keys().any(|k| k.starts_with("baseline."));
         if baselines {
             t.blank();
