@@ -89,116 +89,123 @@ pub async fn run(
     let mut interrupt: Option<Reason> = None;
     let mut split = [OutputSplitter::new(&token), OutputSplitter::new(&token)];
     if let Some(worker) = state.worker.as_ref() {
-    let killer = worker.killer();
-    let (tx, mut rx) = mpsc::channel::<Msg>(64);
-    worker.attach(tx);
+        let killer = worker.killer();
+        let (tx, mut rx) = mpsc::channel::<Msg>(64);
+        worker.attach(tx);
 
-    let (mut started, mut exited) = (false, false);
-    let mut first_interrupt: Option<Instant> = None;
-    let mut next_interrupt: Option<Instant> = None;
-    let mut flush_at: Option<Instant> = None;
-    let mut drain_until: Option<Instant> = None;
-    let deadline = cell.timeout.map(|t| Instant::now() + t);
-    let mut send = std::pin::pin!(worker.send_cell(&token, &cell.env, &cell.code));
-    let mut sent = false;
-    let out = em.out.clone();
+        let (mut started, mut exited) = (false, false);
+        let mut first_interrupt: Option<Instant> = None;
+        let mut next_interrupt: Option<Instant> = None;
+        let mut flush_at: Option<Instant> = None;
+        let mut drain_until: Option<Instant> = None;
+        let deadline = cell.timeout.map(|t| Instant::now() + t);
+        let mut send = std::pin::pin!(worker.send_cell(&token, &cell.env, &cell.code));
+        let mut sent = false;
+        let out = em.out.clone();
 
-    loop {
-        if done && split.iter().all(OutputSplitter::done) {
-            break;
-        }
-        if exited && split.iter().all(OutputSplitter::done) {
-            break;
-        }
-        let mut want_interrupt = None;
-        tokio::select! {
-            biased;
-            r = &mut send, if !sent => {
-                sent = true;
-                if let Err(e) = r {
-                    tracing::debug!(error = %e, "handing a cell to its worker");
-                    // The worker is gone or wedged: only killing it ends this cell for sure.
-                    killer.kill();
-                }
+        loop {
+            if done && split.iter().all(OutputSplitter::done) {
+                break;
             }
-            msg = rx.recv() => match msg {
-                Some(Msg::Out(stream, bytes)) => {
-                    let s = &mut split[stream as usize];
-                    if let Some(text) = s.push(&bytes) {
-                        em.emit(output(stream, text)).await;
-                    }
-                    flush_at = split
-                        .iter()
-                        .any(OutputSplitter::pending)
-                        .then(|| Instant::now() + PARTIAL_FLUSH);
-                }
-                Some(Msg::OutEnd(stream)) => {
-                    if let Some(text) = split[stream as usize].end() {
-                        em.emit(output(stream, text)).await;
+            if exited && split.iter().all(OutputSplitter::done) {
+                break;
+            }
+            let mut want_interrupt = None;
+            tokio::select! {
+                biased;
+                r = &mut send, if !sent => {
+                    sent = true;
+                    if let Err(e) = r {
+                        tracing::debug!(error = %e, "handing a cell to its worker");
+                        // The worker is gone or wedged: only killing it ends this cell for sure.
+                        killer.kill();
                     }
                 }
-                Some(Msg::Event(Event::Start)) => {
-                    started = true;
-                    if interrupt.is_some() {
-                        killer.interrupt();
+                msg = rx.recv() => match msg {
+                    Some(Msg::Out(stream, bytes)) => {
+                        let s = &mut split[stream as usize];
+                        if let Some(text) = s.push(&bytes) {
+                            // An interactive bash echoes a newline when SIGINT aborts its line.
+                            let echo = ctx.language == Language::Bash
+                                && first_interrupt.is_some()
+                                && stream == Stream::Stderr
+                                && text == "\n";
+                            if !echo {
+                                em.emit(output(stream, text)).await;
+                            }
+                        }
+                        flush_at = split
+                            .iter()
+                            .any(OutputSplitter::pending)
+                            .then(|| Instant::now() + PARTIAL_FLUSH);
+                    }
+                    Some(Msg::OutEnd(stream)) => {
+                        if let Some(text) = split[stream as usize].end() {
+                            em.emit(output(stream, text)).await;
+                        }
+                    }
+                    Some(Msg::Event(Event::Start)) => {
+                        started = true;
+                        if interrupt.is_some() {
+                            killer.interrupt();
+                            next_interrupt = Some(Instant::now() + INTERRUPT_REPEAT);
+                        }
+                    }
+                    Some(Msg::Event(Event::Result { data })) => em.emit(OutLine::Result(data)).await,
+                    Some(Msg::Event(Event::Error { name, value, traceback })) => {
+                        error = Some(OutLine::Error { name, value, traceback });
+                    }
+                    Some(Msg::Event(Event::Done { token: t, status: s })) if t == token => {
+                        done = true;
+                        status = s;
+                    }
+                    Some(Msg::Event(_)) => {}
+                    Some(Msg::Exited) => {
+                        exited = true;
+                        drain_until = Some(Instant::now() + EXIT_DRAIN);
+                    }
+                    // The worker's pumps hold the sender for as long as it is attached.
+                    None => break,
+                },
+                _ = out.closed(), if interrupt.is_none() => want_interrupt = Some(Reason::Disconnect),
+                _ = sleep_until_opt(deadline), if interrupt.is_none() => {
+                    want_interrupt = cell.timeout.map(Reason::Timeout);
+                }
+                _ = sleep_until_opt(next_interrupt) => {
+                    let since = first_interrupt.map(|t| t.elapsed()).unwrap_or_default();
+                    if since >= INTERRUPT_GRACE {
+                        tracing::info!(context = %ctx.id, "a cell ignored interrupts; killing its worker");
+                        killed = true;
+                        killer.kill();
+                        next_interrupt = None;
+                    } else {
+                        if started {
+                            killer.interrupt();
+                        }
                         next_interrupt = Some(Instant::now() + INTERRUPT_REPEAT);
                     }
                 }
-                Some(Msg::Event(Event::Result { data })) => em.emit(OutLine::Result(data)).await,
-                Some(Msg::Event(Event::Error { name, value, traceback })) => {
-                    error = Some(OutLine::Error { name, value, traceback });
-                }
-                Some(Msg::Event(Event::Done { token: t, status: s })) if t == token => {
-                    done = true;
-                    status = s;
-                }
-                Some(Msg::Event(_)) => {}
-                Some(Msg::Exited) => {
-                    exited = true;
-                    drain_until = Some(Instant::now() + EXIT_DRAIN);
-                }
-                // The worker's pumps hold the sender for as long as it is attached.
-                None => break,
-            },
-            _ = out.closed(), if interrupt.is_none() => want_interrupt = Some(Reason::Disconnect),
-            _ = sleep_until_opt(deadline), if interrupt.is_none() => {
-                want_interrupt = cell.timeout.map(Reason::Timeout);
-            }
-            _ = sleep_until_opt(next_interrupt) => {
-                let since = first_interrupt.map(|t| t.elapsed()).unwrap_or_default();
-                if since >= INTERRUPT_GRACE {
-                    tracing::info!(context = %ctx.id, "a cell ignored interrupts; killing its worker");
-                    killed = true;
-                    killer.kill();
-                    next_interrupt = None;
-                } else {
-                    if started {
-                        killer.interrupt();
-                    }
-                    next_interrupt = Some(Instant::now() + INTERRUPT_REPEAT);
-                }
-            }
-            _ = sleep_until_opt(flush_at) => {
-                flush_at = None;
-                for stream in [Stream::Stdout, Stream::Stderr] {
-                    if let Some(text) = split[stream as usize].flush() {
-                        em.emit(output(stream, text)).await;
+                _ = sleep_until_opt(flush_at) => {
+                    flush_at = None;
+                    for stream in [Stream::Stdout, Stream::Stderr] {
+                        if let Some(text) = split[stream as usize].flush() {
+                            em.emit(output(stream, text)).await;
+                        }
                     }
                 }
+                _ = sleep_until_opt(drain_until) => break,
             }
-            _ = sleep_until_opt(drain_until) => break,
-        }
-        if let Some(reason) = want_interrupt {
-            interrupt = Some(reason);
-            first_interrupt = Some(Instant::now());
-            if started {
-                killer.interrupt();
+            if let Some(reason) = want_interrupt {
+                interrupt = Some(reason);
+                first_interrupt = Some(Instant::now());
+                if started {
+                    killer.interrupt();
+                }
+                next_interrupt = Some(Instant::now() + INTERRUPT_REPEAT);
             }
-            next_interrupt = Some(Instant::now() + INTERRUPT_REPEAT);
         }
-    }
-    worker.detach();
-    drop(rx);
+        worker.detach();
+        drop(rx);
     }
     for stream in [Stream::Stdout, Stream::Stderr] {
         if let Some(text) = split[stream as usize].end() {

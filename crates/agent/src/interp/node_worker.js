@@ -33,12 +33,20 @@
     process.stderr.write('Unhandled rejection ' + util.inspect(e) + '\n');
   });
 
+  // Stack lines of the worker and of node's vm plumbing are not the user's.
+  function userStack(stack) {
+    return String(stack)
+      .split('\n')
+      .filter((l) => !/<sandpit-node-worker>|\(node:|at node:|sigintHandlersWrap/.test(l))
+      .join('\n');
+  }
+
   function describe(e) {
     if (e instanceof Error || (e && typeof e === 'object' && 'message' in e)) {
       return {
         name: String(e.name || 'Error'),
         value: String(e.message),
-        traceback: String(e.stack || e.message),
+        traceback: userStack(e.stack || e.message),
       };
     }
     const text = util.inspect(e);
@@ -49,15 +57,14 @@
     try {
       return new vm.Script(code, { filename });
     } catch (e) {
-      // Top-level await: run the cell as the body of an async function (its own
-      // declarations then stay local to the cell).
-      if (e instanceof SyntaxError && /await/.test(e.message)) {
-        return new vm.Script('(async () => {\n' + code + '\n})()', {
-          filename,
-          lineOffset: -1,
-        });
-      }
-      throw e;
+      if (!(e instanceof SyntaxError && /await/.test(e.message))) throw e;
+    }
+    // Top-level await: run the cell in an async function. A single expression keeps its
+    // value; other cells' declarations then stay local to the cell.
+    try {
+      return new vm.Script('(async () => (\n' + code + '\n))()', { filename, lineOffset: -1 });
+    } catch (e) {
+      return new vm.Script('(async () => {\n' + code + '\n})()', { filename, lineOffset: -1 });
     }
   }
 

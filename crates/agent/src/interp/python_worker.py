@@ -191,11 +191,12 @@ def _run(code_obj):
 
 
 def _user_traceback(e):
-    tb = e.__traceback__
-    # Leading frames are the worker's own; the user sees only their code.
-    while tb is not None and tb.tb_frame.f_code.co_filename == _WORKER_FILE:
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(e), e, tb))
+    # The worker's own frames (around the cell, or its interrupt handler) are not shown.
+    te = traceback.TracebackException(type(e), e, e.__traceback__)
+    te.stack = traceback.StackSummary.from_list(
+        [f for f in te.stack if f.filename != _WORKER_FILE]
+    )
+    return "".join(te.format())
 
 
 def _cell(code):
@@ -204,12 +205,16 @@ def _cell(code):
     # Tracebacks show the cell's source lines.
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
-    tree = ast.parse(code, filename, "exec")
-    last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
-    body = compile(tree, filename, "exec", flags=flags)
-    tail = compile(last, filename, "eval", flags=flags) if last is not None else None
+    try:
+        tree = ast.parse(code, filename, "exec")
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        body = compile(tree, filename, "exec", flags=flags)
+        tail = compile(last, filename, "eval", flags=flags) if last is not None else None
+    except SyntaxError as e:
+        # Raised by the parser, not by the cell: no frames to show, only the source line.
+        raise e.with_traceback(None)
     value = None
     _state["running"] = True
     try:

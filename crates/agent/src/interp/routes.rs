@@ -105,7 +105,11 @@ fn validate_env(env: &BTreeMap<String, String>) -> Result<(), InterpError> {
     Ok(())
 }
 
-async fn execute(State(s): Shared, headers: HeaderMap, body: Bytes) -> Result<Response, InterpError> {
+async fn execute(
+    State(s): Shared,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, InterpError> {
     let req: ExecuteRequest = parse(&body)?;
     let code = req
         .code
@@ -160,11 +164,7 @@ async fn execute(State(s): Shared, headers: HeaderMap, body: Bytes) -> Result<Re
     let mut guard = ctx.state.clone().lock_owned().await;
     ctx.ensure_worker(&mut guard).await?;
     let (tx, rx) = tokio::sync::mpsc::channel(16);
-    let cell = Cell {
-        code,
-        env,
-        timeout,
-    };
+    let cell = Cell { code, env, timeout };
     tokio::spawn(exec::run(ctx, guard, cell, tx));
     let lines = futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|line| (line, rx))

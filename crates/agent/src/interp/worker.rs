@@ -16,7 +16,6 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::io::AsyncReadExt;
 use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, watch};
 
@@ -199,45 +198,114 @@ async fn deliver(sink: &Sink, msg: Msg) {
     }
 }
 
-async fn pump_output(mut rx: pipe::Receiver, stream: Stream, sink: Sink) {
-    let mut buf = vec![0u8; READ_CHUNK];
-    loop {
-        match rx.read(&mut buf).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => deliver(&sink, Msg::Out(stream, Bytes::copy_from_slice(&buf[..n]))).await,
+/// Reads in a drain before an event at most this many chunks per stream, so that a flood
+/// of output from a background process cannot hold events back for ever.
+const DRAIN_CHUNKS: usize = 16;
+
+async fn readable(rx: &Option<pipe::Receiver>) {
+    match rx {
+        Some(rx) => {
+            let _ = rx.readable().await;
         }
+        None => std::future::pending().await,
     }
-    deliver(&sink, Msg::OutEnd(stream)).await;
 }
 
-async fn pump_events(mut rx: pipe::Receiver, sink: Sink) {
+/// One non-blocking read of an output pipe, passed on; false once nothing is waiting.
+async fn read_out(
+    outs: &mut [Option<pipe::Receiver>; 2],
+    idx: usize,
+    buf: &mut [u8],
+    sink: &Sink,
+) -> bool {
+    let stream = if idx == 0 {
+        Stream::Stdout
+    } else {
+        Stream::Stderr
+    };
+    let Some(rx) = outs[idx].as_ref() else {
+        return false;
+    };
+    match rx.try_read(buf) {
+        Ok(0) => {
+            outs[idx] = None;
+            deliver(sink, Msg::OutEnd(stream)).await;
+            false
+        }
+        Ok(n) => {
+            deliver(sink, Msg::Out(stream, Bytes::copy_from_slice(&buf[..n]))).await;
+            true
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => false,
+        Err(_) => {
+            outs[idx] = None;
+            deliver(sink, Msg::OutEnd(stream)).await;
+            false
+        }
+    }
+}
+
+/// Reads a worker's stdout, stderr and events in one task. Before an event is passed on,
+/// the output pipes are drained: the worker wrote that output before the event, so the
+/// cell's client sees it first.
+async fn pump(mut outs: [Option<pipe::Receiver>; 2], events: pipe::Receiver, sink: Sink) {
+    let mut events = Some(events);
     let mut buf = vec![0u8; READ_CHUNK];
     let mut line: Vec<u8> = Vec::new();
     let mut skipping = false;
-    loop {
-        let n = match rx.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
-        };
-        let mut chunk = &buf[..n];
-        while let Some(nl) = chunk.iter().position(|b| *b == b'\n') {
-            if !skipping {
-                line.extend_from_slice(&chunk[..nl]);
-                match protocol::parse_event(&line) {
-                    Some(ev) => deliver(&sink, Msg::Event(ev)).await,
-                    None => tracing::debug!(len = line.len(), "ignoring a malformed worker event"),
-                }
+    while outs.iter().any(Option::is_some) || events.is_some() {
+        tokio::select! {
+            _ = readable(&outs[0]) => {
+                read_out(&mut outs, 0, &mut buf, &sink).await;
             }
-            skipping = false;
-            line.clear();
-            chunk = &chunk[nl + 1..];
-        }
-        if !skipping {
-            line.extend_from_slice(chunk);
-            if line.len() > MAX_EVENT_LINE {
-                tracing::warn!("dropping an oversized worker event");
-                line = Vec::new();
-                skipping = true;
+            _ = readable(&outs[1]) => {
+                read_out(&mut outs, 1, &mut buf, &sink).await;
+            }
+            _ = readable(&events) => {
+                let Some(rx) = events.as_ref() else { continue };
+                let n = match rx.try_read(&mut buf) {
+                    Ok(0) => {
+                        events = None;
+                        continue;
+                    }
+                    Ok(n) => n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                    Err(_) => {
+                        events = None;
+                        continue;
+                    }
+                };
+                let chunk = buf[..n].to_vec();
+                let mut chunk = &chunk[..];
+                while let Some(nl) = chunk.iter().position(|b| *b == b'\n') {
+                    if !skipping {
+                        line.extend_from_slice(&chunk[..nl]);
+                        match protocol::parse_event(&line) {
+                            Some(ev) => {
+                                for idx in 0..2 {
+                                    for _ in 0..DRAIN_CHUNKS {
+                                        if !read_out(&mut outs, idx, &mut buf, &sink).await {
+                                            break;
+                                        }
+                                    }
+                                }
+                                deliver(&sink, Msg::Event(ev)).await;
+                            }
+                            None => tracing::debug!(len = line.len(), "ignoring a malformed worker event"),
+                        }
+                    }
+                    skipping = false;
+                    line.clear();
+                    chunk = &chunk[nl + 1..];
+                }
+                if !skipping {
+                    line.extend_from_slice(chunk);
+                    if line.len() > MAX_EVENT_LINE {
+                        tracing::warn!("dropping an oversized worker event");
+                        line = Vec::new();
+                        skipping = true;
+                    }
+                }
             }
         }
     }
@@ -376,15 +444,10 @@ impl Worker {
         };
         let (tx, mut rx) = mpsc::channel(64);
         worker.attach(tx);
-        for (fd, stream) in [(stdout, Stream::Stdout), (stderr, Stream::Stderr)] {
-            if let Some(fd) = fd {
-                let rx = pipe::Receiver::from_owned_fd(fd).map_err(io)?;
-                let t = tokio::spawn(pump_output(rx, stream, sink.clone()));
-                worker.tasks.push(t.abort_handle());
-            }
-        }
+        let out_rx = |fd: Option<OwnedFd>| fd.map(pipe::Receiver::from_owned_fd).transpose();
+        let outs = [out_rx(stdout).map_err(io)?, out_rx(stderr).map_err(io)?];
         let events = pipe::Receiver::from_owned_fd(evt_r).map_err(io)?;
-        let t = tokio::spawn(pump_events(events, sink.clone()));
+        let t = tokio::spawn(pump(outs, events, sink.clone()));
         worker.tasks.push(t.abort_handle());
         let t = tokio::spawn(watch_exit(killer.pidfd.clone(), exit_tx, sink.clone()));
         worker.tasks.push(t.abort_handle());
@@ -484,7 +547,8 @@ impl Worker {
         let io = |e: std::io::Error| InterpError::Internal(format!("writing to the worker: {e}"));
         match self.language {
             Language::Bash => {
-                let frame = protocol::bash_frame(token, env, code).map_err(InterpError::BadRequest)?;
+                let frame =
+                    protocol::bash_frame(token, env, code).map_err(InterpError::BadRequest)?;
                 write_all(&self.cmd, &frame).await.map_err(io)?;
                 let stdin = self
                     .stdin
