@@ -9,6 +9,7 @@ use crate::config::AgentConfig;
 use crate::users::User;
 use serde::Serialize;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Most contexts (and so worker processes) one sandbox may have at once.
@@ -39,6 +40,8 @@ pub struct Context {
     pub state: Arc<tokio::sync::Mutex<State>>,
     /// Kills the current worker without waiting for a running cell to finish.
     killer: Mutex<Option<Killer>>,
+    /// Set on delete: a cell that queued before must not start a new worker.
+    removed: AtomicBool,
     cfg: Arc<AgentConfig>,
 }
 
@@ -54,6 +57,12 @@ impl Context {
 
     /// Makes sure a live worker is in `state`, starting one (with fresh state) if needed.
     pub async fn ensure_worker(&self, state: &mut State) -> Result<(), InterpError> {
+        if self.removed.load(Ordering::SeqCst) {
+            return Err(InterpError::NotFound(format!(
+                "context {:?} was deleted",
+                self.id
+            )));
+        }
         if state.worker.as_ref().is_some_and(Worker::alive) {
             return Ok(());
         }
@@ -166,6 +175,7 @@ impl Contexts {
                 count: 0,
             })),
             killer: Mutex::new(None),
+            removed: AtomicBool::new(false),
             cfg: self.cfg.clone(),
         });
         {
@@ -238,6 +248,7 @@ impl Contexts {
             reg.defaults.retain(|_, v| v != id);
             ctx
         };
+        ctx.removed.store(true, Ordering::SeqCst);
         ctx.kill_worker();
         Ok(())
     }

@@ -243,16 +243,22 @@ pub async fn run(
         state.worker = None;
     }
     if let Some(Reason::Timeout(t)) = interrupt {
-        let traceback = match &error {
-            Some(OutLine::Error { traceback, .. }) => traceback.clone(),
-            _ => String::new(),
+        let (traceback, lost) = match &error {
+            Some(OutLine::Error {
+                traceback, value, ..
+            }) => (traceback.clone(), (!done).then(|| value.clone())),
+            _ => (String::new(), None),
         };
+        let mut value = format!(
+            "execution exceeded its timeout of {} s and was interrupted",
+            t.as_secs_f64()
+        );
+        if let Some(lost) = lost {
+            value = format!("{value}; {lost}");
+        }
         error = Some(OutLine::Error {
             name: "TimeoutError".into(),
-            value: format!(
-                "execution exceeded its timeout of {} s and was interrupted",
-                t.as_secs_f64()
-            ),
+            value,
             traceback,
         });
     }

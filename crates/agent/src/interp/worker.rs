@@ -35,7 +35,7 @@ const NODE_BOOT: &str = "(()=>{const fs=require('fs');const b=Buffer.alloc(1);co
 /// How long a worker may take to start and say it is ready.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// Largest event line read from a worker (a big image result, say); longer ones are dropped.
-const MAX_EVENT_LINE: usize = 64 << 20;
+const MAX_EVENT_LINE: usize = 32 << 20;
 /// Stderr kept from a worker that fails to start, for the error message.
 const START_STDERR_LIMIT: usize = 4096;
 const READ_CHUNK: usize = 64 * 1024;
