@@ -128,7 +128,7 @@ async fn execute(
     validate_env(&env)?;
     let timeout = match req.timeout {
         None => None,
-        Some(t) if t == 0.0 => None,
+        Some(0.0) => None,
         Some(t) if t.is_finite() && t > 0.0 && t <= MAX_TIMEOUT_SECS => {
             Some(Duration::from_secs_f64(t))
         }
