@@ -7,6 +7,7 @@
 #   e2fsprogs:         mkfs.ext4, which makes the file system of each volume
 #   python3-venv:      with --test, a virtualenv for the test suite's Python tools
 #   debootstrap:       `sandpit template build --debootstrap` (and its test)
+#   python3-matplotlib: charts of the code interpreter's Python contexts (PNG results)
 # With --test it also installs, into target/test-venv, the tools only the tests use:
 #   moto[server]:      an S3-compatible server on loopback for the snapshot storage tests
 #   e2b, e2b-code-interpreter, pytest: the E2B Python SDK scenarios (tests/e2b/python)
@@ -17,7 +18,7 @@ cd "$(dirname "$0")/.."
 for_tests=false
 [ "${1:-}" = "--test" ] && for_tests=true
 need=()
-for pkg in protobuf-compiler crun bubblewrap fonts-dejavu-core python3 python3-venv procps debootstrap e2fsprogs; do
+for pkg in protobuf-compiler crun bubblewrap fonts-dejavu-core python3 python3-venv procps debootstrap e2fsprogs python3-matplotlib; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then

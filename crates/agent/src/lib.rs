@@ -1,13 +1,14 @@
 //! The in-sandbox agent. It runs as PID 1 of a container sandbox (or as a plain child of
 //! the daemon for the unisolated `process` runtime), reaps orphans, forwards termination
 //! to its children, and serves `process.Process`, `filesystem.Filesystem` and HTTP
-//! `/files` to the daemon over an inherited unix socket.
+//! `/files` to the daemon over an inherited unix socket, and the code interpreter under `/code`.
 
 #![allow(refining_impl_trait)]
 
 pub mod config;
 pub mod files_http;
 pub mod fs;
+pub mod interp;
 pub mod process;
 pub mod rusage;
 pub mod server;

@@ -449,7 +449,7 @@ impl ProcessTable {
 }
 
 /// Undoes what the agent set for itself but commands must not inherit.
-fn reset_child(container: bool) {
+pub(crate) fn reset_child(container: bool) {
     // SAFETY: plain syscalls on the child's own state, async-signal-safe.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();

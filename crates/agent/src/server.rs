@@ -1,5 +1,5 @@
 //! Agent start-up: PID 1 duties, the listener, and the router that serves the Connect
-//! services and `/files`.
+//! services, `/files` and the code interpreter (`/code`).
 
 use crate::config::{AgentConfig, CONFIG_ENV};
 use crate::fs::{FilesystemService, FsRoot};
@@ -60,6 +60,7 @@ pub fn router(cfg: Arc<AgentConfig>, table: Arc<ProcessTable>) -> Result<Router,
         )
         .with_state(root)
         .layer(axum::extract::DefaultBodyLimit::disable())
+        .merge(crate::interp::router(cfg))
         .fallback_service(connect.into_axum_service()))
 }
 

@@ -22,6 +22,7 @@ const ETC_COPY: &[&str] = &[
     "localtime",
     "login.defs",
     "lsb-release",
+    "matplotlibrc",
     "mime.types",
     "nsswitch.conf",
     "os-release",
