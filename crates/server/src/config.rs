@@ -23,6 +23,9 @@ pub struct FileConfig {
     /// Where snapshots are stored (`[snapshots]`, default: `DATA_DIR/snapshots`).
     #[serde(default)]
     pub snapshots: crate::snapshots::SnapshotStoreConfig,
+    /// The sandbox data-plane proxy (`[proxy]`: domain of `{port}-{id}.{domain}` names).
+    #[serde(default)]
+    pub proxy: crate::proxy::ProxyConfig,
 }
 
 impl FileConfig {
