@@ -858,6 +858,134 @@ async fn envd_through_the_proxy() {
     d.shutdown().await;
 }
 
+/// Reads Connect messages off a streamed response as they arrive.
+struct ConnectReader {
+    stream: std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<Bytes>> + Send>>,
+    buf: Vec<u8>,
+}
+
+impl ConnectReader {
+    fn new(r: reqwest::Response) -> Self {
+        Self {
+            stream: Box::pin(r.bytes_stream()),
+            buf: Vec::new(),
+        }
+    }
+
+    /// The next message, bounded in time so that a proxy that buffers fails the test
+    /// instead of hanging it.
+    async fn next(&mut self) -> Option<(u8, serde_json::Value)> {
+        use futures::StreamExt;
+        loop {
+            if self.buf.len() >= 5 {
+                let n = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]])
+                    as usize;
+                if self.buf.len() >= 5 + n {
+                    let flags = self.buf[0];
+                    let v = serde_json::from_slice(&self.buf[5..5 + n]).unwrap();
+                    self.buf.drain(..5 + n);
+                    return Some((flags, v));
+                }
+            }
+            let chunk = tokio::time::timeout(Duration::from_secs(30), self.stream.next())
+                .await
+                .expect("the stream stalled: is the proxy buffering?")?;
+            self.buf.extend_from_slice(&chunk.unwrap());
+        }
+    }
+
+    /// Stdout gathered until it contains `want` (or the process ends).
+    async fn stdout_until(&mut self, want: &str) -> String {
+        let mut out = String::new();
+        while !out.contains(want) {
+            let Some((_, m)) = self.next().await else {
+                break;
+            };
+            if let Some(s) = m["event"]["data"]["stdout"].as_str() {
+                let b = base64::engine::general_purpose::STANDARD.decode(s).unwrap();
+                out.push_str(&String::from_utf8_lossy(&b));
+            }
+            if m["event"].get("end").is_some() {
+                break;
+            }
+        }
+        out
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envd_client_streaming_is_not_buffered() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let sb = create(&c, CreateSandboxRequest::default()).await;
+    let id = sb.id.clone();
+    let token = sb.envd_access_token.clone().unwrap();
+    let post = |method: &str| {
+        http()
+            .post(format!("{}/process.Process/{method}", d.url))
+            .header("e2b-sandbox-id", &id)
+            .header("e2b-sandbox-port", "49983")
+            .header("x-access-token", &token)
+            .header("authorization", user_basic())
+            .header("content-type", "application/connect+json")
+    };
+    // The command waits for stdin: its start event can only arrive if the response
+    // streams while the process runs.
+    let start = serde_json::json!({
+        "process": {"cmd": "/bin/bash", "args": ["-c", "read a; echo first-$a; read b; echo second-$b"]},
+        "stdin": true
+    });
+    let r = post("Start").body(envelope(&start)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let mut events = ConnectReader::new(r);
+    let (_, first) = events.next().await.unwrap();
+    let pid = first["event"]["start"]["pid"]
+        .as_u64()
+        .expect("start event");
+
+    // StreamInput: a client stream whose messages are sent one at a time, each only
+    // after the output of the one before came back.
+    let (tx, rx) = futures::channel::mpsc::unbounded::<Vec<u8>>();
+    let input = reqwest::Body::wrap_stream(futures::StreamExt::map(rx, Ok::<_, std::io::Error>));
+    let sending = tokio::spawn(post("StreamInput").body(input).send());
+    let data = |s: &str| {
+        envelope(&serde_json::json!({
+            "data": {"input": {"stdin": base64::engine::general_purpose::STANDARD.encode(s)}}
+        }))
+    };
+    tx.unbounded_send(envelope(
+        &serde_json::json!({"start": {"process": {"pid": pid}}}),
+    ))
+    .unwrap();
+    tx.unbounded_send(data("one\n")).unwrap();
+    assert!(events.stdout_until("first-one").await.contains("first-one"));
+    tx.unbounded_send(data("two\n")).unwrap();
+    assert!(
+        events
+            .stdout_until("second-two")
+            .await
+            .contains("second-two")
+    );
+    drop(tx);
+    let r = sending.await.unwrap().unwrap();
+    assert_eq!(r.status(), 200);
+    let body = r.bytes().await.unwrap();
+    for (flags, m) in envelopes(&body) {
+        assert!(
+            m.get("error").is_none(),
+            "StreamInput ended with {m} ({flags})"
+        );
+    }
+    let mut end = None;
+    while let Some((_, m)) = events.next().await {
+        if let Some(e) = m["event"].get("end") {
+            end = Some(e.clone());
+        }
+    }
+    assert_eq!(end.map(|e| e["exitCode"].as_i64().unwrap_or(0)), Some(0));
+    d.shutdown().await;
+}
+
 async fn state_of(c: &Client, id: &str) -> String {
     // The list does not count as activity and wakes nothing.
     c.list_sandboxes(None, &[], Some(1000), None)
@@ -1062,10 +1190,14 @@ async fn process_runtime_ports_are_on_the_host_loopback() {
         &c,
         CreateSandboxRequest {
             runtime: Some("process".into()),
+            // Asked for, but never granted to a sandbox on the host's own network.
+            public: Some(true),
+            secure: Some(false),
             ..Default::default()
         },
     )
     .await;
+    assert!(sb.secure && !sb.public, "{sb:?}");
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
@@ -1087,6 +1219,17 @@ async fn process_runtime_ports_are_on_the_host_loopback() {
     };
     c.run_background(&sb.id, &req).await.unwrap();
     wait_listening(&c, &sb.id, port).await;
+    let r = get_by_host(&d, &sb.id, port, "/index.html", &[]).await;
+    assert_eq!(r.status(), 401);
+    let (status, _) = envd_unary(
+        &d,
+        &sb.id,
+        "filesystem.Filesystem/Stat",
+        serde_json::json!({"path": "/"}),
+        None,
+    )
+    .await;
+    assert_eq!(status, 401);
     let r = get_by_host(
         &d,
         &sb.id,

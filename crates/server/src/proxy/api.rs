@@ -11,7 +11,14 @@ use sandpit_api::{PortUrl, PortUrlRequest, SandboxAccess, UpdateAccessRequest};
 /// Validity of a signed port URL when the request names none.
 pub const DEFAULT_PORT_URL_SECS: u64 = 3600;
 
-fn view(state: &AppState, a: sandpit_store::SandboxAccess) -> SandboxAccess {
+fn view(
+    state: &AppState,
+    rec: &sandpit_store::SandboxRecord,
+    mut a: sandpit_store::SandboxAccess,
+) -> SandboxAccess {
+    if !super::isolated(&state.manager, &rec.runtime) {
+        super::enforce_unisolated(&mut a);
+    }
     SandboxAccess {
         secure: a.secure,
         public: a.public,
@@ -31,7 +38,7 @@ pub async fn get(
 ) -> Result<Json<SandboxAccess>, ApiError> {
     let rec = state.manager.get(&owner.0, &id).await?;
     let a = super::access(&state.manager, &rec.id).await?;
-    Ok(Json(view(&state, a)))
+    Ok(Json(view(&state, &rec, a)))
 }
 
 /// Open or close the sandbox's non-envd ports to anyone, or issue a new traffic token
@@ -62,7 +69,7 @@ pub async fn update(
             sandpit_store::StoreError::NotFound(_) => ApiError::sandbox_not_found(&id),
             other => other.into(),
         })?;
-    Ok(Json(view(&state, a)))
+    Ok(Json(view(&state, &rec, a)))
 }
 
 /// A URL that reaches one port of the sandbox without its traffic token, until it

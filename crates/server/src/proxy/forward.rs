@@ -125,8 +125,13 @@ pub(super) async fn forward(job: Job) -> Response {
     {
         // Host-only cookie: the host names this one sandbox port.
         let max_age = (expires - auth::now_secs()).max(0);
+        let secure = if manager.cfg.proxy.scheme == "https" {
+            "; Secure"
+        } else {
+            ""
+        };
         let c = format!(
-            "{}={expires}.{signature}; Max-Age={max_age}; Path=/; HttpOnly; SameSite=Lax",
+            "{}={expires}.{signature}; Max-Age={max_age}; Path=/; HttpOnly; SameSite=Lax{secure}",
             auth::PORT_COOKIE
         );
         if let Ok(v) = HeaderValue::from_str(&c) {

@@ -296,13 +296,16 @@ async fn handle(m: Arc<Manager>, route: Route, req: Request) -> Response {
     if !reachable(&rec) {
         return not_found(id);
     }
-    let access = match access(&m, id).await {
+    let mut access = match access(&m, id).await {
         Ok(a) => a,
         Err(e) if e.status == StatusCode::NOT_FOUND => return not_found(id),
         Err(e) => {
             return error_body(StatusCode::BAD_GATEWAY, e.message, Some(id), None);
         }
     };
+    if !isolated(&m, &rec.runtime) {
+        enforce_unisolated(&mut access);
+    }
     let target = Target::of(route.port);
     let grant = match auth::authorize(&route, target, &access, &req) {
         Ok(g) => g,
@@ -323,6 +326,20 @@ async fn handle(m: Arc<Manager>, route: Route, req: Request) -> Response {
         req,
     })
     .await
+}
+
+fn isolated(m: &Manager, runtime: &str) -> bool {
+    m.runtimes
+        .get(runtime)
+        .is_some_and(|r| r.capabilities().isolated)
+}
+
+/// An unisolated sandbox runs its commands on the host, and its "loopback" is the
+/// host's: opening either to anyone would open the host, so its envd always needs the
+/// token and its ports are never public, whatever was asked.
+fn enforce_unisolated(a: &mut SandboxAccess) {
+    a.secure = true;
+    a.public = false;
 }
 
 /// Whether the proxy may reach a sandbox in this state at all.
@@ -413,7 +430,10 @@ pub async fn with_access(m: &Manager, views: &mut [sandpit_api::Sandbox]) {
         {
             found.insert(v.id.clone(), a);
         }
-        if let Some(a) = found.get(&v.id) {
+        if let Some(a) = found.get_mut(&v.id) {
+            if !v.isolated {
+                enforce_unisolated(a);
+            }
             v.secure = a.secure;
             v.public = a.public;
             v.envd_access_token = Some(a.envd_token.clone());
