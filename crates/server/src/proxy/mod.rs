@@ -74,6 +74,31 @@ impl ProxyConfig {
         }
     }
 
+    /// Refuses settings that would make unusable or unsafe URLs.
+    pub fn check(&self) -> Result<(), String> {
+        if !matches!(self.scheme.as_str(), "http" | "https") {
+            return Err(format!(
+                "proxy.scheme must be http or https, not {:?}",
+                self.scheme
+            ));
+        }
+        if let Some(d) = &self.domain {
+            let host = strip_port(d);
+            let port_ok = d == host || d[host.len() + 1..].parse::<u16>().is_ok_and(|p| p > 0);
+            let host_ok = !host.is_empty()
+                && host.len() <= 253
+                && host.split('.').all(|l| {
+                    !l.is_empty()
+                        && l.len() <= 63
+                        && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                });
+            if !port_ok || !host_ok {
+                return Err(format!("proxy.domain {d:?} is not a host name"));
+            }
+        }
+        Ok(())
+    }
+
     /// The configured domain without any port, lowercase, for matching host names.
     fn bare_domain(&self) -> String {
         strip_port(&self.domain()).to_ascii_lowercase()
