@@ -16,6 +16,7 @@ mod lifecycle;
 mod memory;
 mod phases;
 mod proc;
+mod proxy;
 mod report;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -52,10 +53,12 @@ pub enum Phase {
     Files,
     /// Pause/resume, hibernate/wake, snapshots of 100 MiB, restore, fork of 10.
     Lifecycle,
+    /// Requests and a download through the sandbox proxy, beside direct ones.
+    Proxy,
 }
 
 impl Phase {
-    const ALL: [Phase; 9] = [
+    const ALL: [Phase; 10] = [
         Phase::Baselines,
         Phase::Cold,
         Phase::Pool,
@@ -65,6 +68,7 @@ impl Phase {
         Phase::Memory,
         Phase::Files,
         Phase::Lifecycle,
+        Phase::Proxy,
     ];
 
     fn name(self) -> &'static str {
@@ -78,6 +82,7 @@ impl Phase {
             Phase::Memory => "memory",
             Phase::Files => "files",
             Phase::Lifecycle => "lifecycle",
+            Phase::Proxy => "proxy",
         }
     }
 }
@@ -108,7 +113,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 8)]
     pub pool_size: u32,
     /// Run only these phases (comma-separated): baselines, cold, pool, exec, concurrent,
-    /// sustained, memory, files, lifecycle. Default: all.
+    /// sustained, memory, files, lifecycle, proxy. Default: all.
     #[arg(long, value_delimiter = ',', value_enum)]
     pub only: Vec<Phase>,
     /// Directory for results.json, results.txt and latency.png
@@ -707,6 +712,10 @@ impl Bench {
         if on(Phase::Lifecycle) {
             let r = self.lifecycle(&mut report).await;
             phase(&mut report, "lifecycle", r)?;
+        }
+        if on(Phase::Proxy) {
+            let r = self.proxy(&mut report).await;
+            phase(&mut report, "proxy_request", r)?;
         }
 
         for &n in &self.idle {

@@ -60,15 +60,7 @@ pub async fn update(
         a.traffic_token = super::random_token();
     }
     a.updated_at_ms = crate::manager::now_ms();
-    state
-        .manager
-        .store
-        .put_access(&a)
-        .await
-        .map_err(|e| match e {
-            sandpit_store::StoreError::NotFound(_) => ApiError::sandbox_not_found(&id),
-            other => other.into(),
-        })?;
+    super::store_access(&state.manager, &a).await?;
     Ok(Json(view(&state, &rec, a)))
 }
 

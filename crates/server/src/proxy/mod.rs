@@ -336,10 +336,22 @@ async fn handle(m: Arc<Manager>, route: Route, req: Request) -> Response {
         Ok(g) => g,
         Err(denied) => return denied.into_response(id, route.port),
     };
-    // Only now, with a valid credential, may the request wake a paused sandbox.
-    let (rec, conn) = match m.agent(&rec.owner, id).await {
-        Ok(x) => x,
-        Err(e) => return agent_error(id, e),
+    // Only now, with a valid credential, may the request wake a paused sandbox. A
+    // running one needs no second read of its record.
+    let (rec, conn) = if rec.state == SandboxState::Running {
+        match m.runtime_of(&rec) {
+            Ok((_, h)) => {
+                m.touch(id);
+                let conn = m.conn_for(id, &h);
+                (rec, conn)
+            }
+            Err(e) => return agent_error(id, e),
+        }
+    } else {
+        match m.agent(&rec.owner, id).await {
+            Ok(x) => x,
+            Err(e) => return agent_error(id, e),
+        }
     };
     forward::forward(forward::Job {
         manager: m,
@@ -396,20 +408,65 @@ fn fresh_access(id: &str, secure: bool, public: bool) -> SandboxAccess {
     }
 }
 
+/// How long credentials read from the store are used without reading them again. This
+/// daemon's own changes apply at once; another daemon's on a shared store (a rotated
+/// token) within this time.
+const ACCESS_CACHE_TTL: std::time::Duration = std::time::Duration::from_secs(5);
+/// Most credentials remembered at once (the cache is emptied when it would grow beyond).
+const ACCESS_CACHE_MAX: usize = 4096;
+
+type AccessCache = std::collections::HashMap<String, (SandboxAccess, std::time::Instant)>;
+
+/// Recently used credentials, so that a proxied request costs one store read (its
+/// sandbox's record), not two.
+static ACCESS_CACHE: std::sync::LazyLock<std::sync::Mutex<AccessCache>> =
+    std::sync::LazyLock::new(Default::default);
+
+fn cached(id: &str) -> Option<SandboxAccess> {
+    let map = ACCESS_CACHE.lock().ok()?;
+    let (a, at) = map.get(id)?;
+    (at.elapsed() < ACCESS_CACHE_TTL).then(|| a.clone())
+}
+
+fn remember(a: &SandboxAccess) {
+    if let Ok(mut map) = ACCESS_CACHE.lock() {
+        if map.len() >= ACCESS_CACHE_MAX {
+            map.clear();
+        }
+        map.insert(a.sandbox_id.clone(), (a.clone(), std::time::Instant::now()));
+    }
+}
+
+/// Stores credentials (replacing any) and uses them from now on.
+pub(crate) async fn store_access(m: &Manager, a: &SandboxAccess) -> Result<(), ApiError> {
+    m.store.put_access(a).await.map_err(|e| match e {
+        sandpit_store::StoreError::NotFound(_) => ApiError::sandbox_not_found(&a.sandbox_id),
+        other => other.into(),
+    })?;
+    remember(a);
+    Ok(())
+}
+
 /// The proxy credentials of sandbox `id` (made on first use for sandboxes that have
 /// none: secure, private). This is what E2B's control plane returns as
 /// `envdAccessToken` / `trafficAccessToken`. Does not check the owner: callers do.
 pub async fn access(m: &Manager, id: &str) -> Result<SandboxAccess, ApiError> {
-    if let Some(a) = m.store.get_access(id).await? {
+    if let Some(a) = cached(id) {
         return Ok(a);
     }
-    m.store
-        .ensure_access(&fresh_access(id, true, false))
-        .await
-        .map_err(|e| match e {
-            sandpit_store::StoreError::NotFound(_) => ApiError::sandbox_not_found(id),
-            other => other.into(),
-        })
+    let a = match m.store.get_access(id).await? {
+        Some(a) => a,
+        None => m
+            .store
+            .ensure_access(&fresh_access(id, true, false))
+            .await
+            .map_err(|e| match e {
+                sandpit_store::StoreError::NotFound(_) => ApiError::sandbox_not_found(id),
+                other => other.into(),
+            })?,
+    };
+    remember(&a);
+    Ok(a)
 }
 
 /// Gives a newly created (or newly claimed) sandbox new credentials and its exposure.
@@ -420,17 +477,14 @@ pub(crate) async fn on_create(
     public: Option<bool>,
 ) -> Result<SandboxAccess, ApiError> {
     let a = fresh_access(id, secure.unwrap_or(true), public.unwrap_or(false));
-    m.store.put_access(&a).await?;
+    store_access(m, &a).await?;
     Ok(a)
 }
 
 /// A fork gets tokens of its own and its source's exposure.
 pub(crate) async fn inherit(m: &Manager, from: &str, to: &str) -> Result<(), ApiError> {
     let src = access(m, from).await?;
-    m.store
-        .put_access(&fresh_access(to, src.secure, src.public))
-        .await?;
-    Ok(())
+    store_access(m, &fresh_access(to, src.secure, src.public)).await
 }
 
 /// Fills the owner-only proxy fields of sandbox views.
