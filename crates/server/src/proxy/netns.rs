@@ -10,6 +10,10 @@ use std::time::Duration;
 /// A loopback connect answers at once; this bounds a listener whose backlog is full.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Connecting threads alive at once: a flood of requests queues here instead of making
+/// the daemon spawn threads without bound.
+static CONNECTING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(128);
+
 /// Why a connection could not be made.
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
@@ -31,12 +35,18 @@ pub async fn connect(
     pid_start: u64,
     port: u16,
 ) -> Result<tokio::net::TcpStream, ConnectError> {
+    let permit = CONNECTING
+        .acquire()
+        .await
+        .map_err(|_| io::Error::other("the proxy is shutting down"))?;
     let (tx, rx) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()
         .name("sandpit-netns".into())
         .spawn(move || {
             let _ = tx.send(connect_blocking(pid, pid_start, port));
         })?;
+    // Held until the thread has answered (or died), which is when it is done.
+    let _permit = permit;
     let stream = rx
         .await
         .map_err(|_| io::Error::other("the connecting thread ended without an answer"))??;
