@@ -79,6 +79,14 @@ pub struct CreateSandboxRequest {
     pub on_timeout: Option<String>,
     /// Whether a call to a paused or hibernated sandbox resumes it (default true).
     pub auto_resume: Option<bool>,
+    /// Whether its envd ports (49983, and 49999 of the code interpreter) through the
+    /// proxy need its envd access token (default true; `false` opens them, as in E2B).
+    #[serde(default)]
+    pub secure: Option<bool>,
+    /// Whether its other ports are open to anyone through the proxy (default false: they
+    /// need its traffic token or a signed URL).
+    #[serde(default)]
+    pub public: Option<bool>,
 }
 
 /// Lifecycle settings and state of a sandbox.
@@ -205,6 +213,63 @@ pub struct Sandbox {
     #[serde(default)]
     pub pool: Option<String>,
     pub lifecycle: Lifecycle,
+    /// Whether its envd ports need `envd_access_token` (as `X-Access-Token`).
+    #[serde(default)]
+    pub secure: bool,
+    /// Whether its other ports are open to anyone through the proxy.
+    #[serde(default)]
+    pub public: bool,
+    /// Token for its envd ports through the proxy (shown to its owner only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub envd_access_token: Option<String>,
+    /// Token for its other ports (`E2B-Traffic-Access-Token`), shown to its owner only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traffic_access_token: Option<String>,
+}
+
+/// `PATCH /v1/sandboxes/{id}/access`: changes how its ports are exposed.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateAccessRequest {
+    /// Open (`true`) or close its non-envd ports to anyone.
+    pub public: Option<bool>,
+    /// Issue a new traffic token: URLs signed with the old one stop working.
+    #[serde(default)]
+    pub rotate_traffic_token: bool,
+}
+
+/// How a sandbox is exposed through the proxy, and its credentials.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SandboxAccess {
+    pub secure: bool,
+    pub public: bool,
+    pub envd_access_token: String,
+    pub traffic_access_token: String,
+    /// Host names look like `{port}-{sandbox id}.{domain}`.
+    pub domain: String,
+}
+
+/// `POST /v1/sandboxes/{id}/ports/{port}/url`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PortUrlRequest {
+    /// Seconds the URL stays valid (default 3600, at most 7 days).
+    pub expires_in: Option<u64>,
+    /// Path and query the URL points at (default `/`).
+    pub path: Option<String>,
+}
+
+/// A URL that reaches one port of a private sandbox without its traffic token.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct PortUrl {
+    /// `http://{port}-{id}.{domain}{path}` with the signature in its query.
+    pub url: String,
+    /// The host name alone.
+    pub host: String,
+    /// Query parameters that carry the signature (for a client using the header form).
+    pub query: String,
+    /// Unix seconds after which it is refused.
+    pub expires_at: i64,
 }
 
 /// One page of `GET /v1/sandboxes`.

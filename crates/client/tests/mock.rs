@@ -70,6 +70,10 @@ fn sandbox(id: &str, template: &str) -> Sandbox {
             paused_at_ms: None,
             snapshot: None,
         },
+        secure: true,
+        public: false,
+        envd_access_token: None,
+        traffic_access_token: None,
     }
 }
 

@@ -26,6 +26,9 @@ pub struct FileConfig {
     /// E2B compatibility: template aliases and defaults (`[e2b]`).
     #[serde(default)]
     pub e2b: crate::api::e2b::E2bConfig,
+    /// The sandbox data-plane proxy (`[proxy]`: domain of `{port}-{id}.{domain}` names).
+    #[serde(default)]
+    pub proxy: crate::proxy::ProxyConfig,
 }
 
 impl FileConfig {
@@ -39,6 +42,9 @@ impl FileConfig {
             Err(e) => return Err(ServerError::Io(format!("read {}", path.display()), e)),
         };
         let cfg: FileConfig = toml::from_str(&text)
+            .map_err(|e| ServerError::Config(format!("{}: {e}", path.display())))?;
+        cfg.proxy
+            .check()
             .map_err(|e| ServerError::Config(format!("{}: {e}", path.display())))?;
         let mut names = std::collections::BTreeSet::new();
         for p in &cfg.pools {
@@ -87,6 +93,28 @@ size = 1
         assert_eq!(cfg.pools[0].limits.cpu_millis, Some(500));
         assert_eq!(cfg.pools[0].limits.memory_bytes, Some(256 << 20));
         assert_eq!(cfg.pools[1].template, None);
+    }
+
+    #[test]
+    fn proxy_section() {
+        let cfg = parse("[proxy]\ndomain = \"sb.example.com\"\nany_domain = false\n").unwrap();
+        assert_eq!(cfg.proxy.domain(), "sb.example.com");
+        assert!(!cfg.proxy.any_domain);
+        assert_eq!(cfg.proxy.scheme, "http");
+        let cfg = parse("").unwrap();
+        assert!(cfg.proxy.any_domain);
+        assert_eq!(cfg.proxy.domain(), crate::proxy::DEFAULT_DOMAIN);
+        assert!(parse("[proxy]\ndomian = \"x\"\n").is_err());
+        assert!(parse("[proxy]\nscheme = \"ftp\"\n").is_err());
+        assert!(parse("[proxy]\ndomain = \"a b\"\n").is_err());
+        assert!(parse("[proxy]\ndomain = \"x.test:0\"\n").is_err());
+        assert_eq!(
+            parse("[proxy]\ndomain = \"x.test:8080\"\n")
+                .unwrap()
+                .proxy
+                .domain(),
+            "x.test:8080"
+        );
     }
 
     #[test]

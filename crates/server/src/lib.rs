@@ -9,6 +9,7 @@ pub mod lifecycle;
 pub mod manager;
 pub mod net;
 pub mod pools;
+pub mod proxy;
 pub mod snapshots;
 pub mod templates;
 pub mod usage;
@@ -153,6 +154,10 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
             max_timeout_secs: cfg.max_timeout_secs,
             default_runtime: "container".into(),
             allow_process_runtime: cfg.allow_process_runtime,
+            proxy: proxy::ProxyConfig {
+                listen_port: cfg.listen.port(),
+                ..file.proxy.clone()
+            },
         },
         snapshot_store,
     );

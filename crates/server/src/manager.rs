@@ -43,6 +43,8 @@ pub struct ManagerConfig {
     pub default_runtime: String,
     /// Whether clients may ask for the unisolated `process` runtime.
     pub allow_process_runtime: bool,
+    /// The sandbox data-plane proxy.
+    pub proxy: crate::proxy::ProxyConfig,
 }
 
 /// Owns sandbox lifecycles.
@@ -425,6 +427,7 @@ impl Manager {
             timeout_secs: timeout,
         };
         let expires_at_ms = now_ms() + (timeout as i64) * 1000;
+        let (secure, public) = (req.secure, req.public);
         // A pool's sandbox is running already and cannot get mounts any more.
         if restore.is_none()
             && plan.volumes.is_empty()
@@ -432,19 +435,35 @@ impl Manager {
                 .claim(owner, &plan.key, &req, &workdir, expires_at_ms, &life)
                 .await
         {
-            return Ok(rec);
+            return self.with_proxy_access(rec, secure, public).await;
         }
-        self.start_new(NewSandbox {
-            owner,
-            pool: None,
-            plan,
-            env: req.env,
-            metadata: req.metadata,
-            workdir,
-            expires_at_ms,
-            life,
-        })
-        .await
+        let rec = self
+            .start_new(NewSandbox {
+                owner,
+                pool: None,
+                plan,
+                env: req.env,
+                metadata: req.metadata,
+                workdir,
+                expires_at_ms,
+                life,
+            })
+            .await?;
+        self.with_proxy_access(rec, secure, public).await
+    }
+
+    /// Gives a new (or newly claimed) sandbox fresh proxy credentials; without them it goes.
+    async fn with_proxy_access(
+        &self,
+        rec: SandboxRecord,
+        secure: Option<bool>,
+        public: Option<bool>,
+    ) -> Result<SandboxRecord, ApiError> {
+        if let Err(e) = crate::proxy::on_create(self, &rec.id, secure, public).await {
+            let _ = self.destroy(&rec).await;
+            return Err(e);
+        }
+        Ok(rec)
     }
 
     /// Starts a new sandbox cold and applies its default user.

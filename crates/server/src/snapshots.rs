@@ -783,6 +783,15 @@ impl Manager {
                 Err(e) => failure = Some(e),
             }
         }
+        if failure.is_none() {
+            // Each copy gets proxy tokens of its own and its source's exposure.
+            for r in &made {
+                if let Err(e) = crate::proxy::inherit(self, &rec.id, &r.id).await {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
         if let Some(e) = failure {
             for r in &made {
                 let _ = self.destroy(r).await;

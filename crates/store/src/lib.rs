@@ -3,6 +3,7 @@
 
 #![warn(missing_docs)]
 
+mod access;
 mod error;
 mod keys;
 mod leases;
@@ -22,6 +23,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use sqlx::SqlitePool;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 
+pub use access::SandboxAccess;
 pub use error::StoreError;
 pub use leases::{LeaseRecord, LeaseStatus};
 pub use model::{

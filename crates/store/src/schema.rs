@@ -220,10 +220,24 @@ pub(crate) const MIGRATIONS: &[(i64, &[&str])] = &[
             "CREATE INDEX sandboxes_template_idx ON sandboxes (template)",
         ],
     ),
+    (
+        9,
+        &[
+            // Credentials of the data-plane proxy; they go with the sandbox's record.
+            "CREATE TABLE sandbox_access (
+            sandbox_id TEXT PRIMARY KEY NOT NULL REFERENCES sandboxes (id) ON DELETE CASCADE,
+            envd_token TEXT NOT NULL,
+            traffic_token TEXT NOT NULL,
+            secure BOOLEAN NOT NULL,
+            public BOOLEAN NOT NULL,
+            updated_at_ms BIGINT NOT NULL
+        )",
+        ],
+    ),
 ];
 
 /// Highest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 6;
+pub const SCHEMA_VERSION: i64 = 9;
 
 /// Brings the database up to [`SCHEMA_VERSION`]; a no-op when it is already there.
 pub(crate) async fn apply(pool: &SqlitePool) -> Result<(), StoreError> {

@@ -17,6 +17,7 @@ mod lifecycle;
 mod memory;
 mod phases;
 mod proc;
+mod proxy;
 mod report;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -55,10 +56,12 @@ pub enum Phase {
     Lifecycle,
     /// E2B's Python SDK: `Sandbox.create()` -> first `commands.run("true")`.
     E2b,
+    /// Requests and a download through the sandbox proxy, beside direct ones.
+    Proxy,
 }
 
 impl Phase {
-    const ALL: [Phase; 10] = [
+    const ALL: [Phase; 11] = [
         Phase::Baselines,
         Phase::Cold,
         Phase::Pool,
@@ -69,6 +72,7 @@ impl Phase {
         Phase::Files,
         Phase::Lifecycle,
         Phase::E2b,
+        Phase::Proxy,
     ];
 
     fn name(self) -> &'static str {
@@ -83,6 +87,7 @@ impl Phase {
             Phase::Files => "files",
             Phase::Lifecycle => "lifecycle",
             Phase::E2b => "e2b",
+            Phase::Proxy => "proxy",
         }
     }
 }
@@ -113,7 +118,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 8)]
     pub pool_size: u32,
     /// Run only these phases (comma-separated): baselines, cold, pool, exec, concurrent,
-    /// sustained, memory, files, lifecycle, e2b. Default: all.
+    /// sustained, memory, files, lifecycle, proxy, e2b. Default: all.
     #[arg(long, value_delimiter = ',', value_enum)]
     pub only: Vec<Phase>,
     /// Python with the `e2b` package, for the e2b phase (default: the test virtualenv
@@ -737,6 +742,10 @@ impl Bench {
         if on(Phase::Lifecycle) {
             let r = self.lifecycle(&mut report).await;
             phase(&mut report, "lifecycle", r)?;
+        }
+        if on(Phase::Proxy) {
+            let r = self.proxy(&mut report).await;
+            phase(&mut report, "proxy_request", r)?;
         }
         if on(Phase::E2b) {
             let r = self.e2b(&mut report).await;

@@ -653,6 +653,35 @@ impl Report {
                 ("cp -a x10", "baseline.cp_10.ms", "ratio.fork_10_vs_cp_10"),
             );
         }
+        if self.figures.contains_key("proxy_request.p50_ms") {
+            t.blank();
+            dist_row(
+                &mut t,
+                "proxy: GET 1 KiB",
+                "proxy_request",
+                (
+                    "direct",
+                    "baseline.direct_request.p50_ms",
+                    "ratio.proxy_request_vs_direct",
+                ),
+            );
+            value_row(
+                &mut t,
+                "  added p50, ms",
+                "proxy_request.added_p50_ms",
+                none,
+            );
+            value_row(
+                &mut t,
+                "proxy: 64 MiB download, MB/s",
+                "proxy_download.mb_per_s",
+                (
+                    "direct",
+                    "baseline.direct_download.mb_per_s",
+                    "ratio.proxy_download_vs_direct",
+                ),
+            );
+        }
         if self
             .figures
             .contains_key("e2b_sdk_create_first_exec.p50_ms")

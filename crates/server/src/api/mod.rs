@@ -202,6 +202,7 @@ async fn authenticate(
         templates::list, templates::get, templates::build, templates::progress, templates::delete,
         leases::acquire, leases::list, leases::get, leases::release,
         usage::summary, usage::sandbox, usage::executions,
+        crate::proxy::api::get, crate::proxy::api::update, crate::proxy::api::port_url,
     ),
     components(schemas(sandpit_api::ErrorBody, sandpit_api::CommandEvent, sandpit_api::ClientMessage)),
     modifiers(&BearerAuth)
@@ -230,8 +231,19 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
     ApiDoc::openapi()
 }
 
-/// The whole HTTP application.
+/// The whole HTTP application: sandbox-port requests go to the proxy, the rest to the API.
 pub fn router(state: AppState) -> Router {
+    let manager = state.manager.clone();
+    Router::new()
+        .fallback_service(api_router(state))
+        .layer(axum::middleware::from_fn_with_state(
+            manager,
+            crate::proxy::dispatch,
+        ))
+}
+
+/// The REST API alone.
+fn api_router(state: AppState) -> Router {
     let doc = openapi();
     let authed = Router::new()
         .route("/v1/info", get(sandboxes::info))
@@ -272,6 +284,14 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/v1/snapshots/{id}/verify", post(snapshots::verify))
         .route("/v1/sandboxes/{id}/stats", get(sandboxes::stats))
+        .route(
+            "/v1/sandboxes/{id}/access",
+            get(crate::proxy::api::get).patch(crate::proxy::api::update),
+        )
+        .route(
+            "/v1/sandboxes/{id}/ports/{port}/url",
+            post(crate::proxy::api::port_url),
+        )
         .route("/v1/leases", get(leases::list))
         .route(
             "/v1/leases/{user}",

@@ -40,16 +40,36 @@ pub fn to_api(rec: &SandboxRecord, isolated: bool) -> Sandbox {
             paused_at_ms: rec.life.paused_at_ms,
             snapshot: rec.life.snapshot.clone(),
         },
+        // Filled in from the proxy's credentials by `crate::proxy::with_access`.
+        secure: true,
+        public: false,
+        envd_access_token: None,
+        traffic_access_token: None,
     }
 }
 
-fn view(state: &AppState, rec: &SandboxRecord) -> Sandbox {
+fn bare_view(state: &AppState, rec: &SandboxRecord) -> Sandbox {
     let isolated = state
         .manager
         .runtimes
         .get(&rec.runtime)
         .is_some_and(|r| r.capabilities().isolated);
     to_api(rec, isolated)
+}
+
+/// The owner's views of sandboxes, with their proxy tokens.
+async fn views<'a>(
+    state: &AppState,
+    recs: impl IntoIterator<Item = &'a SandboxRecord>,
+) -> Vec<Sandbox> {
+    let mut v: Vec<Sandbox> = recs.into_iter().map(|r| bare_view(state, r)).collect();
+    crate::proxy::with_access(&state.manager, &mut v).await;
+    v
+}
+
+async fn view(state: &AppState, rec: &SandboxRecord) -> Sandbox {
+    let mut v = views(state, [rec]).await;
+    v.pop().unwrap_or_else(|| bare_view(state, rec))
 }
 
 /// Create a sandbox and wait until it runs.
@@ -61,7 +81,7 @@ pub async fn create(
     ApiJson(req): ApiJson<CreateSandboxRequest>,
 ) -> Result<(StatusCode, Json<Sandbox>), ApiError> {
     let rec = state.manager.create(&owner.0, req).await?;
-    Ok((StatusCode::CREATED, Json(view(&state, &rec))))
+    Ok((StatusCode::CREATED, Json(view(&state, &rec).await)))
 }
 
 /// Query of the sandbox list.
@@ -143,7 +163,7 @@ pub async fn list(
     };
     let page = state.manager.store.list_sandboxes(&filter).await?;
     Ok(Json(SandboxList {
-        items: page.items.iter().map(|r| view(&state, r)).collect(),
+        items: views(&state, &page.items).await,
         next_cursor: page.next_cursor,
     }))
 }
@@ -162,7 +182,7 @@ pub async fn get(
     Path(id): Path<String>,
 ) -> Result<Json<Sandbox>, ApiError> {
     let rec = state.manager.get(&owner.0, &id).await?;
-    Ok(Json(view(&state, &rec)))
+    Ok(Json(view(&state, &rec).await))
 }
 
 /// Destroy a sandbox: every process, mount, cgroup and directory goes.
@@ -212,7 +232,7 @@ pub async fn pause(
         .manager
         .pause(&rec, req.memory.unwrap_or(true))
         .await?;
-    Ok(Json(view(&state, &rec)))
+    Ok(Json(view(&state, &rec).await))
 }
 
 /// Resume a paused sandbox (thaw) or a hibernated one (started again on its files); a
@@ -225,7 +245,7 @@ pub async fn resume(
 ) -> Result<Json<Sandbox>, ApiError> {
     let rec = state.manager.get(&owner.0, &id).await?;
     let rec = state.manager.resume(&rec).await?;
-    Ok(Json(view(&state, &rec)))
+    Ok(Json(view(&state, &rec).await))
 }
 
 /// Make independent copies of the sandbox's files, each a new sandbox with its own
@@ -243,7 +263,7 @@ pub async fn fork(
     Ok((
         StatusCode::CREATED,
         Json(ForkResponse {
-            items: made.iter().map(|r| view(&state, r)).collect(),
+            items: views(&state, &made).await,
         }),
     ))
 }

@@ -205,32 +205,82 @@ pub struct Access {
 }
 
 /// Tokens and domain of a sandbox, as its create, connect and detail answers carry them.
-pub fn access(_state: &AppState, _rec: &sandpit_store::SandboxRecord) -> Access {
-    Access {
-        envd_token: None,
-        traffic_token: None,
-        domain: "sandpit.localhost".into(),
+/// The traffic token is always given: the code interpreter SDK sends only it on some calls.
+pub async fn access(
+    state: &AppState,
+    rec: &sandpit_store::SandboxRecord,
+) -> Result<Access, E2bError> {
+    let a = crate::proxy::access(&state.manager, &rec.id).await?;
+    Ok(Access {
+        envd_token: Some(a.envd_token),
+        traffic_token: Some(a.traffic_token),
+        domain: state.manager.cfg.proxy.domain(),
         internet: Some(false),
-    }
+    })
 }
 
-/// The egress policy an E2B create asks for. Until sandboxes have networking, asking for
-/// any is refused rather than silently ignored.
-pub fn network_spec(req: &types::NewSandbox) -> Result<Option<()>, E2bError> {
-    if req.allow_internet_access == Some(true) || req.network.as_ref().is_some_and(|n| !n.is_null())
+/// What the `network` object and `allow_internet_access` of an E2B create ask for.
+#[derive(Debug, Default)]
+pub struct NetworkSpec {
+    /// `allowPublicTraffic`: ports open without the traffic token.
+    pub public: Option<bool>,
+}
+
+/// E2B's `network` object.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct E2bNetwork {
+    allow_public_traffic: Option<bool>,
+    #[serde(default)]
+    allow_out: Vec<String>,
+    #[serde(default)]
+    deny_out: Vec<String>,
+    #[serde(default)]
+    dns_servers: Vec<String>,
+    egress_proxy: Option<serde_json::Value>,
+    mask_request_host: Option<String>,
+    #[serde(default)]
+    https_ports: Vec<u16>,
+    rules: Option<serde_json::Value>,
+}
+
+/// Reads the network part of a create. Egress settings sandpit cannot honour are refused
+/// rather than silently ignored.
+pub fn network_spec(req: &types::NewSandbox) -> Result<NetworkSpec, E2bError> {
+    let net: E2bNetwork = match &req.network {
+        None | Some(serde_json::Value::Null) => E2bNetwork::default(),
+        Some(v) => serde_json::from_value(v.clone())
+            .map_err(|e| E2bError::bad_request(format!("invalid network: {e}")))?,
+    };
+    if req.allow_internet_access == Some(true)
+        || !net.allow_out.is_empty()
+        || !net.deny_out.is_empty()
+        || !net.dns_servers.is_empty()
+        || net.egress_proxy.as_ref().is_some_and(|v| !v.is_null())
+        || net.mask_request_host.is_some()
+        || net.rules.as_ref().is_some_and(|v| !v.is_null())
     {
         return Err(E2bError::bad_request(
-            "network access is not available on this sandpit daemon",
+            "egress network access is not available on this sandpit daemon",
         ));
     }
-    Ok(None)
+    if !net.https_ports.is_empty() {
+        return Err(E2bError::bad_request(
+            "httpsPorts is not supported: the proxy forwards plain HTTP to sandbox ports",
+        ));
+    }
+    Ok(NetworkSpec {
+        public: net.allow_public_traffic,
+    })
 }
 
 /// Carries E2B's `secure` and network settings into a sandpit create.
 pub fn apply_access(
-    create: sandpit_api::CreateSandboxRequest,
-    _secure: Option<bool>,
-    _network: Option<()>,
+    mut create: sandpit_api::CreateSandboxRequest,
+    secure: Option<bool>,
+    network: NetworkSpec,
 ) -> sandpit_api::CreateSandboxRequest {
+    create.secure = secure;
+    create.public = network.public;
     create
 }

@@ -30,9 +30,9 @@ async fn live(state: &AppState, owner: &Owner, id: &str) -> Result<SandboxRecord
     Ok(rec)
 }
 
-fn created(state: &AppState, rec: &SandboxRecord) -> types::Sandbox {
-    let access = crate::api::e2b::access(state, rec);
-    types::Sandbox {
+async fn created(state: &AppState, rec: &SandboxRecord) -> Result<types::Sandbox, E2bError> {
+    let access = crate::api::e2b::access(state, rec).await?;
+    Ok(types::Sandbox {
         template_id: rec.template.clone(),
         sandbox_id: rec.id.clone(),
         client_id: CLIENT_ID.into(),
@@ -41,7 +41,7 @@ fn created(state: &AppState, rec: &SandboxRecord) -> types::Sandbox {
         envd_access_token: access.envd_token,
         traffic_access_token: access.traffic_token,
         domain: access.domain,
-    }
+    })
 }
 
 fn listed(rec: &SandboxRecord) -> ListedSandbox {
@@ -106,7 +106,7 @@ pub async fn create(
     };
     let create = crate::api::e2b::apply_access(create, req.secure, network);
     let rec = state.manager.create(&owner.0, create).await?;
-    Ok((StatusCode::CREATED, Json(created(&state, &rec))))
+    Ok((StatusCode::CREATED, Json(created(&state, &rec).await?)))
 }
 
 /// An E2B template id names a configured alias, one of the caller's snapshots (E2B starts
@@ -280,7 +280,7 @@ pub async fn detail(
     Path(id): Path<String>,
 ) -> Result<Json<SandboxDetail>, E2bError> {
     let rec = live(&state, &owner, &id).await?;
-    let access = crate::api::e2b::access(&state, &rec);
+    let access = crate::api::e2b::access(&state, &rec).await?;
     let mut listed = listed(&rec);
     listed.volume_mounts = state
         .manager
@@ -407,7 +407,7 @@ pub async fn connect(
     if let Some(t) = req.timeout {
         extend(&state, &rec, t).await?;
     }
-    Ok((status, Json(created(&state, &rec))))
+    Ok((status, Json(created(&state, &rec).await?)))
 }
 
 /// `POST /sandboxes/{id}/resume` (the older call): 201, or 409 when it already runs.
@@ -428,7 +428,7 @@ pub async fn resume(
     if let Some(t) = req.timeout {
         state.manager.set_timeout(&rec, t).await?;
     }
-    Ok((StatusCode::CREATED, Json(created(&state, &rec))))
+    Ok((StatusCode::CREATED, Json(created(&state, &rec).await?)))
 }
 
 /// `POST /sandboxes/{id}/fork`: copies of its files, each a new running sandbox.
@@ -450,17 +450,14 @@ pub async fn fork(
             },
         )
         .await?;
-    Ok((
-        StatusCode::CREATED,
-        Json(
-            made.iter()
-                .map(|r| types::ForkResult {
-                    sandbox: Some(created(&state, r)),
-                    error: None,
-                })
-                .collect(),
-        ),
-    ))
+    let mut out = Vec::with_capacity(made.len());
+    for r in &made {
+        out.push(types::ForkResult {
+            sandbox: Some(created(&state, r).await?),
+            error: None,
+        });
+    }
+    Ok((StatusCode::CREATED, Json(out)))
 }
 
 /// `GET /sandboxes/{id}/metrics`: one sample taken now (sandpit keeps no history).
