@@ -224,6 +224,44 @@ async fn pause_connect_resume_statuses() {
         .call(reqwest::Method::GET, &format!("/sandboxes/{id}"), None)
         .await;
     assert_eq!(detail["state"], "running");
+    // `memory: false` on connect (the SDK's `on_resume="reboot"`) starts the processes
+    // again on the kept files: a process from before is gone, the files are not.
+    let c = d.client();
+    let sleeper = c
+        .run_background(
+            &id,
+            &sandpit_api::RunCommandRequest {
+                argv: vec!["sleep".into(), "600".into()],
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("background sleep");
+    sandpit_tests::sh(&c, &id, "echo kept > /home/user/kept.txt").await;
+    let (s, _, _) = e.call(reqwest::Method::POST, &post("pause"), None).await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    let (s, v, _) = e
+        .call(
+            reqwest::Method::POST,
+            &post("connect"),
+            Some(json!({"memory": false})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let pids: Vec<u32> = c
+        .list_commands(&id)
+        .await
+        .expect("list")
+        .iter()
+        .map(|p| p.pid)
+        .collect();
+    assert!(
+        !pids.contains(&sleeper.pid),
+        "{pids:?} still has {}",
+        sleeper.pid
+    );
+    let cat = sandpit_tests::sh(&c, &id, "cat /home/user/kept.txt").await;
+    assert_eq!(cat.stdout, "kept\n");
     // Pause without memory (sandpit's hibernation) and resume through the older call.
     let (s, _, _) = e
         .call(
