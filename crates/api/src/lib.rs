@@ -2,6 +2,7 @@
 
 pub mod leases;
 pub mod paths;
+pub mod secrets;
 pub mod templates;
 pub mod usage;
 pub mod volumes;
@@ -79,6 +80,10 @@ pub struct CreateSandboxRequest {
     pub on_timeout: Option<String>,
     /// Whether a call to a paused or hibernated sandbox resumes it (default true).
     pub auto_resume: Option<bool>,
+    /// Names of the owner's secrets (`/v1/secrets`) the credential broker may inject into
+    /// this sandbox's matching requests.
+    #[serde(default)]
+    pub secrets: Vec<String>,
 }
 
 /// Lifecycle settings and state of a sandbox.

@@ -23,6 +23,9 @@ pub struct FileConfig {
     /// Where snapshots are stored (`[snapshots]`, default: `DATA_DIR/snapshots`).
     #[serde(default)]
     pub snapshots: crate::snapshots::SnapshotStoreConfig,
+    /// The credential broker's key and upstream trust (`[broker]`).
+    #[serde(default)]
+    pub broker: crate::broker::BrokerConfig,
 }
 
 impl FileConfig {

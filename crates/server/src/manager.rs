@@ -83,6 +83,8 @@ pub struct Manager {
     pub templates: crate::templates::Templates,
     /// Usage metering queue.
     pub usage: crate::usage::Usage,
+    /// The credential broker (secrets, sandbox CAs, the egress proxy's interceptor).
+    pub broker: Arc<crate::broker::Broker>,
 }
 
 /// What the agent's `/init` sets.
@@ -231,6 +233,7 @@ impl Manager {
         store: Store,
         runtimes: BTreeMap<String, Arc<dyn Runtime>>,
         volumes: Arc<sandpit_runtime::volume::VolumeHost>,
+        broker: Arc<crate::broker::Broker>,
         cfg: ManagerConfig,
         snapshot_store: crate::snapshots::SnapshotStore,
     ) -> Arc<Self> {
@@ -255,6 +258,7 @@ impl Manager {
             snapshot_store,
             auto_failures: Mutex::default(),
             usage: Default::default(),
+            broker,
         })
     }
 
@@ -343,6 +347,8 @@ impl Manager {
         owner: &str,
         mut req: CreateSandboxRequest,
     ) -> Result<SandboxRecord, ApiError> {
+        let secrets = std::mem::take(&mut req.secrets);
+        self.broker.check_names(owner, &secrets).await?;
         let restore = match req.snapshot.as_deref() {
             Some(s) => Some(self.restore_plan(owner, s).await?),
             None => None,
@@ -432,19 +438,21 @@ impl Manager {
                 .claim(owner, &plan.key, &req, &workdir, expires_at_ms, &life)
                 .await
         {
-            return Ok(rec);
+            return self.with_secrets(rec, &secrets).await;
         }
-        self.start_new(NewSandbox {
-            owner,
-            pool: None,
-            plan,
-            env: req.env,
-            metadata: req.metadata,
-            workdir,
-            expires_at_ms,
-            life,
-        })
-        .await
+        let rec = self
+            .start_new(NewSandbox {
+                owner,
+                pool: None,
+                plan,
+                env: req.env,
+                metadata: req.metadata,
+                workdir,
+                expires_at_ms,
+                life,
+            })
+            .await?;
+        self.with_secrets(rec, &secrets).await
     }
 
     /// Starts a new sandbox cold and applies its default user.
@@ -620,6 +628,7 @@ impl Manager {
             workdir,
             volumes,
             layers: self.start_layers(&rec, &plan.defaults)?,
+            extra_ca_pem: self.broker.ca_pem(&rec.id),
         };
         self.boot(&rec, plan.runtime, spec, Failed::Delete).await
     }

@@ -220,10 +220,31 @@ pub(crate) const MIGRATIONS: &[(i64, &[&str])] = &[
             "CREATE INDEX sandboxes_template_idx ON sandboxes (template)",
         ],
     ),
+    (
+        8,
+        &[
+            // Credential broker secrets: the value only sealed by the daemon's broker key.
+            "CREATE TABLE secrets (
+            owner TEXT NOT NULL,
+            name TEXT NOT NULL,
+            sealed BLOB NOT NULL,
+            spec TEXT NOT NULL,
+            expires_at_ms BIGINT,
+            created_at_ms BIGINT NOT NULL,
+            PRIMARY KEY (owner, name)
+        )",
+            // Which secrets of its owner a sandbox may use; goes with the sandbox.
+            "CREATE TABLE sandbox_secrets (
+            sandbox_id TEXT NOT NULL REFERENCES sandboxes (id) ON DELETE CASCADE,
+            name TEXT NOT NULL,
+            PRIMARY KEY (sandbox_id, name)
+        )",
+        ],
+    ),
 ];
 
 /// Highest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 6;
+pub const SCHEMA_VERSION: i64 = 8;
 
 /// Brings the database up to [`SCHEMA_VERSION`]; a no-op when it is already there.
 pub(crate) async fn apply(pool: &SqlitePool) -> Result<(), StoreError> {

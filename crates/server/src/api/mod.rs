@@ -6,6 +6,7 @@ pub mod leases;
 pub mod passthrough;
 pub mod pools;
 pub mod sandboxes;
+pub mod secrets;
 pub mod snapshots;
 pub mod templates;
 pub mod usage;
@@ -194,6 +195,7 @@ async fn authenticate(
         templates::list, templates::get, templates::build, templates::progress, templates::delete,
         leases::acquire, leases::list, leases::get, leases::release,
         usage::summary, usage::sandbox, usage::executions,
+        secrets::create, secrets::list, secrets::get_one, secrets::delete, secrets::sandbox_get, secrets::sandbox_put,
     ),
     components(schemas(sandpit_api::ErrorBody, sandpit_api::CommandEvent, sandpit_api::ClientMessage)),
     modifiers(&BearerAuth)
@@ -295,6 +297,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sandboxes/{id}/files/mkdir", post(files::mkdir))
         .route("/v1/sandboxes/{id}/files/move", post(files::move_path))
         .route("/v1/sandboxes/{id}/files/copy", post(files::copy))
+        .merge(secrets::routes())
         .layer(axum::extract::DefaultBodyLimit::max(JSON_LIMIT))
         .route(
             "/v1/sandboxes/{id}/files",
