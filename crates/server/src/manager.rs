@@ -607,6 +607,7 @@ impl Manager {
             pool,
             life,
         };
+        let ca = self.broker.ca_pem_soon(&rec.id);
         self.store.insert_sandbox(&rec).await?;
         let volumes = match self.attach_volumes(&rec.id, owner, &plan.volumes).await {
             Ok(v) => v,
@@ -628,7 +629,7 @@ impl Manager {
             workdir,
             volumes,
             layers: self.start_layers(&rec, &plan.defaults)?,
-            extra_ca_pem: self.broker.ca_pem(&rec.id),
+            extra_ca_pem: ca.await,
         };
         self.boot(&rec, plan.runtime, spec, Failed::Delete).await
     }

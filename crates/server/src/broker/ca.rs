@@ -26,10 +26,13 @@ pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::aws_lc_rs::default_provider())
 }
 
+/// TLS configurations minted per (sandbox, host), with when they were made.
+type LeafCache = HashMap<(String, String), (Arc<rustls::ServerConfig>, Instant)>;
+
 /// Mints sandbox CAs and the leaf certificates they sign.
 pub struct Authority {
     keys: Arc<Keys>,
-    leaves: Mutex<HashMap<(String, String), (Arc<rustls::ServerConfig>, Instant)>>,
+    leaves: Mutex<LeafCache>,
 }
 
 fn ca_params(sandbox_id: &str) -> CertificateParams {

@@ -293,6 +293,21 @@ impl Broker {
         }
     }
 
+    /// [`Self::ca_pem`] made on a blocking thread, to be awaited once the caller's other
+    /// start-up work is done (making a CA is CPU work a create would otherwise wait for).
+    pub fn ca_pem_soon(&self, id: &str) -> impl std::future::Future<Output = Option<String>> {
+        let task = self.enabled().then(|| {
+            let (me, id) = (self.clone(), id.to_string());
+            tokio::task::spawn_blocking(move || me.ca_pem(&id))
+        });
+        async move {
+            match task {
+                Some(t) => t.await.ok().flatten(),
+                None => None,
+            }
+        }
+    }
+
     /// Stores a new secret of `owner`.
     pub async fn create_secret(
         &self,

@@ -679,7 +679,8 @@ mod tests {
         assert_eq!(spec.hosts, ["api.example.com"]);
         assert_eq!(spec.methods, ["GET"]);
         assert_eq!(exp, 61_000);
-        let bad: Vec<Box<dyn Fn(&mut CreateSecretRequest)>> = vec![
+        type Change = Box<dyn Fn(&mut CreateSecretRequest)>;
+        let bad: Vec<Change> = vec![
             Box::new(|r| r.name = "a b".into()),
             Box::new(|r| r.name = String::new()),
             Box::new(|r| r.value = String::new()),
