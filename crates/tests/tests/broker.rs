@@ -483,6 +483,117 @@ async fn without_a_key_secrets_are_refused_and_no_ca_is_installed() {
     d.shutdown().await;
 }
 
+/// A Debian-like root filesystem: dash as /bin/sh and cat with the host libraries they
+/// need, merged /usr, and whatever `extra` adds.
+fn shell_rootfs(dir: &std::path::Path, extra: impl FnOnce(&std::path::Path)) {
+    for d in ["usr/bin", "usr/lib", "usr/lib64", "etc/ssl/certs", ".sandpit"] {
+        std::fs::create_dir_all(dir.join(d)).unwrap();
+    }
+    for (link, target) in [("bin", "usr/bin"), ("lib", "usr/lib"), ("lib64", "usr/lib64")] {
+        std::os::unix::fs::symlink(target, dir.join(link)).unwrap();
+    }
+    for (host, inside) in [("/bin/dash", "usr/bin/sh"), ("/bin/cat", "usr/bin/cat")] {
+        std::fs::copy(host, dir.join(inside)).unwrap();
+        let out = std::process::Command::new("ldd").arg(host).output().unwrap();
+        for word in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+            if word.starts_with('/') {
+                let to = dir.join(word.trim_start_matches('/'));
+                std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+                std::fs::copy(word, &to).unwrap();
+            }
+        }
+    }
+    std::fs::write(dir.join("etc/greeting"), "hello\n").unwrap();
+    extra(dir);
+}
+
+async fn template_from(c: &Client, name: &str, dir: &std::path::Path) {
+    let req = sandpit_api::BuildTemplateRequest {
+        name: name.into(),
+        source: sandpit_api::TemplateSourceSpec::Dir {
+            path: dir.to_str().unwrap().into(),
+        },
+        default_user: None,
+        workdir: None,
+        env: Default::default(),
+        start_cmd: None,
+        ready_cmd: None,
+        ready_timeout_secs: None,
+    };
+    c.build_template(&req).await.unwrap();
+    for _ in 0..600 {
+        let t = c.get_template(name).await.unwrap();
+        if t.state != "building" {
+            assert_eq!(t.state, "ready", "{t:?}");
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    panic!("template {name} did not build");
+}
+
+fn in_template(template: &str) -> CreateSandboxRequest {
+    CreateSandboxRequest {
+        template: Some(template.into()),
+        ..small(&[])
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_custom_template_gets_its_own_roots_and_the_ca_and_cannot_redirect_them() {
+    let d = daemon_with_key().await;
+    let c = d.client();
+    let tmp = |p: &str| {
+        tempfile::Builder::new()
+            .prefix(p)
+            .tempdir_in("/var/tmp")
+            .unwrap()
+    };
+    // Its own roots file.
+    let plain = tmp("sandpit-broker-tpl-");
+    shell_rootfs(plain.path(), |dir| {
+        std::fs::write(dir.join("etc/ssl/certs/ca-certificates.crt"), "# template roots\n")
+            .unwrap();
+    });
+    template_from(&c, "debianish", plain.path()).await;
+    let id = c.create_sandbox(&in_template("debianish")).await.unwrap().id;
+    let run = |script: &str| sandpit_api::RunCommandRequest {
+        argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
+        ..Default::default()
+    };
+    let out = c
+        .run(&id, &run("echo $SSL_CERT_FILE; cat /.sandpit/ca-bundle.pem"))
+        .await
+        .unwrap();
+    let ca = c.run(&id, &run("cat /.sandpit/ca.pem")).await.unwrap().stdout;
+    assert!(ca.starts_with("-----BEGIN CERTIFICATE-----"), "{ca}");
+    assert_eq!(
+        out.stdout,
+        format!("/.sandpit/ca-bundle.pem\n# template roots\n{ca}")
+    );
+
+    // Its roots "file" leads into /sys, and it ships its own /.sandpit/ca-bundle.pem
+    // pointing at a file of its own: neither is read nor written through.
+    let hostile = tmp("sandpit-broker-tpl-");
+    shell_rootfs(hostile.path(), |dir| {
+        std::os::unix::fs::symlink(
+            "/sys/kernel/mm/transparent_hugepage/enabled",
+            dir.join("etc/ssl/certs/ca-certificates.crt"),
+        )
+        .unwrap();
+        std::os::unix::fs::symlink("/etc/greeting", dir.join(".sandpit/ca-bundle.pem")).unwrap();
+    });
+    template_from(&c, "hostile", hostile.path()).await;
+    let id = c.create_sandbox(&in_template("hostile")).await.unwrap().id;
+    let out = c
+        .run(&id, &run("cat /.sandpit/ca-bundle.pem; cat /etc/greeting"))
+        .await
+        .unwrap();
+    let ca = c.run(&id, &run("cat /.sandpit/ca.pem")).await.unwrap().stdout;
+    assert_eq!(out.stdout, format!("{ca}hello\n"));
+    d.shutdown().await;
+}
+
 /// The whole path, once the egress proxy exists (issue 5 part 2): a sandbox's curl
 /// reaches a test HTTPS upstream at `upstream_ip` (in a network namespace the caller
 /// made, serving `host` with a certificate of the CA in `upstream_ca_file`, which the
