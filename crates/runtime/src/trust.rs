@@ -55,10 +55,10 @@ pub(crate) fn prepare(upper: &Path, ca_pem: &str) -> Result<(), String> {
     write_new(&upper.join(BUNDLE_FILE), b"")
 }
 
-/// Reads the template's root bundle from the sandbox's own tree (`root` is the sandbox's
+/// Opens the template's root bundle in the sandbox's own tree (`root` is the sandbox's
 /// `/` after pivot_root). Still privileged here, so only a regular file that is not in
-/// /proc or /sys is read, at most [`MAX_BUNDLE`] of it; anything else counts as none.
-fn system_roots(root: &Path) -> Vec<u8> {
+/// /proc or /sys is taken; anything else counts as none.
+fn system_roots(root: &Path) -> Option<(std::fs::File, u64)> {
     use nix::sys::statfs::{PROC_SUPER_MAGIC, SYSFS_MAGIC, fstatfs};
     for rel in SYSTEM_BUNDLES {
         let Ok(f) = std::fs::OpenOptions::new()
@@ -68,37 +68,43 @@ fn system_roots(root: &Path) -> Vec<u8> {
         else {
             continue;
         };
-        let regular = f.metadata().is_ok_and(|m| m.is_file());
+        let Ok(meta) = f.metadata() else {
+            continue;
+        };
         let pseudo = fstatfs(&f).map_or(true, |s| {
             s.filesystem_type() == PROC_SUPER_MAGIC || s.filesystem_type() == SYSFS_MAGIC
         });
-        if !regular || pseudo {
-            continue;
-        }
-        let mut out = Vec::new();
-        if f.take(MAX_BUNDLE).read_to_end(&mut out).is_ok() {
-            return out;
+        if meta.is_file() && !pseudo {
+            return Some((f, meta.len().min(MAX_BUNDLE)));
         }
     }
-    Vec::new()
+    None
 }
 
-/// Fills the bundle made by [`prepare`]: the template's roots, then the CA.
+/// Fills the bundle made by [`prepare`]: the template's roots (at most [`MAX_BUNDLE`],
+/// copied in the kernel), then the CA.
 pub(crate) fn fill_bundle(root: &Path, ca_pem: &str) -> Result<(), String> {
-    let mut content = system_roots(root);
-    if !content.is_empty() && !content.ends_with(b"\n") {
-        content.push(b'\n');
-    }
-    content.extend_from_slice(ca_pem.as_bytes());
+    use std::os::unix::fs::FileExt;
     let p = root.join(BUNDLE_FILE);
-    let mut f = std::fs::OpenOptions::new()
+    let mut out = std::fs::OpenOptions::new()
         .write(true)
         .truncate(true)
         .custom_flags(libc::O_NOFOLLOW)
         .open(&p)
         .map_err(|e| format!("open {}: {e}", p.display()))?;
-    f.write_all(&content)
-        .map_err(|e| format!("write {}: {e}", p.display()))
+    let werr = |e: std::io::Error| format!("write {}: {e}", p.display());
+    if let Some((src, len)) = system_roots(root) {
+        let copied = std::io::copy(&mut (&src).take(len), &mut out).map_err(werr)?;
+        let mut last = [0u8; 1];
+        let ends_line = copied == 0
+            || src
+                .read_at(&mut last, copied - 1)
+                .map_or(true, |n| n == 1 && last[0] == b'\n');
+        if !ends_line {
+            out.write_all(b"\n").map_err(werr)?;
+        }
+    }
+    out.write_all(ca_pem.as_bytes()).map_err(werr)
 }
 
 #[cfg(test)]

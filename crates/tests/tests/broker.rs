@@ -486,15 +486,28 @@ async fn without_a_key_secrets_are_refused_and_no_ca_is_installed() {
 /// A Debian-like root filesystem: dash as /bin/sh and cat with the host libraries they
 /// need, merged /usr, and whatever `extra` adds.
 fn shell_rootfs(dir: &std::path::Path, extra: impl FnOnce(&std::path::Path)) {
-    for d in ["usr/bin", "usr/lib", "usr/lib64", "etc/ssl/certs", ".sandpit"] {
+    for d in [
+        "usr/bin",
+        "usr/lib",
+        "usr/lib64",
+        "etc/ssl/certs",
+        ".sandpit",
+    ] {
         std::fs::create_dir_all(dir.join(d)).unwrap();
     }
-    for (link, target) in [("bin", "usr/bin"), ("lib", "usr/lib"), ("lib64", "usr/lib64")] {
+    for (link, target) in [
+        ("bin", "usr/bin"),
+        ("lib", "usr/lib"),
+        ("lib64", "usr/lib64"),
+    ] {
         std::os::unix::fs::symlink(target, dir.join(link)).unwrap();
     }
     for (host, inside) in [("/bin/dash", "usr/bin/sh"), ("/bin/cat", "usr/bin/cat")] {
         std::fs::copy(host, dir.join(inside)).unwrap();
-        let out = std::process::Command::new("ldd").arg(host).output().unwrap();
+        let out = std::process::Command::new("ldd")
+            .arg(host)
+            .output()
+            .unwrap();
         for word in String::from_utf8_lossy(&out.stdout).split_whitespace() {
             if word.starts_with('/') {
                 let to = dir.join(word.trim_start_matches('/'));
@@ -552,20 +565,34 @@ async fn a_custom_template_gets_its_own_roots_and_the_ca_and_cannot_redirect_the
     // Its own roots file.
     let plain = tmp("sandpit-broker-tpl-");
     shell_rootfs(plain.path(), |dir| {
-        std::fs::write(dir.join("etc/ssl/certs/ca-certificates.crt"), "# template roots\n")
-            .unwrap();
+        std::fs::write(
+            dir.join("etc/ssl/certs/ca-certificates.crt"),
+            "# template roots\n",
+        )
+        .unwrap();
     });
     template_from(&c, "debianish", plain.path()).await;
-    let id = c.create_sandbox(&in_template("debianish")).await.unwrap().id;
+    let id = c
+        .create_sandbox(&in_template("debianish"))
+        .await
+        .unwrap()
+        .id;
     let run = |script: &str| sandpit_api::RunCommandRequest {
         argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
         ..Default::default()
     };
     let out = c
-        .run(&id, &run("echo $SSL_CERT_FILE; cat /.sandpit/ca-bundle.pem"))
+        .run(
+            &id,
+            &run("echo $SSL_CERT_FILE; cat /.sandpit/ca-bundle.pem"),
+        )
         .await
         .unwrap();
-    let ca = c.run(&id, &run("cat /.sandpit/ca.pem")).await.unwrap().stdout;
+    let ca = c
+        .run(&id, &run("cat /.sandpit/ca.pem"))
+        .await
+        .unwrap()
+        .stdout;
     assert!(ca.starts_with("-----BEGIN CERTIFICATE-----"), "{ca}");
     assert_eq!(
         out.stdout,
@@ -589,7 +616,11 @@ async fn a_custom_template_gets_its_own_roots_and_the_ca_and_cannot_redirect_the
         .run(&id, &run("cat /.sandpit/ca-bundle.pem; cat /etc/greeting"))
         .await
         .unwrap();
-    let ca = c.run(&id, &run("cat /.sandpit/ca.pem")).await.unwrap().stdout;
+    let ca = c
+        .run(&id, &run("cat /.sandpit/ca.pem"))
+        .await
+        .unwrap()
+        .stdout;
     assert_eq!(out.stdout, format!("{ca}hello\n"));
     d.shutdown().await;
 }
