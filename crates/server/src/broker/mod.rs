@@ -555,3 +555,45 @@ impl crate::manager::Manager {
         Ok(rec)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(key_file: Option<PathBuf>, extra_ca_file: Option<PathBuf>) -> BrokerConfig {
+        BrokerConfig {
+            key_file,
+            extra_ca_file,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_bad_key_or_ca_file_keeps_the_daemon_from_starting() {
+        // Only meaningful when the environment does not supply a key instead.
+        if std::env::var_os(crypto::KEY_ENV).is_some() {
+            return;
+        }
+        let store = Store::open_in_memory().await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let short = dir.path().join("short.key");
+        std::fs::write(&short, "abcd").unwrap();
+        let good = dir.path().join("good.key");
+        std::fs::write(&good, hex::encode([3u8; 32])).unwrap();
+        let not_pem = dir.path().join("ca.pem");
+        std::fs::write(&not_pem, "not a certificate").unwrap();
+        for bad in [
+            cfg(Some(dir.path().join("missing.key")), None),
+            cfg(Some(short), None),
+            cfg(Some(good.clone()), Some(not_pem)),
+            cfg(Some(good.clone()), Some(dir.path().join("missing.pem"))),
+        ] {
+            assert!(Broker::new(&bad, store.clone()).await.is_err(), "{bad:?}");
+        }
+        let ok = Broker::new(&cfg(Some(good), None), store.clone())
+            .await
+            .unwrap();
+        assert!(ok.enabled());
+        let none = Broker::new(&cfg(None, None), store).await.unwrap();
+        assert!(!none.enabled());
+    }
+}
