@@ -2,6 +2,7 @@
 
 pub mod leases;
 pub mod paths;
+pub mod secrets;
 pub mod templates;
 pub mod usage;
 pub mod volumes;
@@ -87,6 +88,10 @@ pub struct CreateSandboxRequest {
     /// need its traffic token or a signed URL).
     #[serde(default)]
     pub public: Option<bool>,
+    /// Names of the owner's secrets (`/v1/secrets`) the credential broker may inject into
+    /// this sandbox's matching requests.
+    #[serde(default)]
+    pub secrets: Vec<String>,
 }
 
 /// Lifecycle settings and state of a sandbox.

@@ -18,6 +18,7 @@
 
 mod error;
 mod leases;
+mod secrets;
 mod stream;
 mod templates;
 mod usage;

@@ -56,6 +56,9 @@ pub struct InitConfig {
     /// template, top first: what a snapshot, fork or hibernation left.
     #[serde(default)]
     pub layers: Vec<PathBuf>,
+    /// A CA certificate (PEM) to install beside the template's roots ([`crate::trust`]).
+    #[serde(default)]
+    pub extra_ca: Option<String>,
 }
 
 /// Where the writable layer's tmpfs appears inside a container sandbox, for the daemon
@@ -610,6 +613,9 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
     if !cfg.host_template {
         ensure_user_account(root, cfg.uid_base)?;
     }
+    if let Some(ca) = &cfg.extra_ca {
+        crate::trust::fill_bundle(root, ca)?;
+    }
     mark("c_files");
     Ok(())
 }
@@ -681,6 +687,9 @@ fn populate_upper(cfg: &InitConfig, upper: &Path) -> R<()> {
             format!("write {}", p.display())
         })?;
         chown_nofollow(&p, uid)?;
+    }
+    if let Some(ca) = &cfg.extra_ca {
+        crate::trust::prepare(upper, ca)?;
     }
     Ok(())
 }

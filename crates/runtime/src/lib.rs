@@ -6,6 +6,7 @@ pub mod container;
 mod init;
 pub mod process;
 pub mod template;
+pub mod trust;
 pub mod volume;
 
 use serde::{Deserialize, Serialize};
@@ -83,6 +84,9 @@ pub struct SandboxSpec {
     pub volumes: Vec<VolumeMount>,
     /// Read-only layers over the template (overlay form, ids from 0), top first.
     pub layers: Vec<PathBuf>,
+    /// A CA certificate (PEM) the sandbox trusts besides its template's roots: the
+    /// credential broker's CA for this sandbox (container runtime only; see [`trust`]).
+    pub extra_ca_pem: Option<String>,
 }
 
 /// A writable layer as the daemon may read it while the sandbox is frozen.

@@ -29,6 +29,9 @@ pub struct FileConfig {
     /// The sandbox data-plane proxy (`[proxy]`: domain of `{port}-{id}.{domain}` names).
     #[serde(default)]
     pub proxy: crate::proxy::ProxyConfig,
+    /// The credential broker's key and upstream trust (`[broker]`).
+    #[serde(default)]
+    pub broker: crate::broker::BrokerConfig,
 }
 
 impl FileConfig {

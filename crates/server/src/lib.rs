@@ -2,6 +2,7 @@
 
 pub mod agent_client;
 pub mod api;
+pub mod broker;
 pub mod config;
 pub mod error;
 pub mod leases;
@@ -141,6 +142,9 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
         sandpit_runtime::process::ProcessRuntime::new(&cfg.data_dir, cfg.self_exe.clone())?;
     runtimes.insert("process".into(), Arc::new(process));
     let volumes = Arc::new(sandpit_runtime::volume::VolumeHost::new(&cfg.data_dir)?);
+    let broker = broker::Broker::new(&file.broker, store.clone())
+        .await
+        .map_err(|e| ServerError::Config(format!("credential broker: {e}")))?;
     let snapshot_store = snapshots::SnapshotStore::open(&file.snapshots, &cfg.data_dir)
         .map_err(|e| ServerError::Config(format!("snapshot storage: {e}")))?;
     tracing::info!(store = %snapshot_store.describe, "snapshot storage");
@@ -148,6 +152,7 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
         store,
         runtimes,
         volumes,
+        Arc::new(broker),
         ManagerConfig {
             data_dir: cfg.data_dir.clone(),
             lifecycle: file.lifecycle.clone(),
@@ -192,6 +197,7 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
 pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
     let (manager, state) = prepare(&cfg).await?;
     tokio::spawn(manager.clone().run_pools());
+    manager.broker.spawn_refresh();
     usage::start(&manager);
     let ticker = manager.clone();
     tokio::spawn(async move {

@@ -421,6 +421,7 @@ impl Manager {
                 .unwrap_or_else(|| DEFAULT_WORKDIR.into()),
             layers,
             volumes,
+            extra_ca_pem: self.broker.ca_pem(&rec.id),
         };
         let running = self
             .boot(

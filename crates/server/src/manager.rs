@@ -85,6 +85,8 @@ pub struct Manager {
     pub templates: crate::templates::Templates,
     /// Usage metering queue.
     pub usage: crate::usage::Usage,
+    /// The credential broker (secrets, sandbox CAs, the egress proxy's interceptor).
+    pub broker: Arc<crate::broker::Broker>,
 }
 
 /// What the agent's `/init` sets.
@@ -233,6 +235,7 @@ impl Manager {
         store: Store,
         runtimes: BTreeMap<String, Arc<dyn Runtime>>,
         volumes: Arc<sandpit_runtime::volume::VolumeHost>,
+        broker: Arc<crate::broker::Broker>,
         cfg: ManagerConfig,
         snapshot_store: crate::snapshots::SnapshotStore,
     ) -> Arc<Self> {
@@ -257,6 +260,7 @@ impl Manager {
             snapshot_store,
             auto_failures: Mutex::default(),
             usage: Default::default(),
+            broker,
         })
     }
 
@@ -345,6 +349,8 @@ impl Manager {
         owner: &str,
         mut req: CreateSandboxRequest,
     ) -> Result<SandboxRecord, ApiError> {
+        let secrets = std::mem::take(&mut req.secrets);
+        self.broker.check_names(owner, &secrets).await?;
         let restore = match req.snapshot.as_deref() {
             Some(s) => Some(self.restore_plan(owner, s).await?),
             None => None,
@@ -435,7 +441,8 @@ impl Manager {
                 .claim(owner, &plan.key, &req, &workdir, expires_at_ms, &life)
                 .await
         {
-            return self.with_proxy_access(rec, secure, public).await;
+            let rec = self.with_proxy_access(rec, secure, public).await?;
+            return self.with_secrets(rec, &secrets).await;
         }
         let rec = self
             .start_new(NewSandbox {
@@ -449,7 +456,8 @@ impl Manager {
                 life,
             })
             .await?;
-        self.with_proxy_access(rec, secure, public).await
+        let rec = self.with_proxy_access(rec, secure, public).await?;
+        self.with_secrets(rec, &secrets).await
     }
 
     /// Gives a new (or newly claimed) sandbox fresh proxy credentials; without them it goes.
@@ -618,6 +626,7 @@ impl Manager {
             pool,
             life,
         };
+        let ca = self.broker.ca_pem_soon(&rec.id);
         self.store.insert_sandbox(&rec).await?;
         let volumes = match self.attach_volumes(&rec.id, owner, &plan.volumes).await {
             Ok(v) => v,
@@ -639,6 +648,7 @@ impl Manager {
             workdir,
             volumes,
             layers: self.start_layers(&rec, &plan.defaults)?,
+            extra_ca_pem: ca.await,
         };
         self.boot(&rec, plan.runtime, spec, Failed::Delete).await
     }

@@ -792,6 +792,12 @@ impl Manager {
                 }
             }
         }
+        let ids: Vec<String> = made.iter().map(|r| r.id.clone()).collect();
+        if failure.is_none()
+            && let Err(e) = self.broker.copy_attachments(&rec.id, &ids).await
+        {
+            failure = Some(e);
+        }
         if let Some(e) = failure {
             for r in &made {
                 let _ = self.destroy(r).await;

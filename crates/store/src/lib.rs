@@ -11,6 +11,7 @@ mod model;
 mod pools;
 mod sandboxes;
 mod schema;
+mod secrets;
 mod snapshots;
 mod templates;
 mod usage;
@@ -32,6 +33,7 @@ pub use model::{
 };
 pub use pools::Claim;
 pub use schema::SCHEMA_VERSION;
+pub use secrets::{SecretAttachment, SecretRecord};
 pub use templates::TemplateUsers;
 pub use usage::{
     ExecutionPage, ExecutionRecord, OwnerUsage, SandboxUsageRecord, UsageEvent, active_ms,

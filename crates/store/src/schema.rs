@@ -221,6 +221,27 @@ pub(crate) const MIGRATIONS: &[(i64, &[&str])] = &[
         ],
     ),
     (
+        8,
+        &[
+            // Credential broker secrets: the value only sealed by the daemon's broker key.
+            "CREATE TABLE secrets (
+            owner TEXT NOT NULL,
+            name TEXT NOT NULL,
+            sealed BLOB NOT NULL,
+            spec TEXT NOT NULL,
+            expires_at_ms BIGINT,
+            created_at_ms BIGINT NOT NULL,
+            PRIMARY KEY (owner, name)
+        )",
+            // Which secrets of its owner a sandbox may use; goes with the sandbox.
+            "CREATE TABLE sandbox_secrets (
+            sandbox_id TEXT NOT NULL REFERENCES sandboxes (id) ON DELETE CASCADE,
+            name TEXT NOT NULL,
+            PRIMARY KEY (sandbox_id, name)
+        )",
+        ],
+    ),
+    (
         9,
         &[
             // Credentials of the data-plane proxy; they go with the sandbox's record.

@@ -127,11 +127,15 @@ impl ContainerRuntime {
             TemplateSource::Host => (self.host_skeleton.clone(), true),
             TemplateSource::Rootfs { path } => (path.clone(), false),
         };
+        let mut env = spec.env.clone();
+        if spec.extra_ca_pem.is_some() {
+            crate::trust::add_env(&mut env);
+        }
         let agent = AgentConfig {
             mode: IsolationMode::Container,
             root: PathBuf::from("/"),
             workdir: spec.workdir.clone(),
-            env: spec.env.clone(),
+            env,
             listen_fd: Some(LISTEN_FD),
             listen_path: None,
             live: Default::default(),
@@ -155,6 +159,7 @@ impl ContainerRuntime {
             cgroup_tasks: self.cgroups.procs_files(&spec.id),
             volumes: spec.volumes.clone(),
             layers: spec.layers.clone(),
+            extra_ca: spec.extra_ca_pem.clone(),
         };
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()
             .map_err(|e| RuntimeError::io("config socket", e))?;

@@ -7,6 +7,7 @@ pub mod leases;
 pub mod passthrough;
 pub mod pools;
 pub mod sandboxes;
+pub mod secrets;
 pub mod snapshots;
 pub mod templates;
 pub mod usage;
@@ -203,6 +204,7 @@ async fn authenticate(
         leases::acquire, leases::list, leases::get, leases::release,
         usage::summary, usage::sandbox, usage::executions,
         crate::proxy::api::get, crate::proxy::api::update, crate::proxy::api::port_url,
+        secrets::create, secrets::list, secrets::get_one, secrets::delete, secrets::sandbox_get, secrets::sandbox_put,
     ),
     components(schemas(sandpit_api::ErrorBody, sandpit_api::CommandEvent, sandpit_api::ClientMessage)),
     modifiers(&BearerAuth)
@@ -323,6 +325,7 @@ fn api_router(state: AppState) -> Router {
         .route("/v1/sandboxes/{id}/files/mkdir", post(files::mkdir))
         .route("/v1/sandboxes/{id}/files/move", post(files::move_path))
         .route("/v1/sandboxes/{id}/files/copy", post(files::copy))
+        .merge(secrets::routes())
         .layer(axum::extract::DefaultBodyLimit::max(JSON_LIMIT))
         .route(
             "/v1/sandboxes/{id}/files",

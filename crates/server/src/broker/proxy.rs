@@ -1,0 +1,623 @@
+//! One intercepted connection: TLS toward the sandbox with a leaf of its own CA, HTTP/1.1
+//! requests checked one at a time against the sandbox's secrets, credentials put in, and
+//! the request carried over a verified TLS connection to the upstream the egress proxy
+//! allowed. A refused request never reaches the upstream.
+
+use super::Inner;
+use super::rules::{self, Action, Reason, Refusal, RequestView, Secret};
+use crate::net::intercept::{BoxedIo, Carried, Outbound};
+use bytes::{Bytes, BytesMut};
+use http::header::{CONTENT_ENCODING, HOST, UPGRADE};
+use http::{HeaderValue, Request, Response, StatusCode};
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+use http_body_util::combinators::BoxBody;
+use hyper::body::Incoming;
+use hyper::client::conn::http1::SendRequest;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use zeroize::Zeroizing;
+
+/// Time allowed for the sandbox's TLS handshake, and for reaching the upstream.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// A request's headers must arrive within this (also bounds an idle keep-alive connection).
+const HEADER_TIMEOUT: Duration = Duration::from_secs(60);
+/// Secret values shorter than this are not masked in responses: masking every short
+/// string that happens to match would mangle ordinary content.
+const MIN_MASKED: usize = 8;
+
+type ResBody = BoxBody<Bytes, hyper::Error>;
+
+/// Bytes through the connection's upstream side (all upstream connections it used).
+#[derive(Default)]
+struct Counters {
+    up: AtomicU64,
+    down: AtomicU64,
+}
+
+/// One sandbox connection being served.
+struct ConnCtx {
+    inner: Arc<Inner>,
+    sandbox_id: String,
+    host: String,
+    tls: bool,
+    upstream: SocketAddr,
+    counters: Arc<Counters>,
+    /// The upstream connection, kept between requests of a keep-alive connection.
+    sender: tokio::sync::Mutex<Option<SendRequest<Incoming>>>,
+    /// Spliced upgraded connections (WebSocket), awaited before the byte counts are final.
+    upgrades: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>,
+}
+
+fn io_other(e: impl std::fmt::Display) -> io::Error {
+    io::Error::other(e.to_string())
+}
+
+/// Serves one connection the broker wanted; see [`crate::net::intercept::Interceptor::serve`].
+pub(super) async fn serve(
+    inner: Arc<Inner>,
+    conn: Outbound,
+    client: BoxedIo,
+    upstream: SocketAddr,
+) -> io::Result<Carried> {
+    let host = rules::normal_host(&conn.host);
+    let counters = Arc::new(Counters::default());
+    let io: BoxedIo = if conn.tls {
+        let authority = inner
+            .authority
+            .as_ref()
+            .ok_or_else(|| io_other("the credential broker has no key"))?;
+        let cfg = authority
+            .server_config(&conn.sandbox_id, &host)
+            .map_err(io_other)?;
+        let accept = tokio_rustls::TlsAcceptor::from(cfg).accept(client);
+        let tls = tokio::time::timeout(HANDSHAKE_TIMEOUT, accept)
+            .await
+            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "TLS handshake timed out"))??;
+        Box::new(tls)
+    } else {
+        client
+    };
+    let ctx = Arc::new(ConnCtx {
+        inner,
+        sandbox_id: conn.sandbox_id,
+        host,
+        tls: conn.tls,
+        upstream,
+        counters: counters.clone(),
+        sender: tokio::sync::Mutex::new(None),
+        upgrades: std::sync::Mutex::default(),
+    });
+    let svc_ctx = ctx.clone();
+    let service = hyper::service::service_fn(move |req| {
+        let ctx = svc_ctx.clone();
+        async move { Ok::<_, std::convert::Infallible>(ctx.handle(req).await) }
+    });
+    let served = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_TIMEOUT)
+        .serve_connection(TokioIo::new(io), service)
+        .with_upgrades()
+        .await;
+    if let Err(e) = served {
+        tracing::debug!(sandbox = %ctx.sandbox_id, host = %ctx.host, error = %e, "intercepted connection ended");
+    }
+    let upgrades = ctx
+        .upgrades
+        .lock()
+        .map(|mut u| std::mem::take(&mut *u))
+        .unwrap_or_default();
+    for u in upgrades {
+        let _ = u.await;
+    }
+    Ok((
+        counters.up.load(Ordering::Relaxed),
+        counters.down.load(Ordering::Relaxed),
+    ))
+}
+
+/// The JSON answer to a request the broker will not carry.
+fn refused(r: &Refusal) -> Response<ResBody> {
+    let body = serde_json::json!({
+        "code": "credential_refused",
+        "reason": r.reason,
+        "secret": r.secret,
+        "message": format!("sandpit credential broker refused the request: {}", r.message),
+    });
+    json_response(StatusCode::FORBIDDEN, &body)
+}
+
+fn bad_gateway(message: String) -> Response<ResBody> {
+    let body = serde_json::json!({
+        "code": "upstream_unreachable",
+        "message": format!("sandpit credential broker: {message}"),
+    });
+    json_response(StatusCode::BAD_GATEWAY, &body)
+}
+
+fn json_response(status: StatusCode, body: &serde_json::Value) -> Response<ResBody> {
+    let full = http_body_util::Full::new(Bytes::from(body.to_string()))
+        .map_err(|never| match never {})
+        .boxed();
+    let mut resp = Response::new(full);
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp.headers_mut()
+        .insert("x-sandpit-broker", HeaderValue::from_static("refused"));
+    resp
+}
+
+/// The host of a Host header or authority, without its port.
+fn host_part(authority: &str) -> &str {
+    if let Some(rest) = authority.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or(rest);
+    }
+    authority.rsplit_once(':').map_or(authority, |(h, _)| h)
+}
+
+impl ConnCtx {
+    async fn handle(self: &Arc<Self>, mut req: Request<Incoming>) -> Response<ResBody> {
+        let refuse_host = |named: &str| Refusal {
+            secret: String::new(),
+            reason: Reason::Host,
+            message: format!(
+                "the request names host {named} but the connection is to {}",
+                self.host
+            ),
+        };
+        let header_host = req
+            .headers()
+            .get(HOST)
+            .map(|h| rules::normal_host(host_part(h.to_str().unwrap_or("\u{0}"))));
+        let uri_host = req.uri().host().map(rules::normal_host);
+        for named in [header_host, uri_host].into_iter().flatten() {
+            if named != self.host {
+                return refused(&refuse_host(&named));
+            }
+        }
+        let attached = self.inner.attached_secrets(&self.sandbox_id);
+        let secrets: Vec<&Secret> = attached.iter().map(|s| s.as_ref()).collect();
+        let path = req.uri().path();
+        let view = RequestView {
+            host: &self.host,
+            tls: self.tls,
+            method: req.method().as_str(),
+            path: path.starts_with('/').then_some(path),
+            now_ms: crate::manager::now_ms(),
+        };
+        let values: Vec<&[u8]> = req.headers().values().map(|v| v.as_bytes()).collect();
+        let decision = rules::decide(&secrets, &view, &values);
+        let actions = match decision {
+            Ok(a) => a,
+            Err(r) => {
+                tracing::info!(sandbox = %self.sandbox_id, host = %self.host, method = %req.method(),
+                    secret = %r.secret, reason = ?r.reason, "credential broker refused a request");
+                return refused(&r);
+            }
+        };
+        let mut masks: Vec<Zeroizing<Vec<u8>>> = Vec::new();
+        let mut used = Vec::new();
+        for action in &actions {
+            let (index, applied) = match action {
+                Action::SetHeader {
+                    secret,
+                    name,
+                    format,
+                } => (
+                    *secret,
+                    self.set_header(&mut req, secrets[*secret], name, format),
+                ),
+                Action::Replace { secret, token } => {
+                    (*secret, self.replace(&mut req, secrets[*secret], token))
+                }
+            };
+            match applied {
+                Ok(value) => {
+                    used.push(secrets[index].name.as_str());
+                    if value.len() >= MIN_MASKED {
+                        masks.push(value);
+                    }
+                }
+                Err(r) => return refused(&r),
+            }
+        }
+        if !used.is_empty() {
+            tracing::info!(sandbox = %self.sandbox_id, host = %self.host, method = %req.method(),
+                secrets = ?used, "credential broker injected credentials");
+        }
+        self.forward(req, masks).await
+    }
+
+    fn open(&self, s: &Secret) -> Result<Zeroizing<Vec<u8>>, Refusal> {
+        self.inner.open(s).map_err(|e| {
+            tracing::warn!(owner = %s.owner, secret = %s.name, error = %e, "a secret cannot be used");
+            Refusal {
+                secret: s.name.clone(),
+                reason: Reason::Unavailable,
+                message: format!("secret {} cannot be used: {e}", s.name),
+            }
+        })
+    }
+
+    fn set_header(
+        &self,
+        req: &mut Request<Incoming>,
+        s: &Secret,
+        name: &str,
+        format: &str,
+    ) -> Result<Zeroizing<Vec<u8>>, Refusal> {
+        let value = self.open(s)?;
+        let (before, after) = format.split_once("{value}").unwrap_or((format, ""));
+        let mut full = Zeroizing::new(Vec::with_capacity(format.len() + value.len()));
+        full.extend_from_slice(before.as_bytes());
+        full.extend_from_slice(&value);
+        full.extend_from_slice(after.as_bytes());
+        let unusable = || Refusal {
+            secret: s.name.clone(),
+            reason: Reason::Unavailable,
+            message: format!("secret {} does not make a valid header", s.name),
+        };
+        let name = http::HeaderName::from_bytes(name.as_bytes()).map_err(|_| unusable())?;
+        let mut hv = HeaderValue::from_bytes(&full).map_err(|_| unusable())?;
+        hv.set_sensitive(true);
+        req.headers_mut().remove(&name);
+        req.headers_mut().insert(name, hv);
+        Ok(value)
+    }
+
+    fn replace(
+        &self,
+        req: &mut Request<Incoming>,
+        s: &Secret,
+        token: &str,
+    ) -> Result<Zeroizing<Vec<u8>>, Refusal> {
+        let value = self.open(s)?;
+        for hv in req.headers_mut().values_mut() {
+            if rules::find_token(hv.as_bytes(), token.as_bytes()).is_none() {
+                continue;
+            }
+            let replaced = Zeroizing::new(rules::replace_token(
+                hv.as_bytes(),
+                token.as_bytes(),
+                &value,
+            ));
+            let mut new = HeaderValue::from_bytes(&replaced).map_err(|_| Refusal {
+                secret: s.name.clone(),
+                reason: Reason::Unavailable,
+                message: format!("secret {} does not make a valid header", s.name),
+            })?;
+            new.set_sensitive(true);
+            *hv = new;
+        }
+        Ok(value)
+    }
+
+    async fn forward(
+        self: &Arc<Self>,
+        mut req: Request<Incoming>,
+        masks: Vec<Zeroizing<Vec<u8>>>,
+    ) -> Response<ResBody> {
+        let client_upgrade = req
+            .headers()
+            .contains_key(UPGRADE)
+            .then(|| hyper::upgrade::on(&mut req));
+        let mut slot = self.sender.lock().await;
+        let mut sender = match slot.take() {
+            Some(s) if !s.is_closed() => s,
+            _ => match self.connect().await {
+                Ok(s) => s,
+                Err(e) => return bad_gateway(e),
+            },
+        };
+        if sender.ready().await.is_err() {
+            sender = match self.connect().await {
+                Ok(s) => s,
+                Err(e) => return bad_gateway(e),
+            };
+        }
+        let mut resp = match sender.send_request(req).await {
+            Ok(r) => r,
+            Err(e) => {
+                return bad_gateway(format!("upstream {}: {e}", self.host));
+            }
+        };
+        if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+            // The upstream connection becomes the upgraded stream; the next request (there
+            // is none on this connection) would need a new one.
+            drop(slot);
+            if let Some(client_upgrade) = client_upgrade {
+                let upstream_upgrade = hyper::upgrade::on(&mut resp);
+                let task = tokio::spawn(async move {
+                    if let (Ok(c), Ok(u)) = (client_upgrade.await, upstream_upgrade.await) {
+                        let (mut c, mut u) = (TokioIo::new(c), TokioIo::new(u));
+                        let _ = tokio::io::copy_bidirectional(&mut c, &mut u).await;
+                    }
+                });
+                if let Ok(mut u) = self.upgrades.lock() {
+                    u.push(task);
+                }
+            }
+        } else {
+            *slot = Some(sender);
+        }
+        let (mut parts, body) = resp.into_parts();
+        for hv in parts.headers.values_mut() {
+            let mut bytes = hv.as_bytes().to_vec();
+            if mask(&mut bytes, &masks)
+                && let Ok(v) = HeaderValue::from_bytes(&bytes)
+            {
+                *hv = v;
+            }
+        }
+        let encoded = parts
+            .headers
+            .get(CONTENT_ENCODING)
+            .is_some_and(|e| !e.as_bytes().eq_ignore_ascii_case(b"identity"));
+        let body = if masks.is_empty() || encoded {
+            body.boxed()
+        } else {
+            Masked::new(body, masks).boxed()
+        };
+        Response::from_parts(parts, body)
+    }
+
+    /// A new HTTP/1.1 connection to the upstream, over TLS verified for the host when the
+    /// sandbox's connection was TLS.
+    async fn connect(&self) -> Result<SendRequest<Incoming>, String> {
+        let what = format!("upstream {} ({})", self.host, self.upstream);
+        let tcp = tokio::time::timeout(
+            CONNECT_TIMEOUT,
+            tokio::net::TcpStream::connect(self.upstream),
+        )
+        .await
+        .map_err(|_| format!("{what}: connect timed out"))?
+        .map_err(|e| format!("{what}: {e}"))?;
+        let _ = tcp.set_nodelay(true);
+        let counted = Counted {
+            inner: tcp,
+            counters: self.counters.clone(),
+        };
+        let io: BoxedIo = if self.tls {
+            let name = rustls_pki_types::ServerName::try_from(self.host.clone())
+                .map_err(|e| format!("{what}: {e}"))?;
+            let connector = tokio_rustls::TlsConnector::from(self.inner.upstream_tls.clone());
+            let tls = tokio::time::timeout(CONNECT_TIMEOUT, connector.connect(name, counted))
+                .await
+                .map_err(|_| format!("{what}: TLS handshake timed out"))?
+                .map_err(|e| format!("{what}: TLS: {e}"))?;
+            Box::new(tls)
+        } else {
+            Box::new(counted)
+        };
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io))
+            .await
+            .map_err(|e| format!("{what}: {e}"))?;
+        let host = self.host.clone();
+        tokio::spawn(async move {
+            if let Err(e) = conn.with_upgrades().await {
+                tracing::debug!(host, error = %e, "upstream connection ended");
+            }
+        });
+        Ok(sender)
+    }
+}
+
+/// Overwrites every occurrence of each of `masks` in `buf` with `*`; true if any was.
+fn mask(buf: &mut [u8], masks: &[Zeroizing<Vec<u8>>]) -> bool {
+    let mut hit = false;
+    for m in masks {
+        let at: Vec<usize> = memchr::memmem::find_iter(buf, m.as_slice()).collect();
+        for start in at {
+            buf[start..start + m.len()].fill(b'*');
+            hit = true;
+        }
+    }
+    hit
+}
+
+/// Length of the longest end of `buf` that is the start of one of `masks` (and not a
+/// whole one): bytes that must wait for the next chunk before they can be shown.
+fn partial_tail(buf: &[u8], masks: &[Zeroizing<Vec<u8>>]) -> usize {
+    let mut keep = 0;
+    for m in masks {
+        let window = buf.len().min(m.len() - 1);
+        let tail_start = buf.len() - window;
+        for pos in memchr::memchr_iter(m[0], &buf[tail_start..]) {
+            let start = tail_start + pos;
+            let tail = &buf[start..];
+            if m.starts_with(tail) {
+                keep = keep.max(tail.len());
+                break;
+            }
+        }
+    }
+    keep
+}
+
+/// A response body with the secrets that went into its request masked out, so that an
+/// upstream echoing a request's headers cannot hand the credential to the sandbox. The
+/// length is unchanged; only bytes that might begin a secret are held back.
+struct Masked<B> {
+    inner: B,
+    masks: Vec<Zeroizing<Vec<u8>>>,
+    held: BytesMut,
+    trailers: Option<http::HeaderMap>,
+    done: bool,
+}
+
+impl<B> Masked<B> {
+    fn new(inner: B, masks: Vec<Zeroizing<Vec<u8>>>) -> Self {
+        Self {
+            inner,
+            masks,
+            held: BytesMut::new(),
+            trailers: None,
+            done: false,
+        }
+    }
+}
+
+impl<B> Drop for Masked<B> {
+    fn drop(&mut self) {
+        zeroize::Zeroize::zeroize(&mut self.held[..]);
+    }
+}
+
+impl<B> Body for Masked<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        let this = &mut *self;
+        loop {
+            if this.done {
+                if !this.held.is_empty() {
+                    let rest = this.held.split().freeze();
+                    return Poll::Ready(Some(Ok(Frame::data(rest))));
+                }
+                return Poll::Ready(this.trailers.take().map(|t| Ok(Frame::trailers(t))));
+            }
+            match Pin::new(&mut this.inner).poll_frame(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(None) => this.done = true,
+                Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e))),
+                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(data) => {
+                        this.held.extend_from_slice(&data);
+                        mask(&mut this.held[..], &this.masks);
+                        let keep = partial_tail(&this.held, &this.masks);
+                        let ready = this.held.len() - keep;
+                        if ready > 0 {
+                            let out = this.held.split_to(ready).freeze();
+                            return Poll::Ready(Some(Ok(Frame::data(out))));
+                        }
+                    }
+                    Err(frame) => {
+                        this.trailers = frame.into_trailers().ok();
+                        this.done = true;
+                    }
+                },
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done && self.held.is_empty() && self.trailers.is_none()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        let mut hint = self.inner.size_hint();
+        let held = self.held.len() as u64;
+        hint.set_lower(hint.lower() + held);
+        if let Some(upper) = hint.upper() {
+            hint.set_upper(upper + held);
+        }
+        hint
+    }
+}
+
+/// A stream that counts the bytes through it into the connection's counters.
+struct Counted<S> {
+    inner: S,
+    counters: Arc<Counters>,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Counted<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        let n = (buf.filled().len() - before) as u64;
+        self.counters.down.fetch_add(n, Ordering::Relaxed);
+        r
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if let Poll::Ready(Ok(n)) = &r {
+            self.counters.up.fetch_add(*n as u64, Ordering::Relaxed);
+        }
+        r
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn masks(list: &[&str]) -> Vec<Zeroizing<Vec<u8>>> {
+        list.iter()
+            .map(|m| Zeroizing::new(m.as_bytes().to_vec()))
+            .collect()
+    }
+
+    #[test]
+    fn masking_hides_every_occurrence_and_keeps_the_length() {
+        let m = masks(&["supersecret", "tok-12345678"]);
+        let mut buf = b"a supersecret b tok-12345678 supersecret".to_vec();
+        let len = buf.len();
+        assert!(mask(&mut buf, &m));
+        assert_eq!(buf, b"a *********** b ************ ***********".to_vec());
+        assert_eq!(buf.len(), len);
+        let mut clean = b"nothing here".to_vec();
+        assert!(!mask(&mut clean, &m));
+    }
+
+    #[test]
+    fn only_a_possible_start_of_a_secret_is_held_back() {
+        let m = masks(&["supersecret"]);
+        assert_eq!(partial_tail(b"hello world", &m), 0);
+        assert_eq!(partial_tail(b"hello supers", &m), 6);
+        assert_eq!(partial_tail(b"hello s", &m), 1);
+        assert_eq!(partial_tail(b"", &m), 0);
+        // A whole occurrence is masked before this is asked, never held.
+        assert_eq!(partial_tail(b"xsupersecret", &m), 0);
+    }
+
+    #[tokio::test]
+    async fn a_secret_split_across_chunks_is_masked() {
+        let chunks: Vec<Result<Frame<Bytes>, std::convert::Infallible>> = vec![
+            Ok(Frame::data(Bytes::from_static(b"echo: Bearer super"))),
+            Ok(Frame::data(Bytes::from_static(b"secret and sup"))),
+            Ok(Frame::data(Bytes::from_static(b"er"))),
+        ];
+        let inner = http_body_util::StreamBody::new(futures::stream::iter(chunks));
+        let body = Masked::new(inner, masks(&["supersecret"]));
+        let out = body.collect().await.unwrap().to_bytes();
+        assert_eq!(&out[..], b"echo: Bearer *********** and super");
+    }
+}

@@ -1,0 +1,691 @@
+//! The credential broker against a real daemon: the secrets API (values never shown, bad
+//! input refused, owners kept apart), attaching secrets to sandboxes (at create, by PUT,
+//! kept across hibernation and forks), each sandbox's CA in its trust store and
+//! environment, and the secret nowhere inside the sandbox.
+//!
+//! `full_path_through_the_egress_proxy` at the end drives sandbox curl -> egress proxy ->
+//! broker -> a test upstream in a test-made netns; it needs the egress proxy (issue 5
+//! part 2) and is enabled when that lands.
+
+use sandpit_api::CreateSandboxRequest;
+use sandpit_api::secrets::{CreateSecretRequest, InjectSpec};
+use sandpit_client::Client;
+use sandpit_tests::{Daemon, sh, sh_root};
+
+const VALUE: &str = "ghp_E2eTopSecret_Value_5f3a9c";
+const KEY_HEX: &str = "4f1c2a9e8b7d6c5f4e3a2b1c0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f5a4b3c2d1e";
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+/// A daemon whose config gives the broker a key (in a file, mode 0600).
+async fn daemon_with_key() -> Daemon {
+    use std::os::unix::fs::PermissionsExt;
+    let data = tempfile::Builder::new()
+        .prefix("sandpit-test-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let key = data.path().join("broker.key");
+    std::fs::write(&key, format!("{KEY_HEX}\n")).unwrap();
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::fs::write(
+        data.path().join("config.toml"),
+        format!("[broker]\nkey_file = {:?}\n", key.display().to_string()),
+    )
+    .unwrap();
+    Daemon::start_in(data, free_port()).await
+}
+
+fn secret(name: &str) -> CreateSecretRequest {
+    CreateSecretRequest {
+        name: name.into(),
+        value: VALUE.into(),
+        hosts: vec!["api.example.com".into(), "*.githubusercontent.com".into()],
+        methods: vec!["GET".into()],
+        path_prefixes: vec!["/repos".into()],
+        ttl_secs: Some(3600),
+        inject: InjectSpec::Header {
+            name: "Authorization".into(),
+            format: "Bearer {value}".into(),
+        },
+        allow_http: false,
+        expires_at_ms: None,
+    }
+}
+
+fn small(secrets: &[&str]) -> CreateSandboxRequest {
+    CreateSandboxRequest {
+        timeout: Some(600),
+        limits: sandpit_api::LimitsSpec {
+            memory_bytes: Some(256 << 20),
+            ..Default::default()
+        },
+        secrets: secrets.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    }
+}
+
+/// A client of a new owner's key.
+async fn other_owner(d: &Daemon, owner: &str) -> Client {
+    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
+        .await
+        .unwrap();
+    let (_, key) = db.create_api_key(owner, "test").await.unwrap();
+    db.close().await;
+    Client::new(&d.url, Some(key)).unwrap()
+}
+
+/// A raw request with the admin key, answering (status, body text).
+async fn raw(d: &Daemon, method: reqwest::Method, path: &str, body: Option<&str>) -> (u16, String) {
+    let mut rb = reqwest::Client::new()
+        .request(method, format!("{}{path}", d.url))
+        .bearer_auth(d.key.trim());
+    if let Some(b) = body {
+        rb = rb
+            .header("content-type", "application/json")
+            .body(b.to_string());
+    }
+    let resp = rb.send().await.unwrap();
+    (resp.status().as_u16(), resp.text().await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_secrets_api_never_shows_a_value_and_refuses_bad_input() {
+    let d = daemon_with_key().await;
+    let c = d.client();
+    let body = serde_json::to_string(&secret("gh")).unwrap();
+    let (status, text) = raw(&d, reqwest::Method::POST, "/v1/secrets", Some(&body)).await;
+    assert_eq!(status, 201, "{text}");
+    assert!(!text.contains(VALUE), "{text}");
+    let created: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(created["name"], "gh");
+    assert_eq!(created["owner"], "admin");
+    assert_eq!(created["hosts"][0], "*.githubusercontent.com");
+    assert_eq!(created["methods"], serde_json::json!(["GET"]));
+    assert!(created["expires_at_ms"].as_i64().unwrap() > 0);
+    for path in ["/v1/secrets", "/v1/secrets/gh", "/v1/openapi.json"] {
+        let (status, text) = raw(&d, reqwest::Method::GET, path, None).await;
+        assert_eq!(status, 200, "{path}: {text}");
+        assert!(!text.contains(VALUE), "{path}: {text}");
+    }
+    let mut ph = secret("ph");
+    ph.inject = InjectSpec::Placeholder;
+    let ph = c.create_secret(&ph, None).await.unwrap();
+    assert_eq!(ph.placeholder.as_deref(), Some("SANDPIT_SECRET_ph"));
+
+    // Bad input: 4xx with a reason, and nothing stored.
+    let bad: Vec<(&str, serde_json::Value)> = vec![
+        ("bad name", serde_json::json!({"name": "a b"})),
+        ("no hosts", serde_json::json!({"hosts": []})),
+        ("wildcard TLD", serde_json::json!({"hosts": ["*.com"]})),
+        ("no methods", serde_json::json!({"methods": []})),
+        ("bad method", serde_json::json!({"methods": ["GE T"]})),
+        (
+            "relative prefix",
+            serde_json::json!({"path_prefixes": ["repos"]}),
+        ),
+        (
+            "dot segments",
+            serde_json::json!({"path_prefixes": ["/a/../b"]}),
+        ),
+        ("no expiry", serde_json::json!({"ttl_secs": null})),
+        (
+            "past expiry",
+            serde_json::json!({"ttl_secs": null, "expires_at_ms": 1000}),
+        ),
+        (
+            "header injection",
+            serde_json::json!({"value": "x\r\nX-Evil: 1"}),
+        ),
+        ("empty value", serde_json::json!({"value": ""})),
+        (
+            "host header",
+            serde_json::json!({"inject": {"type": "header", "name": "Host"}}),
+        ),
+        (
+            "no {value}",
+            serde_json::json!({"inject": {"type": "header", "name": "X-K", "format": "k"}}),
+        ),
+        ("unknown field", serde_json::json!({"colour": "red"})),
+    ];
+    for (what, patch) in bad {
+        let mut req = serde_json::to_value(secret("bad")).unwrap();
+        for (k, v) in patch.as_object().unwrap() {
+            req[k] = v.clone();
+        }
+        let (status, text) = raw(
+            &d,
+            reqwest::Method::POST,
+            "/v1/secrets",
+            Some(&req.to_string()),
+        )
+        .await;
+        assert_eq!(status, 400, "{what}: {text}");
+        assert!(!text.contains(VALUE), "{what}: {text}");
+    }
+    let (status, _) = raw(&d, reqwest::Method::POST, "/v1/secrets", Some("{")).await;
+    assert_eq!(status, 400);
+    let dup = c.create_secret(&secret("gh"), None).await.unwrap_err();
+    assert_eq!(dup.status(), Some(409));
+    assert_eq!(
+        c.get_secret("missing", None).await.unwrap_err().status(),
+        Some(404)
+    );
+    assert_eq!(
+        c.delete_secret("missing", None).await.unwrap_err().status(),
+        Some(404)
+    );
+    let names: Vec<String> = c
+        .list_secrets(None)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    assert_eq!(names, ["gh", "ph"]);
+
+    // Owners are kept apart: bob sees none of the admin's, and cannot name another owner.
+    let bob = other_owner(&d, "bob").await;
+    assert!(bob.list_secrets(None).await.unwrap().is_empty());
+    assert_eq!(
+        bob.get_secret("gh", None).await.unwrap_err().status(),
+        Some(404)
+    );
+    assert_eq!(
+        bob.delete_secret("gh", None).await.unwrap_err().status(),
+        Some(404)
+    );
+    assert_eq!(
+        bob.list_secrets(Some("admin")).await.unwrap_err().status(),
+        Some(403)
+    );
+    assert_eq!(
+        bob.create_secret(&secret("x"), Some("admin"))
+            .await
+            .unwrap_err()
+            .status(),
+        Some(403)
+    );
+    // The admin (operator) may keep a secret for bob; bob then sees it as his.
+    c.create_secret(&secret("for-bob"), Some("bob"))
+        .await
+        .unwrap();
+    let bobs = bob.list_secrets(None).await.unwrap();
+    assert_eq!(bobs.len(), 1);
+    assert_eq!(bobs[0].owner, "bob");
+    // Bob cannot attach the admin's secret by name, only his own.
+    let err = bob.create_sandbox(&small(&["gh"])).await.unwrap_err();
+    assert_eq!(err.status(), Some(400), "{err}");
+    c.delete_secret("gh", None).await.unwrap();
+    assert_eq!(
+        c.get_secret("gh", None).await.unwrap_err().status(),
+        Some(404)
+    );
+    // The value is stored sealed: the database holds no copy in the clear.
+    for f in std::fs::read_dir(d.data.path()).unwrap().flatten() {
+        if f.file_name().to_string_lossy().starts_with("sandpit.db") {
+            let bytes = std::fs::read(f.path()).unwrap();
+            assert!(
+                !bytes.windows(VALUE.len()).any(|w| w == VALUE.as_bytes()),
+                "{} holds the value",
+                f.path().display()
+            );
+        }
+    }
+    d.shutdown().await;
+}
+
+/// Lists every file under the sandbox's usual places and every process's environment and
+/// arguments that hold the bytes whose hex is `hex` (given as hex, so that the scanner's
+/// own arguments do not hold them). Prints how many files were read, then the hits.
+const SCAN: &str = r#"
+import os, sys
+v = bytes.fromhex(sys.argv[1])
+hits, scanned = [], 0
+for pid in os.listdir('/proc'):
+    if not pid.isdigit():
+        continue
+    for f in ('environ', 'cmdline'):
+        try:
+            with open(f'/proc/{pid}/{f}', 'rb') as fh:
+                if v in fh.read():
+                    hits.append(f'/proc/{pid}/{f}')
+        except OSError:
+            pass
+for top in ('/etc', '/tmp', '/home', '/root', '/.sandpit', '/var', '/workspace', '/run', '/opt'):
+    for d, dirs, files in os.walk(top):
+        for name in files:
+            p = os.path.join(d, name)
+            try:
+                if os.path.islink(p) or not os.path.isfile(p) or os.path.getsize(p) > (16 << 20):
+                    continue
+                with open(p, 'rb') as fh:
+                    scanned += 1
+                    if v in fh.read():
+                        hits.append(p)
+            except OSError:
+                pass
+print(scanned)
+for h in hits:
+    print(h)
+"#;
+
+async fn scan(c: &Client, id: &str, needle: &str) -> (usize, Vec<String>) {
+    let req = sandpit_api::RunCommandRequest {
+        argv: vec![
+            "python3".into(),
+            "-c".into(),
+            SCAN.into(),
+            hex::encode(needle),
+        ],
+        user: Some("root".into()),
+        ..Default::default()
+    };
+    let out = c.run(id, &req).await.unwrap();
+    assert_eq!(out.exit_code, 0, "{}", out.stderr);
+    let mut lines = out.stdout.lines();
+    let scanned = lines.next().unwrap().parse().unwrap();
+    (scanned, lines.map(String::from).collect())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_trusts_its_ca_and_never_holds_its_secrets() {
+    let d = daemon_with_key().await;
+    let c = d.client();
+    c.create_secret(&secret("gh"), None).await.unwrap();
+    let sb = c.create_sandbox(&small(&["gh"])).await.unwrap();
+    let id = sb.id.clone();
+    assert_eq!(c.sandbox_secrets(&id).await.unwrap(), ["gh"]);
+
+    // The CA: on its own, in a bundle with the template's roots, and named by the env.
+    let env = sh(
+        &c,
+        &id,
+        "echo $SSL_CERT_FILE $REQUESTS_CA_BUNDLE $CURL_CA_BUNDLE $NODE_EXTRA_CA_CERTS $GIT_SSL_CAINFO",
+    )
+    .await;
+    assert_eq!(env.stdout.trim(), ["/.sandpit/ca-bundle.pem"; 5].join(" "));
+    let subject = sh(
+        &c,
+        &id,
+        "openssl x509 -in /.sandpit/ca.pem -noout -subject -ext basicConstraints",
+    )
+    .await;
+    assert_eq!(subject.exit_code, 0, "{}", subject.stderr);
+    assert!(
+        subject.stdout.contains(&format!("sandpit sandbox {id} CA")),
+        "{}",
+        subject.stdout
+    );
+    assert!(subject.stdout.contains("CA:TRUE"), "{}", subject.stdout);
+    let count = sh(
+        &c,
+        &id,
+        "grep -c 'BEGIN CERTIFICATE' /.sandpit/ca-bundle.pem",
+    )
+    .await;
+    let roots = std::fs::read_to_string("/etc/ssl/certs/ca-certificates.crt")
+        .unwrap()
+        .matches("BEGIN CERTIFICATE")
+        .count();
+    assert_eq!(count.stdout.trim(), (roots + 1).to_string());
+    let tail = sh(
+        &c,
+        &id,
+        "n=$(wc -c < /.sandpit/ca.pem); tail -c $n /.sandpit/ca-bundle.pem | cmp - /.sandpit/ca.pem && echo same",
+    )
+    .await;
+    assert_eq!(tail.stdout.trim(), "same", "{}", tail.stderr);
+    // Python's ssl module (OpenSSL's default paths honour SSL_CERT_FILE) trusts it.
+    let py = sh(
+        &c,
+        &id,
+        &format!("python3 -c \"import ssl; print(sum('sandpit sandbox {id} CA' in str(c.get('subject')) for c in ssl.create_default_context().get_ca_certs()))\""),
+    )
+    .await;
+    assert_eq!(py.stdout.trim(), "1", "{}", py.stderr);
+    // The sandbox's root cannot change what the daemon wrote.
+    let tamper = sh_root(
+        &c,
+        &id,
+        "echo x >> /.sandpit/ca-bundle.pem || echo refused; rm -f /.sandpit/ca.pem 2>/dev/null || echo kept",
+    )
+    .await;
+    assert_eq!(tamper.stdout, "refused\nkept\n", "{}", tamper.stderr);
+
+    // The scanner finds what is there (a marker in a file and in a process's env)...
+    let marker = "sandpit-marker-81c2f";
+    sh(&c, &id, &format!("echo {marker} > /tmp/marker")).await;
+    let (scanned, hits) = scan(&c, &id, marker).await;
+    assert!(scanned > 20, "only {scanned} files read");
+    assert!(hits.contains(&"/tmp/marker".to_string()), "{hits:?}");
+    // ...and finds the secret nowhere: no file, no environment, no process arguments.
+    let (_, hits) = scan(&c, &id, VALUE).await;
+    assert!(hits.is_empty(), "the secret is in {hits:?}");
+    let ps = sh(&c, &id, "ps auxeww | wc -c").await;
+    assert!(ps.stdout.trim().parse::<usize>().unwrap() > 0);
+    let info = raw(
+        &d,
+        reqwest::Method::GET,
+        &format!("/v1/sandboxes/{id}"),
+        None,
+    )
+    .await;
+    assert!(!info.1.contains(VALUE));
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attachments_are_checked_and_kept_across_hibernation_and_forks() {
+    let d = daemon_with_key().await;
+    let c = d.client();
+    c.create_secret(&secret("gh"), None).await.unwrap();
+    c.create_secret(&secret("npm"), None).await.unwrap();
+    let before = c
+        .list_sandboxes(None, &[], Some(100), None)
+        .await
+        .unwrap()
+        .items
+        .len();
+    // An unknown name: refused, and no sandbox is left behind.
+    let err = c.create_sandbox(&small(&["gh", "nope"])).await.unwrap_err();
+    assert_eq!(err.status(), Some(400), "{err}");
+    assert!(err.to_string().contains("nope"), "{err}");
+    let err = c.create_sandbox(&small(&["bad name"])).await.unwrap_err();
+    assert_eq!(err.status(), Some(400), "{err}");
+    let after = c
+        .list_sandboxes(None, &[], Some(100), None)
+        .await
+        .unwrap()
+        .items
+        .len();
+    assert_eq!(before, after);
+
+    let id = c.create_sandbox(&small(&["gh"])).await.unwrap().id;
+    // The CA's name, serial and key (its signature is randomised at each boot).
+    const CA_ID: &str = "openssl x509 -in /.sandpit/ca.pem -noout -subject -serial -pubkey";
+    let ca = sh(&c, &id, CA_ID).await.stdout;
+    assert!(ca.contains("BEGIN PUBLIC KEY"), "{ca}");
+    assert_eq!(
+        c.set_sandbox_secrets(&id, &["npm".into(), "gh".into()])
+            .await
+            .unwrap(),
+        ["gh", "npm"]
+    );
+    assert_eq!(
+        c.set_sandbox_secrets(&id, &["nope".into()])
+            .await
+            .unwrap_err()
+            .status(),
+        Some(400)
+    );
+    assert_eq!(c.sandbox_secrets(&id).await.unwrap(), ["gh", "npm"]);
+    // Another owner can neither see nor change this sandbox's secrets.
+    let bob = other_owner(&d, "bob").await;
+    assert_eq!(
+        bob.sandbox_secrets(&id).await.unwrap_err().status(),
+        Some(404)
+    );
+    assert_eq!(
+        bob.set_sandbox_secrets(&id, &[])
+            .await
+            .unwrap_err()
+            .status(),
+        Some(404)
+    );
+
+    // Hibernation: processes end and start again on the same files; the secrets and the
+    // same CA are there after the wake.
+    c.hibernate(&id).await.unwrap();
+    assert_eq!(c.sandbox_secrets(&id).await.unwrap(), ["gh", "npm"]);
+    c.resume(&id).await.unwrap();
+    assert_eq!(c.sandbox_secrets(&id).await.unwrap(), ["gh", "npm"]);
+    assert_eq!(sh(&c, &id, CA_ID).await.stdout, ca);
+    let env = sh(&c, &id, "echo $SSL_CERT_FILE").await;
+    assert_eq!(env.stdout.trim(), "/.sandpit/ca-bundle.pem");
+
+    // A fork's copies may use the same secrets, each with a CA of its own.
+    let copies = c.fork(&id, &Default::default()).await.unwrap();
+    assert_eq!(copies.len(), 1);
+    let copy = &copies[0].id;
+    assert_eq!(c.sandbox_secrets(copy).await.unwrap(), ["gh", "npm"]);
+    let copy_ca = sh(&c, copy, CA_ID).await.stdout;
+    assert!(copy_ca.contains("BEGIN PUBLIC KEY"), "{copy_ca}");
+    assert_ne!(copy_ca, ca);
+
+    // Deleting a secret detaches it everywhere.
+    c.delete_secret("npm", None).await.unwrap();
+    assert_eq!(c.sandbox_secrets(&id).await.unwrap(), ["gh"]);
+    assert_eq!(c.sandbox_secrets(copy).await.unwrap(), ["gh"]);
+    assert!(c.set_sandbox_secrets(&id, &[]).await.unwrap().is_empty());
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_key_secrets_are_refused_and_no_ca_is_installed() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let err = c.create_secret(&secret("gh"), None).await.unwrap_err();
+    assert_eq!(err.status(), Some(503), "{err}");
+    assert!(err.to_string().contains("key_file"), "{err}");
+    let err = c.create_sandbox(&small(&["gh"])).await.unwrap_err();
+    assert_eq!(err.status(), Some(503), "{err}");
+    let id = c.create_sandbox(&small(&[])).await.unwrap().id;
+    let out = sh(
+        &c,
+        &id,
+        "test -e /.sandpit/ca.pem && echo has-ca; echo \"env=$SSL_CERT_FILE\"",
+    )
+    .await;
+    assert_eq!(out.stdout, "env=\n");
+    d.shutdown().await;
+}
+
+/// A Debian-like root filesystem: dash as /bin/sh and cat with the host libraries they
+/// need, merged /usr, and whatever `extra` adds.
+fn shell_rootfs(dir: &std::path::Path, extra: impl FnOnce(&std::path::Path)) {
+    for d in [
+        "usr/bin",
+        "usr/lib",
+        "usr/lib64",
+        "etc/ssl/certs",
+        ".sandpit",
+    ] {
+        std::fs::create_dir_all(dir.join(d)).unwrap();
+    }
+    for (link, target) in [
+        ("bin", "usr/bin"),
+        ("lib", "usr/lib"),
+        ("lib64", "usr/lib64"),
+    ] {
+        std::os::unix::fs::symlink(target, dir.join(link)).unwrap();
+    }
+    for (host, inside) in [("/bin/dash", "usr/bin/sh"), ("/bin/cat", "usr/bin/cat")] {
+        std::fs::copy(host, dir.join(inside)).unwrap();
+        let out = std::process::Command::new("ldd")
+            .arg(host)
+            .output()
+            .unwrap();
+        for word in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+            if word.starts_with('/') {
+                let to = dir.join(word.trim_start_matches('/'));
+                std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+                std::fs::copy(word, &to).unwrap();
+            }
+        }
+    }
+    std::fs::write(dir.join("etc/greeting"), "hello\n").unwrap();
+    extra(dir);
+}
+
+async fn template_from(c: &Client, name: &str, dir: &std::path::Path) {
+    let req = sandpit_api::BuildTemplateRequest {
+        name: name.into(),
+        source: sandpit_api::TemplateSourceSpec::Dir {
+            path: dir.to_str().unwrap().into(),
+        },
+        default_user: None,
+        workdir: None,
+        env: Default::default(),
+        start_cmd: None,
+        ready_cmd: None,
+        ready_timeout_secs: None,
+    };
+    c.build_template(&req).await.unwrap();
+    for _ in 0..600 {
+        let t = c.get_template(name).await.unwrap();
+        if t.state != "building" {
+            assert_eq!(t.state, "ready", "{t:?}");
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    panic!("template {name} did not build");
+}
+
+fn in_template(template: &str) -> CreateSandboxRequest {
+    CreateSandboxRequest {
+        template: Some(template.into()),
+        ..small(&[])
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_custom_template_gets_its_own_roots_and_the_ca_and_cannot_redirect_them() {
+    let d = daemon_with_key().await;
+    let c = d.client();
+    let tmp = |p: &str| {
+        tempfile::Builder::new()
+            .prefix(p)
+            .tempdir_in("/var/tmp")
+            .unwrap()
+    };
+    // Its own roots file.
+    let plain = tmp("sandpit-broker-tpl-");
+    shell_rootfs(plain.path(), |dir| {
+        std::fs::write(
+            dir.join("etc/ssl/certs/ca-certificates.crt"),
+            "# template roots\n",
+        )
+        .unwrap();
+    });
+    template_from(&c, "debianish", plain.path()).await;
+    let id = c
+        .create_sandbox(&in_template("debianish"))
+        .await
+        .unwrap()
+        .id;
+    let run = |script: &str| sandpit_api::RunCommandRequest {
+        argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
+        ..Default::default()
+    };
+    let out = c
+        .run(
+            &id,
+            &run("echo $SSL_CERT_FILE; cat /.sandpit/ca-bundle.pem"),
+        )
+        .await
+        .unwrap();
+    let ca = c
+        .run(&id, &run("cat /.sandpit/ca.pem"))
+        .await
+        .unwrap()
+        .stdout;
+    assert!(ca.starts_with("-----BEGIN CERTIFICATE-----"), "{ca}");
+    assert_eq!(
+        out.stdout,
+        format!("/.sandpit/ca-bundle.pem\n# template roots\n{ca}")
+    );
+
+    // Its roots "file" leads into /sys, and it ships its own /.sandpit/ca-bundle.pem
+    // pointing at a file of its own: neither is read nor written through.
+    let hostile = tmp("sandpit-broker-tpl-");
+    shell_rootfs(hostile.path(), |dir| {
+        std::os::unix::fs::symlink(
+            "/sys/kernel/mm/transparent_hugepage/enabled",
+            dir.join("etc/ssl/certs/ca-certificates.crt"),
+        )
+        .unwrap();
+        std::os::unix::fs::symlink("/etc/greeting", dir.join(".sandpit/ca-bundle.pem")).unwrap();
+    });
+    template_from(&c, "hostile", hostile.path()).await;
+    let id = c.create_sandbox(&in_template("hostile")).await.unwrap().id;
+    let out = c
+        .run(&id, &run("cat /.sandpit/ca-bundle.pem; cat /etc/greeting"))
+        .await
+        .unwrap();
+    let ca = c
+        .run(&id, &run("cat /.sandpit/ca.pem"))
+        .await
+        .unwrap()
+        .stdout;
+    assert_eq!(out.stdout, format!("{ca}hello\n"));
+    d.shutdown().await;
+}
+
+/// The whole path, once the egress proxy exists (issue 5 part 2): a sandbox's curl
+/// reaches a test HTTPS upstream at `upstream_ip` (in a network namespace the caller
+/// made, serving `host` with a certificate of the CA in `upstream_ca_file`, which the
+/// daemon's `[broker] extra_ca_file` must name) through the egress proxy and the broker.
+/// `network` is the create request's network policy allowing `host`, in the form the
+/// proxy's API takes. Enable at merge by calling it from a `#[tokio::test]` that sets up
+/// the netns, the upstream and the daemon config.
+#[allow(dead_code)]
+pub async fn full_path_through_the_egress_proxy(
+    d: &Daemon,
+    host: &str,
+    upstream_ip: std::net::IpAddr,
+    network: serde_json::Value,
+    seen_authorization: impl Fn() -> Vec<String>,
+) {
+    let c = d.client();
+    let mut s = secret("full");
+    s.hosts = vec![host.to_string()];
+    s.methods = vec!["GET".into()];
+    s.path_prefixes = vec!["/repos".into()];
+    c.create_secret(&s, None).await.unwrap();
+    let mut req = serde_json::to_value(small(&["full"])).unwrap();
+    req["network"] = network;
+    let (status, text) = raw(
+        d,
+        reqwest::Method::POST,
+        "/v1/sandboxes",
+        Some(&req.to_string()),
+    )
+    .await;
+    assert_eq!(status, 201, "{text}");
+    let id = serde_json::from_str::<serde_json::Value>(&text).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let resolve = format!("--resolve {host}:443:{upstream_ip}");
+    // Allowed: the sandbox sends no credential, the upstream gets it.
+    let ok = sh(
+        &c,
+        &id,
+        &format!("curl -sS {resolve} -o /dev/null -w '%{{http_code}}' https://{host}/repos/x"),
+    )
+    .await;
+    assert_eq!(ok.stdout, "200", "{}", ok.stderr);
+    assert_eq!(seen_authorization(), [format!("Bearer {VALUE}")]);
+    // Refused by method and by path, with the reason, and nothing reaches the upstream.
+    for (method, path, reason) in [("DELETE", "/repos/x", "method"), ("GET", "/admin", "path")] {
+        let out = sh(
+            &c,
+            &id,
+            &format!("curl -sS {resolve} -X {method} -w '\\n%{{http_code}}' https://{host}{path}"),
+        )
+        .await;
+        let (body, code) = out.stdout.rsplit_once('\n').unwrap_or_default();
+        assert_eq!(code, "403", "{}", out.stdout);
+        let body: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(body["reason"], reason, "{body}");
+        assert!(!out.stdout.contains(VALUE));
+    }
+    assert_eq!(seen_authorization().len(), 1);
+    let (_, hits) = scan(&c, &id, VALUE).await;
+    assert!(hits.is_empty(), "the secret is in {hits:?}");
+    c.delete_sandbox(&id).await.unwrap();
+}
