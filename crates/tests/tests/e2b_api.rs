@@ -52,6 +52,14 @@ impl E2b {
         assert_eq!(s, StatusCode::CREATED, "{v}");
         v
     }
+
+    /// Creates a sandbox and returns its id.
+    async fn create_id(&self, body: Value) -> String {
+        self.create(body).await["sandboxID"]
+            .as_str()
+            .expect("sandboxID")
+            .to_string()
+    }
 }
 
 fn assert_e2b_error(v: &Value, status: StatusCode) {
@@ -182,10 +190,7 @@ async fn errors_use_e2b_bodies_and_statuses() {
 async fn pause_connect_resume_statuses() {
     let d = Daemon::start().await;
     let e = E2b::new(&d);
-    let id = e.create(json!({"templateID": "base"})).await["sandboxID"]
-        .as_str()
-        .expect("id")
-        .to_string();
+    let id = e.create_id(json!({"templateID": "base"})).await;
     let post = |p: &str| format!("/sandboxes/{id}/{p}");
     // Connecting to a running sandbox: 200.
     let (s, v, _) = e
@@ -406,10 +411,7 @@ async fn list_filters_and_pages_with_next_token() {
 async fn snapshots_templates_and_fork() {
     let d = Daemon::start().await;
     let e = E2b::new(&d);
-    let id = e.create(json!({"templateID": "base"})).await["sandboxID"]
-        .as_str()
-        .expect("id")
-        .to_string();
+    let id = e.create_id(json!({"templateID": "base"})).await;
     let (s, snap, _) = e
         .call(
             reqwest::Method::POST,
