@@ -121,6 +121,46 @@ where
     })
 }
 
+/// Bytes of a multipart body read and dropped after its closing boundary at the most.
+const DRAIN_MAX: usize = 1 << 20;
+/// How long an answer waits for the rest of a multipart body.
+const DRAIN_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The multipart reader stops at the closing boundary and leaves the body's last bytes
+/// (the epilogue's CRLF) unread; the server then closes the connection while the client
+/// may still be writing them, and the client sees a broken pipe instead of the answer.
+/// This feeds `body` to the reader through a channel and, once the reader is gone, reads
+/// the rest to its end (up to [`DRAIN_MAX`]); the task ends when the body has.
+fn drained(body: axum::body::Body) -> (axum::body::Body, tokio::task::JoinHandle<()>) {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, axum::Error>>(4);
+    let pump = tokio::spawn(async move {
+        let mut stream = body.into_data_stream();
+        let mut open = true;
+        let mut dropped = 0usize;
+        while let Some(chunk) = stream.next().await {
+            match chunk {
+                Ok(b) if open => open = tx.send(Ok(b)).await.is_ok(),
+                Ok(b) => {
+                    dropped += b.len();
+                    if dropped > DRAIN_MAX {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    if open {
+                        let _ = tx.send(Err(e)).await;
+                    }
+                    break;
+                }
+            }
+        }
+    });
+    let stream = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    });
+    (axum::body::Body::from_stream(stream), pump)
+}
+
 /// `POST /files?path=...`: multipart (field `file`, several allowed) or a raw body.
 pub async fn upload(
     State(root): State<Arc<FsRoot>>,
@@ -135,23 +175,35 @@ pub async fn upload(
         .is_some_and(|v| v.starts_with("multipart/form-data"));
     let mut written = Vec::new();
     if is_multipart {
-        let mut mp = Multipart::from_request(request, &())
+        let (parts, body) = request.into_parts();
+        let (body, pump) = drained(body);
+        let mut mp = Multipart::from_request(Request::from_parts(parts, body), &())
             .await
             .map_err(|e| FsError::InvalidPath(format!("bad multipart body: {e}")))?;
-        loop {
-            let field = match mp.next_field().await {
-                Ok(Some(f)) => f,
-                Ok(None) => break,
-                Err(e) => return Err(FsError::InvalidPath(format!("bad multipart body: {e}"))),
-            };
-            // With one file, `path` names it; otherwise each part's filename is its path.
-            let dest = match (&q.path, field.file_name()) {
-                (Some(p), _) if written.is_empty() => p.clone(),
-                (_, Some(f)) => f.to_string(),
-                _ => return Err(FsError::InvalidPath("multipart part without a path".into())),
-            };
-            written.push(write_stream(&root, &dest, &user, field).await?);
+        let result = async {
+            loop {
+                let field = match mp.next_field().await {
+                    Ok(Some(f)) => f,
+                    Ok(None) => return Ok(()),
+                    Err(e) => {
+                        return Err(FsError::InvalidPath(format!("bad multipart body: {e}")));
+                    }
+                };
+                // With one file, `path` names it; otherwise each part's filename is its path.
+                let dest = match (&q.path, field.file_name()) {
+                    (Some(p), _) if written.is_empty() => p.clone(),
+                    (_, Some(f)) => f.to_string(),
+                    _ => return Err(FsError::InvalidPath("multipart part without a path".into())),
+                };
+                written.push(write_stream(&root, &dest, &user, field).await?);
+            }
         }
+        .await;
+        drop(mp);
+        // Answer only once the body is read to its end (bounded), so that the client is
+        // not cut off while it still writes it.
+        let _ = tokio::time::timeout(DRAIN_WAIT, pump).await;
+        result?;
     } else {
         let path = q
             .path

@@ -503,3 +503,48 @@ async fn snapshots_templates_and_fork() {
     assert_e2b_error(&v, StatusCode::BAD_REQUEST);
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn back_to_back_multipart_uploads_through_the_proxy_all_succeed() {
+    // The agent's multipart reader stops at the closing boundary; it once answered while
+    // the client still wrote the last bytes, and a few uploads in a hundred failed with a
+    // broken pipe (E2B's JS SDK uploads this way).
+    let d = Daemon::start().await;
+    let e = E2b::new(&d);
+    let v = e.create(json!({"templateID": "base"})).await;
+    let id = v["sandboxID"].as_str().expect("id").to_string();
+    let token = v["envdAccessToken"].as_str().expect("token").to_string();
+    for i in 0..120 {
+        let form = reqwest::multipart::Form::new().part(
+            "file",
+            reqwest::multipart::Part::bytes(vec![b'x'; 100 + i]).file_name("f"),
+        );
+        let resp = e
+            .http
+            .post(format!("{}/files?path=/home/user/up/f{i}", d.url))
+            .header("E2b-Sandbox-Id", &id)
+            .header("E2b-Sandbox-Port", "49983")
+            .header("X-Access-Token", &token)
+            .multipart(form)
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(
+            resp.status(),
+            StatusCode::OK,
+            "upload {i}: {:?}",
+            resp.text().await
+        );
+        let written: Value = resp.json().await.expect("json");
+        assert_eq!(written[0]["path"], json!(format!("/home/user/up/f{i}")));
+    }
+    let c = d.client();
+    let out = sandpit_tests::sh(
+        &c,
+        &id,
+        "ls /home/user/up | wc -l; wc -c < /home/user/up/f119",
+    )
+    .await;
+    assert_eq!(out.stdout, "120\n219\n");
+    d.shutdown().await;
+}
