@@ -329,7 +329,7 @@ async fn list_filters_and_pages_with_next_token() {
     let d = Daemon::start().await;
     let e = E2b::new(&d);
     let mut ids = Vec::new();
-    for i in 0..3 {
+    for i in 0..200u64 {
         let v = e
             .create(json!({"templateID": "base", "metadata": {"team": "blue", "n": i.to_string()}}))
             .await;
@@ -504,47 +504,82 @@ async fn snapshots_templates_and_fork() {
     d.shutdown().await;
 }
 
+/// Reads one HTTP/1.1 response (head and a Content-Length body) from `s`; `None` at EOF.
+async fn read_response(s: &mut tokio::net::UnixStream) -> Option<String> {
+    use tokio::io::AsyncReadExt;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_string();
+            let len: usize = head
+                .lines()
+                .find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    k.eq_ignore_ascii_case("content-length")
+                        .then(|| v.trim().parse().ok())?
+                })
+                .unwrap_or(0);
+            while buf.len() < end + 4 + len {
+                let n = s.read(&mut chunk).await.ok()?;
+                if n == 0 {
+                    return None;
+                }
+                buf.extend_from_slice(&chunk[..n]);
+            }
+            return Some(head);
+        }
+        let n = s.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
-async fn back_to_back_multipart_uploads_through_the_proxy_all_succeed() {
-    // The agent's multipart reader stops at the closing boundary; it once answered while
-    // the client still wrote the last bytes, and a few uploads in a hundred failed with a
-    // broken pipe (E2B's JS SDK uploads this way).
+async fn a_multipart_upload_is_answered_after_its_last_bytes() {
+    // The agent's multipart reader stops at the closing boundary. It once answered there
+    // and closed the connection while the client still had the body's final CRLF to write
+    // (E2B's JS SDK sends it apart): the daemon then saw a broken pipe and answered 502.
+    // Now the agent reads the body to its end first, and the connection stays usable.
+    use tokio::io::AsyncWriteExt;
     let d = Daemon::start().await;
     let e = E2b::new(&d);
-    let v = e.create(json!({"templateID": "base"})).await;
-    let id = v["sandboxID"].as_str().expect("id").to_string();
-    let token = v["envdAccessToken"].as_str().expect("token").to_string();
-    for i in 0..120 {
-        let form = reqwest::multipart::Form::new().part(
-            "file",
-            reqwest::multipart::Part::bytes(vec![b'x'; 100 + i]).file_name("f"),
-        );
-        let resp = e
-            .http
-            .post(format!("{}/files?path=/home/user/up/f{i}", d.url))
-            .header("E2b-Sandbox-Id", &id)
-            .header("E2b-Sandbox-Port", "49983")
-            .header("X-Access-Token", &token)
-            .multipart(form)
-            .send()
-            .await
-            .expect("send");
-        assert_eq!(
-            resp.status(),
-            StatusCode::OK,
-            "upload {i}: {:?}",
-            resp.text().await
-        );
-        let written: Value = resp.json().await.expect("json");
-        assert_eq!(written[0]["path"], json!(format!("/home/user/up/f{i}")));
-    }
-    let c = d.client();
-    let out = sandpit_tests::sh(
-        &c,
-        &id,
-        "ls /home/user/up | wc -l; wc -c < /home/user/up/f119",
-    )
-    .await;
-    assert_eq!(out.stdout, "120\n219\n");
+    let id = e.create_id(json!({"templateID": "base"})).await;
+    let socket = d.data.path().join("sandboxes").join(&id).join("agent.sock");
+    let mut s = tokio::net::UnixStream::connect(&socket)
+        .await
+        .expect("agent socket");
+    let body = "--b0undary\r\nContent-Disposition: form-data; name=\"file\"; filename=\"f\"\r\n\
+                Content-Type: application/octet-stream\r\n\r\nuploaded\r\n--b0undary--\r\n";
+    let head = format!(
+        "POST /files?path=/home/user/up.txt HTTP/1.1\r\nHost: agent\r\n\
+         Content-Type: multipart/form-data; boundary=b0undary\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.expect("head");
+    s.write_all(&body.as_bytes()[..body.len() - 2])
+        .await
+        .expect("body");
+    // Give the agent time to reach the closing boundary before the last two bytes.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    s.write_all(b"\r\n")
+        .await
+        .expect("the connection is still open for the last bytes");
+    let first = read_response(&mut s)
+        .await
+        .expect("an answer to the upload");
+    assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+    // The same connection serves the next request: nothing of the body was left unread.
+    s.write_all(b"GET /health HTTP/1.1\r\nHost: agent\r\n\r\n")
+        .await
+        .expect("second request");
+    let second = read_response(&mut s)
+        .await
+        .expect("the connection was closed after the upload");
+    assert!(second.starts_with("HTTP/1.1 2"), "{second}");
+    let out = sandpit_tests::sh(&d.client(), &id, "cat /home/user/up.txt").await;
+    assert_eq!(out.stdout, "uploaded");
     d.shutdown().await;
 }
