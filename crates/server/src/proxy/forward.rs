@@ -84,9 +84,6 @@ pub(super) async fn forward(job: Job) -> Response {
         _ => path,
     };
     clean_credentials(&mut parts.headers, target, &grant);
-    parts
-        .headers
-        .insert(LOOP_HEADER, HeaderValue::from_static("1"));
     manager.touch(&id);
     let activity = Activity {
         manager: manager.clone(),
@@ -296,6 +293,12 @@ fn strip_hop(h: &mut HeaderMap, upgrade: bool) {
     }
 }
 
+/// Sets the loop marker. Done after [`strip_hop`], which removes whatever the client's
+/// `Connection` header names: the marker must not be one of them.
+fn mark_proxied(h: &mut HeaderMap) {
+    h.insert(LOOP_HEADER, HeaderValue::from_static("1"));
+}
+
 /// A streamed body that holds `activity` until it is done.
 fn held_body(body: hyper::body::Incoming, activity: Activity) -> Body {
     Body::new(body.map_frame(move |f| {
@@ -314,6 +317,7 @@ async fn to_agent(
     route: &Route,
 ) -> Response {
     strip_hop(&mut parts.headers, false);
+    mark_proxied(&mut parts.headers);
     parts.headers.remove(header::HOST);
     // The agent speaks HTTP/1.1; a client's HTTP/2 stream is carried over it.
     parts.version = Version::HTTP_11;
@@ -400,6 +404,7 @@ async fn to_port(
         None
     };
     strip_hop(&mut parts.headers, downstream.is_some());
+    mark_proxied(&mut parts.headers);
     if !parts.headers.contains_key(header::HOST)
         && let Some(a) = parts.uri.authority()
         && let Ok(v) = HeaderValue::from_str(a.as_str())

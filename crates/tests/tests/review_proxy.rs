@@ -1,0 +1,131 @@
+//! Attacks on the sandbox data-plane proxy that once worked: a client stripping the
+//! proxy's own loop marker with `Connection`, daemon keys slipping into a sandbox as the
+//! second value of a repeated header, one sandbox's stuck listener stalling every other
+//! sandbox's port traffic, and cookies of signed port URLs honoured for requests from
+//! other sandboxes' pages (all sandboxes share one site, so `SameSite` does not stop them).
+
+use bytes::Bytes;
+use sandpit_api::{CreateSandboxRequest, RunCommandRequest, Sandbox};
+use sandpit_client::Client;
+use sandpit_tests::{Daemon, sh};
+
+/// Answers every `GET` with the request's path and headers (each name with all its
+/// values, in order) as JSON.
+const ECHO_SERVER: &str = r#"
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        headers = {}
+        for k, v in self.headers.items():
+            headers.setdefault(k.lower(), []).append(v)
+        body = json.dumps({"path": self.path, "headers": headers}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"#;
+
+const ECHO_PORT: u16 = 9000;
+
+fn http() -> reqwest::Client {
+    reqwest::Client::builder().no_proxy().build().unwrap()
+}
+
+fn host(d: &Daemon, port: u16, id: &str) -> String {
+    format!("{port}-{id}.sandpit.localhost:{}", d.port)
+}
+
+async fn create(c: &Client) -> Sandbox {
+    c.create_sandbox(&CreateSandboxRequest {
+        timeout: Some(600),
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+}
+
+async fn wait_listening(c: &Client, id: &str, port: u16) {
+    let r = sh(
+        c,
+        id,
+        &format!(
+            "for i in $(seq 400); do (exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null && exit 0; sleep 0.05; done; exit 1"
+        ),
+    )
+    .await;
+    assert_eq!(r.exit_code, 0, "nothing listens on {port}: {}", r.stderr);
+}
+
+async fn start_echo(c: &Client, id: &str) {
+    c.write_file(id, "/tmp/echo.py", Bytes::from(ECHO_SERVER))
+        .await
+        .unwrap();
+    let req = RunCommandRequest {
+        argv: vec![
+            "python3".into(),
+            "/tmp/echo.py".into(),
+            ECHO_PORT.to_string(),
+        ],
+        ..Default::default()
+    };
+    c.run_background(id, &req).await.unwrap();
+    wait_listening(c, id, ECHO_PORT).await;
+}
+
+/// `GET path` on a sandbox port by host name; the headers may repeat names.
+async fn get(
+    d: &Daemon,
+    id: &str,
+    port: u16,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> (u16, serde_json::Value) {
+    let mut r = http()
+        .get(format!("{}{path}", d.url))
+        .header("host", host(d, port, id));
+    for (k, v) in headers {
+        r = r.header(*k, *v);
+    }
+    let r = r.send().await.unwrap();
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap();
+    let v = serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
+    (status, v)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_header_cannot_remove_the_loop_marker() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let sb = create(&c).await;
+    let traffic = sb.traffic_access_token.clone().unwrap();
+    start_echo(&c, &sb.id).await;
+    for connection in ["sandpit-proxied", "keep-alive, Sandpit-Proxied"] {
+        let (status, v) = get(
+            &d,
+            &sb.id,
+            ECHO_PORT,
+            "/",
+            &[
+                ("e2b-traffic-access-token", &traffic),
+                ("connection", connection),
+            ],
+        )
+        .await;
+        assert_eq!(status, 200, "{v}");
+        // The marker that stops a request coming back to the proxy must reach the sandbox
+        // whatever the client names as hop-by-hop.
+        assert_eq!(v["headers"]["sandpit-proxied"][0], "1", "{connection}: {v}");
+    }
+    d.shutdown().await;
+}
