@@ -129,3 +129,34 @@ async fn connection_header_cannot_remove_the_loop_marker() {
     }
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_headers_cannot_carry_a_daemon_key_into_a_sandbox() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let sb = create(&c).await;
+    let traffic = sb.traffic_access_token.clone().unwrap();
+    start_echo(&c, &sb.id).await;
+    let key = d.key.trim().to_string();
+    let bearer = format!("Bearer {key}");
+    let (status, v) = get(
+        &d,
+        &sb.id,
+        ECHO_PORT,
+        "/",
+        &[
+            ("e2b-traffic-access-token", &traffic),
+            ("x-api-key", "not-a-key"),
+            ("x-api-key", &key),
+            ("authorization", "Basic dXNlcjo="),
+            ("authorization", &bearer),
+        ],
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert!(
+        !v.to_string().contains(&key),
+        "the daemon key reached the sandbox: {v}"
+    );
+    d.shutdown().await;
+}
