@@ -160,3 +160,103 @@ async fn repeated_headers_cannot_carry_a_daemon_key_into_a_sandbox() {
     );
     d.shutdown().await;
 }
+
+/// Listens with a backlog of one and never accepts: once its queue is full, the kernel
+/// drops further SYNs, so connections to it stay half-open until the connector gives up.
+const STUCK_SERVER: &str = r#"
+import socket, sys, time
+s = socket.socket()
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen(0)
+time.sleep(100000)
+"#;
+
+const STUCK_PORT: u16 = 7000;
+
+/// Connections of sandbox `id` to `port` still waiting for an answer to their SYN (in
+/// its own network namespace, where the proxy's connections are made).
+async fn syn_sent(c: &Client, id: &str, port: u16) -> usize {
+    let r = sh(
+        c,
+        id,
+        &format!("awk '$4 == \"02\" && $3 ~ /:{port:04X}$/' /proc/net/tcp | wc -l"),
+    )
+    .await;
+    r.stdout.trim().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_sandbox_listener_does_not_hold_up_other_sandboxes() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let stuck = create(&c).await;
+    let other = create(&c).await;
+    c.write_file(&stuck.id, "/tmp/stuck.py", Bytes::from(STUCK_SERVER))
+        .await
+        .unwrap();
+    c.run_background(
+        &stuck.id,
+        &RunCommandRequest {
+            argv: vec![
+                "python3".into(),
+                "/tmp/stuck.py".into(),
+                STUCK_PORT.to_string(),
+            ],
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    wait_listening(&c, &stuck.id, STUCK_PORT).await;
+    start_echo(&c, &other.id).await;
+
+    // More requests to the stuck port than the proxy ever had connecting threads.
+    let finished = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut hung = Vec::new();
+    for _ in 0..140 {
+        let (url, host, token, finished) = (
+            d.url.clone(),
+            host(&d, STUCK_PORT, &stuck.id),
+            stuck.traffic_access_token.clone().unwrap(),
+            finished.clone(),
+        );
+        hung.push(tokio::spawn(async move {
+            let _ = http()
+                .get(url)
+                .header("host", host)
+                .header("e2b-traffic-access-token", token)
+                .send()
+                .await;
+            finished.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }));
+    }
+    loop {
+        if syn_sent(&c, &stuck.id, STUCK_PORT).await >= 128 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    // Another sandbox's port answers while all of those still wait for their connections
+    // (they give up only after the proxy's connect timeout, seconds away).
+    let (status, v) = get(
+        &d,
+        &other.id,
+        ECHO_PORT,
+        "/",
+        &[(
+            "e2b-traffic-access-token",
+            other.traffic_access_token.as_deref().unwrap(),
+        )],
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        finished.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the other sandbox was answered only after stuck connections gave up"
+    );
+    for h in hung {
+        h.abort();
+    }
+    d.shutdown().await;
+}
