@@ -260,3 +260,102 @@ async fn a_stuck_sandbox_listener_does_not_hold_up_other_sandboxes() {
     }
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn access_cookies_count_only_for_their_own_pages() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let sb = create(&c).await;
+    let attacker = create(&c).await;
+    start_echo(&c, &sb.id).await;
+    let r = http()
+        .post(format!(
+            "{}/v1/sandboxes/{}/ports/{ECHO_PORT}/url",
+            d.url, sb.id
+        ))
+        .header("authorization", format!("Bearer {}", d.key.trim()))
+        .json(&serde_json::json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let signed: serde_json::Value = r.json().await.unwrap();
+    let (status, _) = get(
+        &d,
+        &sb.id,
+        ECHO_PORT,
+        &format!("/?{}", signed["query"].as_str().unwrap()),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 200);
+    let exp = signed["expires_at"].as_i64().unwrap();
+    let sig = form_urlencoded_value(signed["query"].as_str().unwrap(), "sandpit_signature");
+    let cookie = format!("sandpit_port_access={exp}.{sig}");
+    let own = format!("http://{}", host(&d, ECHO_PORT, &sb.id));
+    let other = format!("http://{}", host(&d, 8080, &attacker.id));
+
+    // The sandbox port's own pages, and a person opening it (a navigation), keep access.
+    for headers in [
+        vec![("cookie", cookie.as_str())],
+        vec![("cookie", &cookie), ("origin", &own)],
+        vec![
+            ("cookie", &cookie),
+            ("sec-fetch-site", "same-origin"),
+            ("sec-fetch-mode", "cors"),
+        ],
+        vec![
+            ("cookie", &cookie),
+            ("sec-fetch-site", "cross-site"),
+            ("sec-fetch-mode", "navigate"),
+            ("sec-fetch-dest", "document"),
+        ],
+    ] {
+        let (status, v) = get(&d, &sb.id, ECHO_PORT, "/", &headers).await;
+        assert_eq!(status, 200, "{headers:?}: {v}");
+    }
+    // Another sandbox's page is the same site (one domain for all), so SameSite does not
+    // keep the browser from sending the cookie along: the proxy must not honour it.
+    for headers in [
+        vec![("cookie", cookie.as_str()), ("origin", &other)],
+        vec![("cookie", &cookie), ("origin", "null")],
+        vec![
+            ("cookie", &cookie),
+            ("sec-fetch-site", "same-site"),
+            ("sec-fetch-mode", "no-cors"),
+            ("sec-fetch-dest", "image"),
+        ],
+        vec![
+            ("cookie", &cookie),
+            ("sec-fetch-site", "same-site"),
+            ("sec-fetch-mode", "navigate"),
+            ("sec-fetch-dest", "iframe"),
+        ],
+    ] {
+        let (status, v) = get(&d, &sb.id, ECHO_PORT, "/", &headers).await;
+        assert_eq!(status, 403, "{headers:?}: {v}");
+    }
+    // A page of another sandbox may set a cookie of the same name for the whole domain;
+    // it must not take the real one's place.
+    let tossed = format!("sandpit_port_access=1.v1_bogus; {cookie}");
+    let (status, v) = get(&d, &sb.id, ECHO_PORT, "/", &[("cookie", &tossed)]).await;
+    assert_eq!(status, 200, "{v}");
+    let (status, _) = get(
+        &d,
+        &sb.id,
+        ECHO_PORT,
+        "/",
+        &[("cookie", "sandpit_port_access=1.v1_bogus")],
+    )
+    .await;
+    assert_eq!(status, 403);
+    d.shutdown().await;
+}
+
+fn form_urlencoded_value(query: &str, name: &str) -> String {
+    query
+        .split('&')
+        .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
+        .unwrap()
+        .to_string()
+}
