@@ -359,3 +359,150 @@ fn form_urlencoded_value(query: &str, name: &str) -> String {
         .unwrap()
         .to_string()
 }
+
+/// Sends `head` (a whole request, `\r\n` line ends) on a fresh connection and
+/// returns the status code of the answer.
+async fn raw_status(d: &Daemon, head: &str) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", d.port))
+        .await
+        .unwrap();
+    s.write_all(head.as_bytes()).await.unwrap();
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 1024];
+    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = s.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "closed: {}", String::from_utf8_lossy(&buf));
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let line = String::from_utf8_lossy(&buf)
+        .lines()
+        .next()
+        .unwrap()
+        .to_string();
+    line.split(' ').nth(1).unwrap().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_request_form_reaches_a_secure_envd_without_its_token() {
+    use http_body_util::{BodyExt, Full};
+    let d = Daemon::start().await;
+    let c = d.client();
+    let sb = create(&c).await;
+    let id = sb.id.clone();
+    let traffic = sb.traffic_access_token.clone().unwrap();
+    let envd = sb.envd_access_token.clone().unwrap();
+    let envd_host = host(&d, 49983, &id);
+    let list = |extra: &str, target: &str, host: &str| {
+        format!(
+            "POST {target} HTTP/1.1\r\nHost: {host}\r\n{extra}Content-Type: application/json\r\n\
+             Content-Length: 2\r\nConnection: close\r\n\r\n{{}}"
+        )
+    };
+    // The token itself works (so the refusals below are about the forms, not the call).
+    let ok = list(
+        &format!("X-Access-Token: {envd}\r\n"),
+        "/process.Process/List",
+        &envd_host,
+    );
+    assert_eq!(raw_status(&d, &ok).await, 200);
+    let api = format!("127.0.0.1:{}", d.port);
+    for (what, req) in [
+        (
+            "absolute-form URI naming envd, Host naming the API",
+            list(
+                "",
+                &format!("http://{envd_host}/process.Process/List"),
+                &api,
+            ),
+        ),
+        (
+            "a wrong X-Access-Token before the right one",
+            list(
+                &format!("X-Access-Token: {traffic}\r\nX-Access-Token: {envd}\r\n"),
+                "/process.Process/List",
+                &envd_host,
+            ),
+        ),
+        (
+            "the traffic token as the envd token",
+            list(
+                &format!("X-Access-Token: {traffic}\r\n"),
+                "/process.Process/List",
+                &envd_host,
+            ),
+        ),
+        (
+            "E2B headers naming envd first, the code interpreter second",
+            list(
+                &format!(
+                    "E2b-Sandbox-Id: {id}\r\nE2b-Sandbox-Port: 49983\r\nE2b-Sandbox-Port: 49999\r\n\
+                     E2B-Traffic-Access-Token: {traffic}\r\n"
+                ),
+                "/process.Process/List",
+                &api,
+            ),
+        ),
+        (
+            "E2B headers with padding",
+            list(
+                &format!("E2b-Sandbox-Id:  {id} \r\nE2b-Sandbox-Port:  49983 \r\n"),
+                "/process.Process/List",
+                &api,
+            ),
+        ),
+        (
+            "a /files signature on another path",
+            list(
+                "",
+                "/process.Process/List?path=%2Fetc%2Fpasswd&signature=v1_x",
+                &envd_host,
+            ),
+        ),
+    ] {
+        let status = raw_status(&d, &req).await;
+        assert!(
+            status == 401 || status == 403,
+            "{what}: {status} for\n{req}"
+        );
+    }
+    // The code interpreter takes the traffic token, but its paths stay under /code.
+    for target in [
+        "/../process.Process/List",
+        "/%2e%2e/process.Process/List",
+        "//process.Process/List",
+        "/process.Process/List",
+    ] {
+        let req = list(
+            &format!("E2B-Traffic-Access-Token: {traffic}\r\n"),
+            target,
+            &host(&d, 49999, &id),
+        );
+        assert_eq!(raw_status(&d, &req).await, 404, "{target}");
+    }
+    // HTTP/2: the authority decides, not a Host header beside it.
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", d.port))
+        .await
+        .unwrap();
+    let (mut send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    // (envd refuses without the token; the API has no such route)
+    for (authority, host_header, want) in [
+        (envd_host.clone(), api.clone(), 401),
+        (api.clone(), envd_host.clone(), 404),
+    ] {
+        let req = http::Request::post(format!("http://{authority}/process.Process/List"))
+            .header("host", host_header)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from("{}")).map_err(|e| match e {}).boxed())
+            .unwrap();
+        let resp = send.send_request(req).await.unwrap();
+        assert_eq!(resp.status(), want, "{authority}");
+    }
+    d.shutdown().await;
+}
