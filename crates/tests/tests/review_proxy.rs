@@ -506,3 +506,42 @@ async fn no_request_form_reaches_a_secure_envd_without_its_token() {
     }
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_request_that_wakes_a_hibernated_sandbox_gets_through() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let sb = create(&c).await;
+    let envd = sb.envd_access_token.clone().unwrap();
+    c.write_file(&sb.id, "/tmp/kept.txt", Bytes::from("kept"))
+        .await
+        .unwrap();
+    c.hibernate(&sb.id).await.unwrap();
+    // A page's many requests arrive one after another; the first wakes the sandbox, the
+    // others (some while it is starting again) must wait for it rather than find it
+    // half-started.
+    let mut all = Vec::new();
+    for _ in 0..100 {
+        let (url, host, envd) = (
+            format!("{}/files?path=/tmp/kept.txt", d.url),
+            host(&d, 49983, &sb.id),
+            envd.clone(),
+        );
+        all.push(tokio::spawn(async move {
+            let r = http()
+                .get(url)
+                .header("host", host)
+                .header("x-access-token", envd)
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.text().await.unwrap())
+        }));
+        tokio::time::sleep(std::time::Duration::from_millis(3)).await;
+    }
+    for h in all {
+        let (status, body) = h.await.unwrap();
+        assert_eq!((status, body.as_str()), (200, "kept"), "{body}");
+    }
+    d.shutdown().await;
+}
