@@ -852,6 +852,12 @@ impl Manager {
         id: &str,
     ) -> Result<(SandboxRecord, Arc<AgentConn>), ApiError> {
         let mut rec = self.get(owner, id).await?;
+        if rec.state == SandboxState::Creating {
+            // A hibernated sandbox starting again (woken by another request) holds its op
+            // lock until it runs: wait for that rather than refuse this request.
+            drop(self.op_lock(id).await);
+            rec = self.get(owner, id).await?;
+        }
         if rec.state.is_final() {
             return Err(ApiError::sandbox_stopped(id, rec.state.as_str()));
         }

@@ -176,14 +176,68 @@ fn port_credential(
     if !route.by_host {
         return Ok(None);
     }
-    let Some(value) = cookie(req.headers(), PORT_COOKIE) else {
+    let values = cookies(req.headers(), PORT_COOKIE);
+    if values.is_empty() {
         return Ok(None);
-    };
-    let (exp, sig) = value
-        .split_once('.')
-        .ok_or_else(|| Denied::Wrong("malformed access cookie".into()))?;
-    check_port_pair(route, access, exp, sig)?;
-    Ok(Some(Grant::PortCookie))
+    }
+    if !own_page(req) {
+        return Err(Denied::Wrong(
+            "the access cookie only counts for requests from this sandbox port's own pages".into(),
+        ));
+    }
+    // Any valid one will do: a page of another sandbox (the same site) can set a cookie
+    // of this name for the whole domain, which the browser then sends as well.
+    let mut refusal = None;
+    for value in values {
+        let checked = value
+            .split_once('.')
+            .ok_or_else(|| Denied::Wrong("malformed access cookie".into()))
+            .and_then(|(exp, sig)| check_port_pair(route, access, exp, sig));
+        match checked {
+            Ok(_) => return Ok(Some(Grant::PortCookie)),
+            Err(e) => {
+                refusal.get_or_insert(e);
+            }
+        }
+    }
+    Err(refusal.unwrap_or_else(|| Denied::Wrong("invalid access cookie".into())))
+}
+
+/// Whether a request may be one of the sandbox port's own pages, or a person opening it,
+/// rather than another site's page riding on the cookie. Every sandbox is a subdomain of
+/// one domain, so for browsers they are all the same site and `SameSite` lets another
+/// sandbox's page send the cookie: its `Origin` (sent with every cross-origin fetch,
+/// form post and WebSocket) or `Sec-Fetch-Site` gives it away.
+fn own_page(req: &Request) -> bool {
+    let own_host = req
+        .uri()
+        .authority()
+        .map(|a| a.as_str().to_string())
+        .or_else(|| header(req, "host").map(str::to_string))
+        .map(|h| host_name(&h));
+    if let Some(origin) = header(req, "origin") {
+        let from = origin.split_once("://").map(|(_, rest)| host_name(rest));
+        if from.is_none() || from != own_host {
+            return false;
+        }
+    }
+    match header(req, "sec-fetch-site") {
+        None | Some("same-origin") | Some("none") => true,
+        // A page of elsewhere: only a top-level navigation (a link followed) is let in.
+        Some(_) => {
+            matches!(*req.method(), http::Method::GET | http::Method::HEAD)
+                && header(req, "sec-fetch-mode") == Some("navigate")
+                && matches!(header(req, "sec-fetch-dest"), None | Some("document"))
+        }
+    }
+}
+
+/// The lowercase host name of a `host[:port]` (no port, no trailing dot).
+fn host_name(authority: &str) -> String {
+    let h = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    super::strip_port(h)
+        .trim_end_matches('.')
+        .to_ascii_lowercase()
 }
 
 fn check_port_pair(
@@ -214,14 +268,20 @@ fn check_port_pair(
 
 /// The value of cookie `name` in the request's Cookie headers.
 pub fn cookie(headers: &http::HeaderMap, name: &str) -> Option<String> {
+    cookies(headers, name).into_iter().next()
+}
+
+/// Every value of cookie `name` in the request's Cookie headers, in order.
+pub fn cookies(headers: &http::HeaderMap, name: &str) -> Vec<String> {
     headers
         .get_all(http::header::COOKIE)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(';'))
         .filter_map(|pair| pair.trim().split_once('='))
-        .find(|(k, _)| *k == name)
+        .filter(|(k, _)| *k == name)
         .map(|(_, v)| v.to_string())
+        .collect()
 }
 
 /// E2B's signed `/files` URL, `Ok(None)` when the request has no `signature`.

@@ -84,9 +84,6 @@ pub(super) async fn forward(job: Job) -> Response {
         _ => path,
     };
     clean_credentials(&mut parts.headers, target, &grant);
-    parts
-        .headers
-        .insert(LOOP_HEADER, HeaderValue::from_static("1"));
     manager.touch(&id);
     let activity = Activity {
         manager: manager.clone(),
@@ -180,6 +177,16 @@ fn daemon_key_shape(v: &str) -> bool {
     })
 }
 
+/// Whether any value of header `name` holds a word with the shape of a daemon key (every
+/// value: a repeated header must not hide one behind a harmless first value).
+fn carries_daemon_key(h: &HeaderMap, name: &HeaderName) -> bool {
+    h.get_all(name).iter().any(|v| {
+        String::from_utf8_lossy(v.as_bytes())
+            .split_whitespace()
+            .any(daemon_key_shape)
+    })
+}
+
 /// Removes everything that authenticates to the daemon or to the proxy, so that no API
 /// key, envd token or traffic token reaches a process in the sandbox. The agent only
 /// needs `Authorization: Basic` (the user); a server on another port keeps its own
@@ -194,32 +201,28 @@ fn clean_credentials(h: &mut HeaderMap, target: Target, grant: &Grant) {
     ] {
         h.remove(name);
     }
-    let auth_value = h
-        .get(header::AUTHORIZATION)
-        .map(|v| v.to_str().unwrap_or("").trim().to_string());
     match target {
         Target::Envd | Target::CodeInterpreter => {
             h.remove("x-api-key");
+            // Only the value the agent reads (the first) goes on, and only when it is Basic;
+            // a repeated header must not carry anything else along with it.
+            let first = h.get(header::AUTHORIZATION).cloned();
+            h.remove(header::AUTHORIZATION);
             // A signed URL names its user in what was signed; a header must not change it.
-            let keep = !matches!(grant, Grant::FileSignature { .. })
-                && auth_value
-                    .as_deref()
-                    .is_some_and(|v| v.get(..6).is_some_and(|p| p.eq_ignore_ascii_case("basic ")));
-            if !keep {
-                h.remove(header::AUTHORIZATION);
+            if !matches!(grant, Grant::FileSignature { .. })
+                && let Some(v) = first
+                && v.as_bytes()
+                    .get(..6)
+                    .is_some_and(|p| p.eq_ignore_ascii_case(b"basic "))
+            {
+                h.insert(header::AUTHORIZATION, v);
             }
         }
         Target::Port(_) => {
-            if h.get("x-api-key")
-                .is_some_and(|v| daemon_key_shape(v.to_str().unwrap_or("").trim()))
-            {
-                h.remove("x-api-key");
-            }
-            if auth_value.as_deref().is_some_and(|v| {
-                v.split_once(' ')
-                    .is_some_and(|(_, k)| daemon_key_shape(k.trim()))
-            }) {
-                h.remove(header::AUTHORIZATION);
+            for name in [HeaderName::from_static("x-api-key"), header::AUTHORIZATION] {
+                if carries_daemon_key(h, &name) {
+                    h.remove(name);
+                }
             }
         }
     }
@@ -296,6 +299,12 @@ fn strip_hop(h: &mut HeaderMap, upgrade: bool) {
     }
 }
 
+/// Sets the loop marker. Done after [`strip_hop`], which removes whatever the client's
+/// `Connection` header names: the marker must not be one of them.
+fn mark_proxied(h: &mut HeaderMap) {
+    h.insert(LOOP_HEADER, HeaderValue::from_static("1"));
+}
+
 /// A streamed body that holds `activity` until it is done.
 fn held_body(body: hyper::body::Incoming, activity: Activity) -> Body {
     Body::new(body.map_frame(move |f| {
@@ -314,6 +323,7 @@ async fn to_agent(
     route: &Route,
 ) -> Response {
     strip_hop(&mut parts.headers, false);
+    mark_proxied(&mut parts.headers);
     parts.headers.remove(header::HOST);
     // The agent speaks HTTP/1.1; a client's HTTP/2 stream is carried over it.
     parts.version = Version::HTTP_11;
@@ -400,6 +410,7 @@ async fn to_port(
         None
     };
     strip_hop(&mut parts.headers, downstream.is_some());
+    mark_proxied(&mut parts.headers);
     if !parts.headers.contains_key(header::HOST)
         && let Some(a) = parts.uri.authority()
         && let Ok(v) = HeaderValue::from_str(a.as_str())
@@ -551,6 +562,18 @@ mod tests {
         };
         clean_credentials(&mut signed, Target::Envd, &g);
         assert!(signed.is_empty());
+        // Repeated headers: every value counts, and only the agent's one Basic value stays.
+        let mut twice = HeaderMap::new();
+        twice.append("x-api-key", "app-key".parse().unwrap());
+        twice.append("x-api-key", key.parse().unwrap());
+        twice.append("authorization", "Basic cm9vdDo=".parse().unwrap());
+        twice.append("authorization", format!("Bearer\t{key}").parse().unwrap());
+        let mut agent = twice.clone();
+        clean_credentials(&mut twice, Target::Port(8080), &Grant::Token);
+        assert!(twice.is_empty(), "{twice:?}");
+        clean_credentials(&mut agent, Target::CodeInterpreter, &Grant::Token);
+        assert_eq!(agent.len(), 1, "{agent:?}");
+        assert_eq!(agent["authorization"], "Basic cm9vdDo=");
     }
 
     #[test]

@@ -389,6 +389,14 @@ async fn wake(
     Ok(state.manager.resume(&rec).await?)
 }
 
+/// Refuses a timeout the daemon would refuse, before a paused sandbox is woken for it.
+fn check_timeout(state: &AppState, timeout: Option<u64>) -> Result<(), E2bError> {
+    if let Some(t) = timeout {
+        state.manager.timeout(Some(t))?;
+    }
+    Ok(())
+}
+
 /// `POST /sandboxes/{id}/connect` (and `/v2/...`): 200 with the sandbox when it runs, 201
 /// when this call resumed it. Its timeout is raised to `timeout` if that is later.
 pub async fn connect(
@@ -398,6 +406,7 @@ pub async fn connect(
     Body(req): Body<types::ConnectRequest>,
 ) -> Result<(StatusCode, Json<types::Sandbox>), E2bError> {
     let rec = live(&state, &owner, &id).await?;
+    check_timeout(&state, req.timeout)?;
     let (status, rec) = match rec.state {
         SandboxState::Paused | SandboxState::Hibernated => {
             (StatusCode::CREATED, wake(&state, &rec, req.memory).await?)
@@ -424,6 +433,7 @@ pub async fn resume(
             format!("sandbox {id} is already running"),
         ));
     }
+    check_timeout(&state, req.timeout)?;
     let rec = wake(&state, &rec, req.memory).await?;
     if let Some(t) = req.timeout {
         state.manager.set_timeout(&rec, t).await?;
