@@ -7,6 +7,8 @@
 #   e2fsprogs:         mkfs.ext4, which makes the file system of each volume
 #   python3-venv:      with --test, a virtualenv for the test suite's Python tools
 #   debootstrap:       `sandpit template build --debootstrap` (and its test)
+#   nftables, iproute2, openssl: sandbox networking (`nft` enforces egress policies; the
+#                      network tests make their own namespaces with `ip` and a TLS cert)
 # With --test it also installs, into target/test-venv, the tools only the tests use:
 #   moto[server]:      an S3-compatible server on loopback for the snapshot storage tests
 set -euo pipefail
@@ -14,7 +16,7 @@ cd "$(dirname "$0")/.."
 for_tests=false
 [ "${1:-}" = "--test" ] && for_tests=true
 need=()
-for pkg in protobuf-compiler crun bubblewrap fonts-dejavu-core python3 python3-venv procps debootstrap e2fsprogs; do
+for pkg in protobuf-compiler crun bubblewrap fonts-dejavu-core python3 python3-venv procps debootstrap e2fsprogs nftables iproute2 openssl curl; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then

@@ -1,11 +1,13 @@
 //! Request and response bodies of the REST API under `/v1`, shared by server and client.
 
 pub mod leases;
+pub mod network;
 pub mod paths;
 pub mod templates;
 pub mod usage;
 pub mod volumes;
 
+pub use network::{NetworkAuditEntry, NetworkAuditList, NetworkMode, NetworkPolicy, NetworkRule};
 pub use volumes::{CreateVolumeRequest, Volume, VolumeList, VolumeMountSpec};
 
 use serde::{Deserialize, Serialize};
@@ -79,6 +81,10 @@ pub struct CreateSandboxRequest {
     pub on_timeout: Option<String>,
     /// Whether a call to a paused or hibernated sandbox resumes it (default true).
     pub auto_resume: Option<bool>,
+    /// Egress policy (default: the daemon's `[network] default_mode`, no rules; a
+    /// snapshot's policy when starting from one).
+    #[serde(default)]
+    pub network: Option<NetworkPolicy>,
 }
 
 /// Lifecycle settings and state of a sandbox.
@@ -205,6 +211,9 @@ pub struct Sandbox {
     #[serde(default)]
     pub pool: Option<String>,
     pub lifecycle: Lifecycle,
+    /// Egress policy (absent where the runtime has no network of its own).
+    #[serde(default)]
+    pub network: Option<NetworkPolicy>,
 }
 
 /// One page of `GET /v1/sandboxes`.

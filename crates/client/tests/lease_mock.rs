@@ -64,6 +64,7 @@ fn sandbox(id: &str) -> Sandbox {
             paused_at_ms: None,
             snapshot: None,
         },
+        network: None,
     }
 }
 

@@ -70,6 +70,7 @@ fn sandbox(id: &str, template: &str) -> Sandbox {
             paused_at_ms: None,
             snapshot: None,
         },
+        network: None,
     }
 }
 

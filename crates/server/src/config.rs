@@ -23,6 +23,9 @@ pub struct FileConfig {
     /// Where snapshots are stored (`[snapshots]`, default: `DATA_DIR/snapshots`).
     #[serde(default)]
     pub snapshots: crate::snapshots::SnapshotStoreConfig,
+    /// Sandbox networking (`[network]`).
+    #[serde(default)]
+    pub network: crate::net::NetworkConfig,
 }
 
 impl FileConfig {

@@ -421,6 +421,7 @@ impl Manager {
                 .unwrap_or_else(|| DEFAULT_WORKDIR.into()),
             layers,
             volumes,
+            net: None,
         };
         let running = self
             .boot(

@@ -83,6 +83,8 @@ pub struct Manager {
     pub templates: crate::templates::Templates,
     /// Usage metering queue.
     pub usage: crate::usage::Usage,
+    /// Sandbox networking, when the daemon has it.
+    pub net: std::sync::OnceLock<Arc<crate::net::Net>>,
 }
 
 /// What the agent's `/init` sets.
@@ -124,6 +126,8 @@ pub(crate) struct Plan {
     pub(crate) volumes: Vec<sandpit_api::VolumeMountSpec>,
     /// The template's settings (and the hold that keeps it from being deleted meanwhile).
     pub(crate) defaults: crate::templates::Defaults,
+    /// Egress policy (None: no network of its own, or an idle pool member's `none`).
+    pub(crate) network: Option<crate::net::policy::Policy>,
 }
 
 impl Plan {
@@ -255,6 +259,7 @@ impl Manager {
             snapshot_store,
             auto_failures: Mutex::default(),
             usage: Default::default(),
+            net: Default::default(),
         })
     }
 
@@ -332,6 +337,7 @@ impl Manager {
             template,
             volumes: Vec::new(),
             defaults,
+            network: None,
         })
     }
 
@@ -369,6 +375,7 @@ impl Manager {
             req.env = env;
             req.workdir = req.workdir.take().or_else(|| r.workdir.clone());
             req.user = req.user.take().or_else(|| r.user.clone());
+            req.network = req.network.take().or_else(|| r.network.clone());
         }
         let mut plan = self
             .plan(req.template.as_deref(), req.runtime.as_deref(), &req.limits)
@@ -376,6 +383,8 @@ impl Manager {
         let req = crate::templates::with_defaults(req, &plan.defaults);
         crate::volumes::check_mounts(&req.volumes)?;
         plan.volumes = req.volumes.clone();
+        plan.network =
+            crate::net::plan_policy(self.net.get(), &plan.key.runtime, req.network.as_ref())?;
         let timeout = self.timeout(req.timeout)?;
         check_env(&req.env)?;
         check_metadata(&req.metadata)?;
@@ -432,6 +441,10 @@ impl Manager {
                 .claim(owner, &plan.key, &req, &workdir, expires_at_ms, &life)
                 .await
         {
+            if let Err(e) = crate::net::assign(self.net.get(), &rec, plan.network.clone()).await {
+                let _ = self.destroy(&rec).await;
+                return Err(e);
+            }
             return Ok(rec);
         }
         self.start_new(NewSandbox {
@@ -600,6 +613,10 @@ impl Manager {
             life,
         };
         self.store.insert_sandbox(&rec).await?;
+        if let Err(e) = crate::net::assign(self.net.get(), &rec, plan.network.clone()).await {
+            let _ = self.store.delete_sandbox(&rec.id).await;
+            return Err(e);
+        }
         let volumes = match self.attach_volumes(&rec.id, owner, &plan.volumes).await {
             Ok(v) => v,
             Err(e) => {
@@ -620,6 +637,7 @@ impl Manager {
             workdir,
             volumes,
             layers: self.start_layers(&rec, &plan.defaults)?,
+            net: None,
         };
         self.boot(&rec, plan.runtime, spec, Failed::Delete).await
     }

@@ -7,6 +7,7 @@ mod error;
 mod keys;
 mod leases;
 mod model;
+mod network;
 mod pools;
 mod sandboxes;
 mod schema;
@@ -24,6 +25,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 
 pub use error::StoreError;
 pub use leases::{LeaseRecord, LeaseStatus};
+pub use network::{AuditFilter, AuditRecord, AuditWrite};
 pub use model::{
     ApiKey, Lifecycle, OnTimeout, ParseSandboxStateError, PoolRecord, SandboxFilter, SandboxPage,
     SandboxRecord, SandboxState, SnapshotRecord, TemplateRecord, TemplateState,

@@ -220,10 +220,44 @@ pub(crate) const MIGRATIONS: &[(i64, &[&str])] = &[
             "CREATE INDEX sandboxes_template_idx ON sandboxes (template)",
         ],
     ),
+    (
+        7,
+        &[
+            // Each sandbox's egress policy (JSON); goes with the sandbox's record.
+            "CREATE TABLE sandbox_network (
+            sandbox_id TEXT PRIMARY KEY NOT NULL REFERENCES sandboxes (id) ON DELETE CASCADE,
+            policy TEXT NOT NULL,
+            updated_at_ms BIGINT NOT NULL
+        )",
+            // Every outbound attempt of a sandbox; outlives the sandbox. Ids come from
+            // the daemon, which streams an entry before it is written.
+            "CREATE TABLE network_audit (
+            id BIGINT PRIMARY KEY NOT NULL,
+            at_ms BIGINT NOT NULL,
+            sandbox_id TEXT NOT NULL,
+            owner TEXT NOT NULL,
+            protocol TEXT NOT NULL,
+            dest_name TEXT,
+            dest_ip TEXT,
+            dest_port BIGINT NOT NULL,
+            sni TEXT,
+            http_host TEXT,
+            verdict TEXT NOT NULL,
+            rule TEXT NOT NULL,
+            bytes_sent BIGINT NOT NULL,
+            bytes_received BIGINT NOT NULL,
+            ended_at_ms BIGINT,
+            error TEXT
+        )",
+            "CREATE INDEX network_audit_owner_idx ON network_audit (owner, id)",
+            "CREATE INDEX network_audit_sandbox_idx ON network_audit (sandbox_id, id)",
+            "CREATE INDEX network_audit_at_idx ON network_audit (at_ms)",
+        ],
+    ),
 ];
 
 /// Highest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 6;
+pub const SCHEMA_VERSION: i64 = 7;
 
 /// Brings the database up to [`SCHEMA_VERSION`]; a no-op when it is already there.
 pub(crate) async fn apply(pool: &SqlitePool) -> Result<(), StoreError> {

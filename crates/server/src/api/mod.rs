@@ -3,6 +3,7 @@
 pub mod commands;
 pub mod files;
 pub mod leases;
+pub mod network;
 pub mod passthrough;
 pub mod pools;
 pub mod sandboxes;
@@ -194,6 +195,7 @@ async fn authenticate(
         templates::list, templates::get, templates::build, templates::progress, templates::delete,
         leases::acquire, leases::list, leases::get, leases::release,
         usage::summary, usage::sandbox, usage::executions,
+        network::get_policy, network::set_policy, network::audit, network::audit_stream,
     ),
     components(schemas(sandpit_api::ErrorBody, sandpit_api::CommandEvent, sandpit_api::ClientMessage)),
     modifiers(&BearerAuth)
@@ -226,6 +228,7 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
 pub fn router(state: AppState) -> Router {
     let doc = openapi();
     let authed = Router::new()
+        .merge(network::routes())
         .route("/v1/info", get(sandboxes::info))
         .route("/v1/templates", get(templates::list).post(templates::build))
         .route(

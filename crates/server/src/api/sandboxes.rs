@@ -40,6 +40,7 @@ pub fn to_api(rec: &SandboxRecord, isolated: bool) -> Sandbox {
             paused_at_ms: rec.life.paused_at_ms,
             snapshot: rec.life.snapshot.clone(),
         },
+        network: None,
     }
 }
 
@@ -49,7 +50,9 @@ fn view(state: &AppState, rec: &SandboxRecord) -> Sandbox {
         .runtimes
         .get(&rec.runtime)
         .is_some_and(|r| r.capabilities().isolated);
-    to_api(rec, isolated)
+    let mut s = to_api(rec, isolated);
+    s.network = state.manager.net.get().and_then(|n| n.policy_of(&rec.id));
+    s
 }
 
 /// Create a sandbox and wait until it runs.
