@@ -64,7 +64,11 @@ pub struct NetworkRule {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ports: Vec<PortSpec>,
     /// On an allow rule: it wins over deny rules.
-    #[serde(default, rename = "override", skip_serializing_if = "std::ops::Not::not")]
+    #[serde(
+        default,
+        rename = "override",
+        skip_serializing_if = "std::ops::Not::not"
+    )]
     pub overrides: bool,
     /// A label shown in audit entries.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -209,7 +209,9 @@ fn enter_sandbox(cfg: &InitConfig, listener: OwnedFd, netns: Option<OwnedFd>) ->
             CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWNET
         }
     };
-    ctx(unshare(flags), || "unshare uts, ipc and net namespaces".into())?;
+    ctx(unshare(flags), || {
+        "unshare uts, ipc and net namespaces".into()
+    })?;
     mark("netns");
     let fd = crate::container::LISTEN_FD;
     if listener.as_raw_fd() == fd {

@@ -25,11 +25,11 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 
 pub use error::StoreError;
 pub use leases::{LeaseRecord, LeaseStatus};
-pub use network::{AuditFilter, AuditRecord, AuditWrite};
 pub use model::{
     ApiKey, Lifecycle, OnTimeout, ParseSandboxStateError, PoolRecord, SandboxFilter, SandboxPage,
     SandboxRecord, SandboxState, SnapshotRecord, TemplateRecord, TemplateState,
 };
+pub use network::{AuditFilter, AuditRecord, AuditWrite};
 pub use pools::Claim;
 pub use schema::SCHEMA_VERSION;
 pub use templates::TemplateUsers;

@@ -44,6 +44,8 @@ pub struct AuditRecord {
 }
 
 /// One write of the audit writer; a batch goes in one transaction.
+// Nearly every write is an insert: boxing it would cost an allocation each.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 pub enum AuditWrite {
     /// A new entry.

@@ -61,7 +61,14 @@ impl Upstream {
             "ip", "link", "add", &host_if, "type", "veth", "peer", "name", "eth0", "netns", &ns,
         ]);
         let link = |h: u8| format!("198.18.{slice}.{h}");
-        run(&["ip", "addr", "add", &format!("{}/30", link(1)), "dev", &host_if]);
+        run(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("{}/30", link(1)),
+            "dev",
+            &host_if,
+        ]);
         run(&["ip", "link", "set", &host_if, "up"]);
         let inside = |args: &[&str]| {
             let mut a = vec!["ip", "-n", ns.as_str()];
@@ -73,8 +80,20 @@ impl Upstream {
         inside(&["link", "set", "lo", "up"]);
         let base = slice * 16;
         for n in 1..16u8 {
-            inside(&["addr", "add", &format!("203.0.113.{}/32", base + n), "dev", "lo"]);
-            inside(&["addr", "add", &format!("198.51.100.{}/32", base + n), "dev", "lo"]);
+            inside(&[
+                "addr",
+                "add",
+                &format!("203.0.113.{}/32", base + n),
+                "dev",
+                "lo",
+            ]);
+            inside(&[
+                "addr",
+                "add",
+                &format!("198.51.100.{}/32", base + n),
+                "dev",
+                "lo",
+            ]);
         }
         for net in ["203.0.113", "198.51.100"] {
             run(&[

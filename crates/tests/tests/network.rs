@@ -250,7 +250,10 @@ async fn allowlist_rules_bypasses_blocked_ranges_rebinding_and_audit() {
     assert_eq!(curl(&c, &id, "http://allowed.test/").await, "200 rc=0");
     let body = fetch(&c, &id, "http://allowed.test/path").await;
     assert!(body.contains("\"host\": \"allowed.test\""), "{body}");
-    assert!(body.contains(&format!("\"local\": \"{}\"", up.ip(2))), "{body}");
+    assert!(
+        body.contains(&format!("\"local\": \"{}\"", up.ip(2))),
+        "{body}"
+    );
     assert_eq!(curl(&c, &id, "https://allowed.test/").await, "200 rc=0");
     assert_eq!(curl(&c, &id, "http://other.test/").await, "000 rc=6");
     let body = fetch(&c, &id, "https://a.svc.test/").await;
@@ -268,24 +271,38 @@ async fn allowlist_rules_bypasses_blocked_ranges_rebinding_and_audit() {
     );
     assert_eq!(tcp_line(&c, &id, &up.ip2(2), 80).await, "EOF");
     // An address no rule allows.
-    assert_eq!(curl(&c, &id, &format!("http://{}/", up.ip(3))).await, "403 rc=0");
+    assert_eq!(
+        curl(&c, &id, &format!("http://{}/", up.ip(3))).await,
+        "403 rc=0"
+    );
 
     // Bypass attempts: an allowed name sent to another address.
     let spoof = curl(
         &c,
         &id,
-        &format!("--resolve allowed.test:443:{} https://allowed.test/", up.ip(3)),
+        &format!(
+            "--resolve allowed.test:443:{} https://allowed.test/",
+            up.ip(3)
+        ),
     )
     .await;
     assert!(spoof.starts_with("000 "), "{spoof}");
     let spoof = curl(
         &c,
         &id,
-        &format!("--resolve allowed.test:80:{} http://allowed.test/", up.ip(3)),
+        &format!(
+            "--resolve allowed.test:80:{} http://allowed.test/",
+            up.ip(3)
+        ),
     )
     .await;
     assert_eq!(spoof, "403 rc=0");
-    let spoof = curl(&c, &id, &format!("-H 'Host: allowed.test' http://{}/", up.ip(3))).await;
+    let spoof = curl(
+        &c,
+        &id,
+        &format!("-H 'Host: allowed.test' http://{}/", up.ip(3)),
+    )
+    .await;
     assert_eq!(spoof, "403 rc=0");
     // DNS asked of another server still meets the sandbox's resolver.
     assert_eq!(
@@ -298,7 +315,10 @@ async fn allowlist_rules_bypasses_blocked_ranges_rebinding_and_audit() {
     );
 
     // Always blocked: metadata, the daemon, the host, private ranges, a neighbour.
-    assert_eq!(curl(&c, &id, "http://169.254.169.254/latest/").await, "403 rc=0");
+    assert_eq!(
+        curl(&c, &id, "http://169.254.169.254/latest/").await,
+        "403 rc=0"
+    );
     let gw = gateway_of(&c, &id).await;
     assert_eq!(
         curl(&c, &id, &format!("http://{gw}:{}/v1/health", d.port)).await,
@@ -328,8 +348,14 @@ async fn allowlist_rules_bypasses_blocked_ranges_rebinding_and_audit() {
     let n_ip = address_of(&c, &neighbour).await;
     assert!(n_ip.parse::<std::net::Ipv4Addr>().is_ok(), "{n_ip:?}");
     assert_ne!(n_ip, address_of(&c, &id).await);
-    assert_eq!(curl(&c, &neighbour, "http://127.0.0.1:8000/").await, "200 rc=0");
-    assert_eq!(curl(&c, &id, &format!("http://{n_ip}:8000/")).await, "403 rc=0");
+    assert_eq!(
+        curl(&c, &neighbour, "http://127.0.0.1:8000/").await,
+        "200 rc=0"
+    );
+    assert_eq!(
+        curl(&c, &id, &format!("http://{n_ip}:8000/")).await,
+        "403 rc=0"
+    );
     // Even an open sandbox with an allow-everything override cannot reach them.
     c.set_network(
         &neighbour,
@@ -344,12 +370,18 @@ async fn allowlist_rules_bypasses_blocked_ranges_rebinding_and_audit() {
     )
     .await
     .unwrap();
-    assert_eq!(curl(&c, &neighbour, "http://169.254.169.254/").await, "403 rc=0");
+    assert_eq!(
+        curl(&c, &neighbour, "http://169.254.169.254/").await,
+        "403 rc=0"
+    );
     assert_eq!(
         curl(&c, &neighbour, &format!("http://{gw}:{}/v1/health", d.port)).await,
         "403 rc=0"
     );
-    assert_eq!(curl(&c, &neighbour, "http://allowed.test/").await, "200 rc=0");
+    assert_eq!(
+        curl(&c, &neighbour, "http://allowed.test/").await,
+        "200 rc=0"
+    );
 
     // DNS rebinding: answers pointing at blocked addresses are dropped.
     assert_eq!(curl(&c, &id, "http://rebind.test/").await, "000 rc=6");
@@ -389,32 +421,50 @@ async fn allowlist_rules_bypasses_blocked_ranges_rebinding_and_audit() {
         e.sni.as_deref() == Some("allowed.test") && e.verdict == Verdict::Deny
     })
     .await;
-    assert_eq!(e.rule, format!("allowed.test does not resolve to {}", up.ip(3)));
+    assert_eq!(
+        e.rule,
+        format!("allowed.test does not resolve to {}", up.ip(3))
+    );
     let e = entry(&c, &id, "the metadata address", |e| {
         e.dest_ip.as_deref() == Some("169.254.169.254")
     })
     .await;
-    assert_eq!((e.verdict, e.rule.as_str()), (Verdict::Deny, "blocked: link-local"));
+    assert_eq!(
+        (e.verdict, e.rule.as_str()),
+        (Verdict::Deny, "blocked: link-local")
+    );
     let e = entry(&c, &id, "the neighbour", |e| {
         e.dest_ip.as_deref() == Some(n_ip.as_str())
     })
     .await;
     assert!(e.rule.starts_with("blocked: sandbox network"), "{e:?}");
-    let e = entry(&c, &id, "the host", |e| e.dest_ip.as_deref() == Some(host.as_str())).await;
+    let e = entry(&c, &id, "the host", |e| {
+        e.dest_ip.as_deref() == Some(host.as_str())
+    })
+    .await;
     assert_eq!(e.rule, "blocked: host address");
     let e = entry(&c, &id, "the rebinding answer", |e| {
         e.dest_name.as_deref() == Some("rebind.test")
     })
     .await;
     assert_eq!(e.protocol, "dns");
-    assert!(e.rule.contains("removed 127.0.0.1 (blocked: loopback)"), "{e:?}");
+    assert!(
+        e.rule.contains("removed 127.0.0.1 (blocked: loopback)"),
+        "{e:?}"
+    );
     let e = entry(&c, &id, "other.test", |e| {
         e.dest_name.as_deref() == Some("other.test")
     })
     .await;
-    assert_eq!((e.verdict, e.rule.as_str()), (Verdict::Deny, "default deny (allowlist)"));
+    assert_eq!(
+        (e.verdict, e.rule.as_str()),
+        (Verdict::Deny, "default deny (allowlist)")
+    );
     let e = entry(&c, &id, "the banner", |e| e.dest_port == 7000).await;
-    assert_eq!(e.rule, format!("rules[2] allow {}/28 port 7000-7001", up.ip2(0)));
+    assert_eq!(
+        e.rule,
+        format!("rules[2] allow {}/28 port 7000-7001", up.ip2(0))
+    );
     // Filters: verdict and time.
     let denied = c
         .network_audit(&[
@@ -431,10 +481,11 @@ async fn allowlist_rules_bypasses_blocked_ranges_rebinding_and_audit() {
         .await
         .unwrap();
     assert!(future.items.is_empty());
-    assert!(c
-        .network_audit(&[("verdict", "maybe".into())])
-        .await
-        .is_err());
+    assert!(
+        c.network_audit(&[("verdict", "maybe".into())])
+            .await
+            .is_err()
+    );
     // Another owner sees none of it.
     let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
         .await
@@ -442,7 +493,10 @@ async fn allowlist_rules_bypasses_blocked_ranges_rebinding_and_audit() {
     let (_, other_key) = db.create_api_key("mallory", "test").await.unwrap();
     let other = Client::new(&d.url, Some(other_key)).unwrap();
     assert!(other.network_audit(&[]).await.unwrap().items.is_empty());
-    assert_eq!(other.get_network(&id).await.unwrap_err().status(), Some(404));
+    assert_eq!(
+        other.get_network(&id).await.unwrap_err().status(),
+        Some(404)
+    );
     assert_eq!(
         other.set_network(&id, &p).await.unwrap_err().status(),
         Some(404)
@@ -509,8 +563,14 @@ async fn live_policy_changes_none_mode_and_bad_policies() {
     .await
     .unwrap();
     assert_eq!(curl(&c, &id, "http://allowed.test/").await, "200 rc=0");
-    assert_eq!(curl(&c, &id, &format!("http://{}/", up.ip(4))).await, "200 rc=0");
-    assert_eq!(curl(&c, &id, &format!("http://{}/", up.ip(3))).await, "403 rc=0");
+    assert_eq!(
+        curl(&c, &id, &format!("http://{}/", up.ip(4))).await,
+        "200 rc=0"
+    );
+    assert_eq!(
+        curl(&c, &id, &format!("http://{}/", up.ip(3))).await,
+        "403 rc=0"
+    );
     assert_eq!(curl(&c, &id, "http://other.test/").await, "000 rc=6");
     assert_eq!(curl(&c, &id, "http://169.254.169.254/").await, "403 rc=0");
 
@@ -525,7 +585,12 @@ async fn live_policy_changes_none_mode_and_bad_policies() {
     )
     .await;
     for _ in 0..50 {
-        if sh(&c, &id, "test -e /tmp/ready && echo yes").await.stdout.trim() == "yes" {
+        if sh(&c, &id, "test -e /tmp/ready && echo yes")
+            .await
+            .stdout
+            .trim()
+            == "yes"
+        {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -537,7 +602,10 @@ async fn live_policy_changes_none_mode_and_bad_policies() {
     .await
     .unwrap();
     assert_eq!(curl(&c, &id, "http://allowed.test/").await, "000 rc=6");
-    assert_eq!(curl(&c, &id, &format!("http://{}/", up.ip(4))).await, "403 rc=0");
+    assert_eq!(
+        curl(&c, &id, &format!("http://{}/", up.ip(4))).await,
+        "403 rc=0"
+    );
     assert_eq!(curl(&c, &id, "http://other.test/").await, "200 rc=0");
     tokio::time::sleep(Duration::from_secs(4)).await;
     let long = sh(&c, &id, "cat /tmp/long.out").await.stdout;
@@ -575,7 +643,10 @@ async fn live_policy_changes_none_mode_and_bad_policies() {
     );
     let r = c
         .create_sandbox(&CreateSandboxRequest {
-            network: Some(policy(NetworkMode::Allowlist, vec![rule(RuleAction::Allow)])),
+            network: Some(policy(
+                NetworkMode::Allowlist,
+                vec![rule(RuleAction::Allow)],
+            )),
             ..Default::default()
         })
         .await
@@ -596,8 +667,16 @@ async fn the_policy_survives_pause_hibernation_fork_snapshot_and_restart() {
     let p = policy(NetworkMode::Allowlist, vec![allow_domain("allowed.test")]);
     let id = create(&c, Some(p.clone())).await;
     let works = |c: Client, id: String| async move {
-        assert_eq!(curl(&c, &id, "http://allowed.test/").await, "200 rc=0", "{id}");
-        assert_eq!(curl(&c, &id, "http://other.test/").await, "000 rc=6", "{id}");
+        assert_eq!(
+            curl(&c, &id, "http://allowed.test/").await,
+            "200 rc=0",
+            "{id}"
+        );
+        assert_eq!(
+            curl(&c, &id, "http://other.test/").await,
+            "000 rc=6",
+            "{id}"
+        );
         assert_eq!(c.get_network(&id).await.unwrap().rules.len(), 1);
     };
     works(c.clone(), id.clone()).await;
@@ -625,10 +704,7 @@ async fn the_policy_survives_pause_hibernation_fork_snapshot_and_restart() {
     assert_eq!(forks[0].network, Some(p.clone()));
     works(c.clone(), forks[0].id.clone()).await;
 
-    let snap = c
-        .snapshot(&id, &Default::default())
-        .await
-        .unwrap();
+    let snap = c.snapshot(&id, &Default::default()).await.unwrap();
     let restored = c
         .create_sandbox(&CreateSandboxRequest {
             snapshot: Some(snap.id.clone()),
@@ -669,7 +745,10 @@ async fn nothing_is_left_after_delete_kill9_and_restart() {
 
     let b = create(
         &c,
-        Some(policy(NetworkMode::Allowlist, vec![allow_domain("allowed.test")])),
+        Some(policy(
+            NetworkMode::Allowlist,
+            vec![allow_domain("allowed.test")],
+        )),
     )
     .await;
     assert_eq!(wait_links(&prefix, 3).await.len(), 3);
@@ -679,7 +758,16 @@ async fn nothing_is_left_after_delete_kill9_and_restart() {
     // A link of this daemon's that nobody holds (as if left by an older run).
     let stray = format!("{prefix}fffe");
     let out = std::process::Command::new("ip")
-        .args(["link", "add", &stray, "type", "veth", "peer", "name", &format!("{prefix}fffd")])
+        .args([
+            "link",
+            "add",
+            &stray,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &format!("{prefix}fffd"),
+        ])
         .output()
         .unwrap();
     assert!(out.status.success());
@@ -750,7 +838,10 @@ async fn the_audit_streams_live() {
     let c = d.client();
     let id = create(
         &c,
-        Some(policy(NetworkMode::Allowlist, vec![allow_domain("allowed.test")])),
+        Some(policy(
+            NetworkMode::Allowlist,
+            vec![allow_domain("allowed.test")],
+        )),
     )
     .await;
     let resp = reqwest::Client::new()

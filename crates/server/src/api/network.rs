@@ -80,11 +80,19 @@ pub async fn set_policy(
         )));
     }
     if rec.state == SandboxState::Creating {
-        return Err(ApiError::conflict(format!("sandbox {id} is still being created")));
+        return Err(ApiError::conflict(format!(
+            "sandbox {id} is still being created"
+        )));
     }
-    let policy = Policy::compile(&req).map_err(|e| ApiError::bad_request(format!("network: {e}")))?;
+    let policy =
+        Policy::compile(&req).map_err(|e| ApiError::bad_request(format!("network: {e}")))?;
     crate::net::assign(Some(net), &rec, Some(policy)).await?;
-    tracing::info!(id, mode = req.mode.as_str(), rules = req.rules.len(), "network policy replaced");
+    tracing::info!(
+        id,
+        mode = req.mode.as_str(),
+        rules = req.rules.len(),
+        "network policy replaced"
+    );
     Ok(Json(req))
 }
 
@@ -176,8 +184,7 @@ pub async fn audit_stream(
     State(state): State<AppState>,
     owner: Owner,
     ApiQuery(q): ApiQuery<StreamQuery>,
-) -> Result<Sse<impl futures::Stream<Item = Result<Event, std::convert::Infallible>>>, ApiError>
-{
+) -> Result<Sse<impl futures::Stream<Item = Result<Event, std::convert::Infallible>>>, ApiError> {
     check_verdict(&q.verdict)?;
     let net = net(&state)?;
     let (rx, closing) = net.audit.subscribe();

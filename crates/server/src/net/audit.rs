@@ -19,6 +19,8 @@ pub struct Live {
     pub entry: NetworkAuditEntry,
 }
 
+// Nearly every message is a write: boxing it would cost an allocation each.
+#[allow(clippy::large_enum_variant)]
 enum Msg {
     Write(AuditWrite),
     Flush(tokio::sync::oneshot::Sender<()>),

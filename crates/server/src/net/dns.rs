@@ -247,14 +247,17 @@ pub async fn answer(net: &Net, from: Ipv4Addr, bytes: &[u8]) -> Option<Message> 
     let keep = |data: &RData, kept: &mut Vec<Ipv4Addr>, dropped: &mut Vec<String>| match data {
         RData::A(a) => {
             let ip = a.0;
-            let why = net.blocked(ip, None).map(|w| format!("blocked: {w}")).or_else(|| {
-                let d = entry.policy.decide(&Attempt {
-                    name: Some(&name),
-                    ip: Some(ip),
-                    port: None,
+            let why = net
+                .blocked(ip, None)
+                .map(|w| format!("blocked: {w}"))
+                .or_else(|| {
+                    let d = entry.policy.decide(&Attempt {
+                        name: Some(&name),
+                        ip: Some(ip),
+                        port: None,
+                    });
+                    (!d.allow).then_some(d.rule)
                 });
-                (!d.allow).then_some(d.rule)
-            });
             match why {
                 Some(w) => {
                     dropped.push(format!("{ip} ({w})"));

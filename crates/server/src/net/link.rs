@@ -67,11 +67,7 @@ impl Netlink {
 
     /// Receives the messages answering request `seq`, handing each to `each`, until the
     /// kernel's acknowledgement (or the end of a dump).
-    fn receive(
-        &mut self,
-        seq: u32,
-        mut each: impl FnMut(RouteNetlinkMessage),
-    ) -> io::Result<()> {
+    fn receive(&mut self, seq: u32, mut each: impl FnMut(RouteNetlinkMessage)) -> io::Result<()> {
         loop {
             let n = self.sock.recv(&mut &mut self.buf[..], 0)?;
             let mut off = 0;
@@ -113,7 +109,8 @@ impl Netlink {
     /// Creates a veth pair: `host` here, its peer [`SANDBOX_IF`] in namespace `netns`.
     pub fn add_veth(&mut self, host: &str, netns: &OwnedFd) -> io::Result<()> {
         let mut peer = LinkMessage::default();
-        peer.attributes.push(LinkAttribute::IfName(SANDBOX_IF.into()));
+        peer.attributes
+            .push(LinkAttribute::IfName(SANDBOX_IF.into()));
         peer.attributes
             .push(LinkAttribute::NetNsFd(netns.as_fd().as_raw_fd()));
         let mut msg = LinkMessage::default();
@@ -122,10 +119,7 @@ impl Netlink {
             LinkInfo::Kind(InfoKind::Veth),
             LinkInfo::Data(InfoData::Veth(InfoVeth::Peer(peer))),
         ]));
-        self.request(
-            RouteNetlinkMessage::NewLink(msg),
-            NLM_F_CREATE | NLM_F_EXCL,
-        )
+        self.request(RouteNetlinkMessage::NewLink(msg), NLM_F_CREATE | NLM_F_EXCL)
     }
 
     /// Index of link `name` in this socket's namespace.
@@ -154,7 +148,12 @@ impl Netlink {
     }
 
     /// Gives link `index` the point-to-point address `local` whose other end is `peer`.
-    pub fn add_p2p_address(&mut self, index: u32, local: Ipv4Addr, peer: Ipv4Addr) -> io::Result<()> {
+    pub fn add_p2p_address(
+        &mut self,
+        index: u32,
+        local: Ipv4Addr,
+        peer: Ipv4Addr,
+    ) -> io::Result<()> {
         let mut msg = AddressMessage::default();
         msg.header.family = netlink_packet_route::AddressFamily::Inet;
         msg.header.prefix_len = 32;

@@ -192,7 +192,8 @@ fn cfg_err(e: impl std::fmt::Display) -> ServerError {
 fn try_lock(name: &str) -> Result<Option<std::fs::File>, ServerError> {
     use std::os::fd::AsRawFd;
     let dir = Path::new("/run/sandpit/net");
-    std::fs::create_dir_all(dir).map_err(|e| ServerError::Io(format!("create {}", dir.display()), e))?;
+    std::fs::create_dir_all(dir)
+        .map_err(|e| ServerError::Io(format!("create {}", dir.display()), e))?;
     let path = dir.join(format!("{name}.lock"));
     let f = std::fs::OpenOptions::new()
         .create(true)
@@ -276,7 +277,9 @@ impl Net {
                 .map_err(cfg_err)?
         };
         if upstreams.is_empty() {
-            tracing::warn!("no DNS upstream (none configured, none in /etc/resolv.conf): sandboxes cannot resolve names");
+            tracing::warn!(
+                "no DNS upstream (none configured, none in /etc/resolv.conf): sandboxes cannot resolve names"
+            );
         }
         let mut host_nl = link::Netlink::open()
             .map_err(|e| ServerError::Io("open a netlink socket".into(), e))?;
@@ -289,11 +292,18 @@ impl Net {
             let what = what.to_string();
             move |e: std::io::Error| ServerError::Io(what.clone(), e)
         };
-        let proxy = bind_gateway(gateway, socket2::Type::STREAM).map_err(io("bind the egress proxy"))?;
-        proxy.listen(1024).map_err(io("listen on the egress proxy"))?;
-        let dns_udp = bind_gateway(gateway, socket2::Type::DGRAM).map_err(io("bind the DNS resolver"))?;
-        let dns_tcp = bind_gateway(gateway, socket2::Type::STREAM).map_err(io("bind the DNS resolver"))?;
-        dns_tcp.listen(256).map_err(io("listen on the DNS resolver"))?;
+        let proxy =
+            bind_gateway(gateway, socket2::Type::STREAM).map_err(io("bind the egress proxy"))?;
+        proxy
+            .listen(1024)
+            .map_err(io("listen on the egress proxy"))?;
+        let dns_udp =
+            bind_gateway(gateway, socket2::Type::DGRAM).map_err(io("bind the DNS resolver"))?;
+        let dns_tcp =
+            bind_gateway(gateway, socket2::Type::STREAM).map_err(io("bind the DNS resolver"))?;
+        dns_tcp
+            .listen(256)
+            .map_err(io("listen on the DNS resolver"))?;
         let rules = nft::Rules {
             table: table.clone(),
             if_prefix: if_prefix.clone(),
@@ -573,7 +583,14 @@ impl Net {
     /// Why no sandbox may reach `ip` (on `port`, when known), if it may not.
     pub fn blocked(&self, ip: Ipv4Addr, port: Option<u16>) -> Option<&'static str> {
         let host = self.host.read().ok()?;
-        policy::blocked(ip, port, &self.subnet, &host.addrs, &host.nets, &self.operator)
+        policy::blocked(
+            ip,
+            port,
+            &self.subnet,
+            &host.addrs,
+            &host.nets,
+            &self.operator,
+        )
     }
 
     /// The sandbox at address `ip` and its policy.
@@ -668,7 +685,9 @@ impl Net {
     pub fn resolved_name(&self, id: &str, ip: Ipv4Addr) -> Option<String> {
         let seen = self.seen.lock().ok()?;
         let (names, until) = seen.get(id)?.by_ip.get(&ip)?;
-        (*until > Instant::now()).then(|| names.last().cloned()).flatten()
+        (*until > Instant::now())
+            .then(|| names.last().cloned())
+            .flatten()
     }
 
     /// Whether the resolver gave a sandbox `ip` for `name`.
@@ -678,7 +697,9 @@ impl Net {
         };
         seen.get(id)
             .and_then(|s| s.by_ip.get(&ip))
-            .is_some_and(|(names, until)| *until > Instant::now() && names.iter().any(|n| n == name))
+            .is_some_and(|(names, until)| {
+                *until > Instant::now() && names.iter().any(|n| n == name)
+            })
     }
 
     /// Counts a new proxied connection of a sandbox; None past its limit.
@@ -841,7 +862,9 @@ impl Net {
             if name.starts_with(&self.if_prefix) && !known.contains(&name) {
                 match nl.del_link(index) {
                     Ok(()) => tracing::info!(link = name, "removed an orphaned sandbox link"),
-                    Err(e) => tracing::warn!(link = name, error = %e, "removing an orphaned sandbox link failed"),
+                    Err(e) => {
+                        tracing::warn!(link = name, error = %e, "removing an orphaned sandbox link failed")
+                    }
                 }
             }
         }
@@ -850,9 +873,15 @@ impl Net {
     /// On a clean stop with no sandbox left: removes the nftables table.
     fn release(&self) {
         let idle = self.slots.lock().map(|s| s.is_empty()).unwrap_or(false);
-        if idle && let Err(e) = nft::delete(&self.table) {
+        if !idle {
+            return;
+        }
+        if let Err(e) = nft::delete(&self.table) {
             tracing::warn!(error = %e, "removing the nftables table failed");
         }
+        // Nothing of this daemon's network is left for a restart to find.
+        let tag = self.if_prefix.trim_start_matches("sp");
+        let _ = std::fs::remove_file(format!("/run/sandpit/net/tag-{tag}.lock"));
     }
 
     /// Contents of a sandbox's `/etc/resolv.conf`.
@@ -875,7 +904,9 @@ pub fn plan_policy(
                 Err(ApiError::bad_request(if runtime == "container" {
                     "networking is off on this daemon: sandboxes have loopback only (network mode none)".to_string()
                 } else {
-                    format!("the {runtime} runtime has no network of its own: network policies need the container runtime")
+                    format!(
+                        "the {runtime} runtime has no network of its own: network policies need the container runtime"
+                    )
                 }))
             }
             _ => Ok(None),
@@ -896,7 +927,8 @@ pub async fn assign(
     let (Some(net), Some(policy)) = (net, policy) else {
         return Ok(());
     };
-    let value = serde_json::to_value(&policy.source).map_err(|e| ApiError::internal(e.to_string()))?;
+    let value =
+        serde_json::to_value(&policy.source).map_err(|e| ApiError::internal(e.to_string()))?;
     if !net.store.set_network_policy(&rec.id, &value).await? {
         return Err(ApiError::sandbox_not_found(&rec.id));
     }

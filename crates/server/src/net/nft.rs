@@ -102,7 +102,9 @@ pub fn apply(rules: &Rules) -> Result<(), String> {
 
 /// Removes the table if it exists.
 pub fn delete(table: &str) -> Result<(), String> {
-    run_nft(&format!("table inet {table} {{}}\ndelete table inet {table}\n"))
+    run_nft(&format!(
+        "table inet {table} {{}}\ndelete table inet {table}\n"
+    ))
 }
 
 /// Whether the `nft` tool runs here.

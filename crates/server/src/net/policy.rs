@@ -128,7 +128,9 @@ impl DomainPat {
     fn matches(&self, name: &str) -> bool {
         match self {
             DomainPat::Exact(d) => name == d,
-            DomainPat::Below(suffix) => name.len() > suffix.len() && name.ends_with(suffix.as_str()),
+            DomainPat::Below(suffix) => {
+                name.len() > suffix.len() && name.ends_with(suffix.as_str())
+            }
         }
     }
 }
@@ -148,11 +150,8 @@ pub fn normalize_name(name: &str) -> Option<String> {
 }
 
 fn parse_domain(d: &str) -> Result<DomainPat, String> {
-    let bad = || {
-        format!(
-            "bad domain {d:?}: a host name (`example.com`) or a wildcard (`*.example.com`)"
-        )
-    };
+    let bad =
+        || format!("bad domain {d:?}: a host name (`example.com`) or a wildcard (`*.example.com`)");
     let (below, rest) = match d.strip_prefix("*.") {
         Some(r) => (true, r),
         None => (false, d),
@@ -308,7 +307,12 @@ impl Policy {
             if r.name.as_ref().is_some_and(|n| n.len() > 128) {
                 return Err(at("name is at most 128 bytes".into()));
             }
-            let domain = r.domain.as_deref().map(parse_domain).transpose().map_err(at)?;
+            let domain = r
+                .domain
+                .as_deref()
+                .map(parse_domain)
+                .transpose()
+                .map_err(at)?;
             let cidr = r.cidr.as_deref().map(Cidr::parse).transpose().map_err(at)?;
             let ports = parse_ports(&r.ports).map_err(at)?;
             rules.push(Rule {
@@ -339,7 +343,12 @@ impl Policy {
         }
         let might = |r: &&Rule| r.test(a) != Some(false);
         let does = |r: &&Rule| r.test(a) == Some(true);
-        if let Some(r) = self.rules.iter().filter(|r| r.allow && r.overrides).find(might) {
+        if let Some(r) = self
+            .rules
+            .iter()
+            .filter(|r| r.allow && r.overrides)
+            .find(might)
+        {
             return Decision::new(true, r.label.clone());
         }
         if let Some(r) = self.rules.iter().filter(|r| !r.allow).find(does) {
@@ -367,7 +376,12 @@ impl Policy {
             port: None,
         };
         let by_name = |r: &&Rule| r.domain.is_some() && r.test(&a) != Some(false);
-        if let Some(r) = self.rules.iter().filter(|r| r.allow && r.overrides).find(by_name) {
+        if let Some(r) = self
+            .rules
+            .iter()
+            .filter(|r| r.allow && r.overrides)
+            .find(by_name)
+        {
             return Decision::new(true, r.label.clone());
         }
         if let Some(r) = self
@@ -392,7 +406,11 @@ impl Policy {
 const BLOCKED: &[(Ipv4Addr, u8, &str)] = &[
     (Ipv4Addr::new(0, 0, 0, 0), 8, "this network"),
     (Ipv4Addr::new(10, 0, 0, 0), 8, "private range"),
-    (Ipv4Addr::new(100, 64, 0, 0), 10, "shared address space (CGNAT)"),
+    (
+        Ipv4Addr::new(100, 64, 0, 0),
+        10,
+        "shared address space (CGNAT)",
+    ),
     (Ipv4Addr::new(127, 0, 0, 0), 8, "loopback"),
     (Ipv4Addr::new(169, 254, 0, 0), 16, "link-local"),
     (Ipv4Addr::new(172, 16, 0, 0), 12, "private range"),
@@ -646,7 +664,14 @@ mod tests {
         let host = ["192.0.2.2".parse().unwrap()];
         let nets = [Cidr::parse("192.0.2.0/24").unwrap()];
         let b = |ip: &str, allowed: &[OperatorAllow]| {
-            blocked(ip.parse().unwrap(), Some(80), &sandboxes, &host, &nets, allowed)
+            blocked(
+                ip.parse().unwrap(),
+                Some(80),
+                &sandboxes,
+                &host,
+                &nets,
+                allowed,
+            )
         };
         for ip in [
             "169.254.169.254",
@@ -694,6 +719,10 @@ mod tests {
         assert!(c.overlaps(&Cidr::parse("10.0.0.0/8").unwrap()));
         assert!(c.overlaps(&Cidr::parse("10.200.3.0/24").unwrap()));
         assert!(!c.overlaps(&Cidr::parse("10.201.0.0/16").unwrap()));
-        assert!(Cidr::parse("0.0.0.0/0").unwrap().contains("1.2.3.4".parse().unwrap()));
+        assert!(
+            Cidr::parse("0.0.0.0/0")
+                .unwrap()
+                .contains("1.2.3.4".parse().unwrap())
+        );
     }
 }

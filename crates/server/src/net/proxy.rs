@@ -108,9 +108,7 @@ async fn handle(net: Arc<Net>, mut client: TcpStream, peer: SocketAddr) {
         .or(http_host.as_deref())
         .and_then(normalize_name)
         .filter(|n| n.parse::<Ipv4Addr>().is_err());
-    let name = claimed
-        .clone()
-        .or_else(|| net.resolved_name(&sandbox, ip));
+    let name = claimed.clone().or_else(|| net.resolved_name(&sandbox, ip));
     let attempt = super::audit::Attempt {
         sandbox_id: sandbox.clone(),
         owner: entry.owner.clone(),
@@ -121,7 +119,16 @@ async fn handle(net: Arc<Net>, mut client: TcpStream, peer: SocketAddr) {
         sni,
         http_host,
     };
-    let verdict = decide(&net, &sandbox, &entry.policy, name.as_deref(), claimed.is_some(), ip, port).await;
+    let verdict = decide(
+        &net,
+        &sandbox,
+        &entry.policy,
+        name.as_deref(),
+        claimed.is_some(),
+        ip,
+        port,
+    )
+    .await;
     let rule = match verdict {
         Ok(rule) => rule,
         Err(rule) => {
@@ -134,11 +141,9 @@ async fn handle(net: Arc<Net>, mut client: TcpStream, peer: SocketAddr) {
                     "HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
                     body.len()
                 );
-                let _ = tokio::time::timeout(
-                    Duration::from_secs(2),
-                    client.write_all(resp.as_bytes()),
-                )
-                .await;
+                let _ =
+                    tokio::time::timeout(Duration::from_secs(2), client.write_all(resp.as_bytes()))
+                        .await;
             }
             return;
         }

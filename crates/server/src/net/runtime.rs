@@ -49,9 +49,7 @@ impl Runtime for NetRuntime {
         let netns = self.net.netns_of(&h.id).ok_or_else(|| {
             RuntimeError::Setup(format!("sandbox {} has no network prepared", h.id))
         })?;
-        self.net
-            .apply_route(&h.id)
-            .map_err(RuntimeError::Setup)?;
+        self.net.apply_route(&h.id).map_err(RuntimeError::Setup)?;
         let mut spec = spec.clone();
         spec.net = Some(SandboxNet {
             netns,

@@ -32,7 +32,14 @@ pub fn sniff(buf: &[u8]) -> Sniffed {
 }
 
 const METHODS: &[&[u8]] = &[
-    b"GET ", b"POST ", b"PUT ", b"HEAD ", b"DELETE ", b"OPTIONS ", b"PATCH ", b"TRACE ",
+    b"GET ",
+    b"POST ",
+    b"PUT ",
+    b"HEAD ",
+    b"DELETE ",
+    b"OPTIONS ",
+    b"PATCH ",
+    b"TRACE ",
     b"CONNECT ",
 ];
 
@@ -61,7 +68,9 @@ fn http(buf: &[u8]) -> Sniffed {
     let head = String::from_utf8_lossy(&buf[..end]);
     let host = head.split("\r\n").skip(1).find_map(|line| {
         let (k, v) = line.split_once(':')?;
-        k.trim().eq_ignore_ascii_case("host").then(|| strip_port(v.trim()))
+        k.trim()
+            .eq_ignore_ascii_case("host")
+            .then(|| strip_port(v.trim()))
     });
     Sniffed::Http(host.filter(|h| !h.is_empty()))
 }
@@ -152,7 +161,8 @@ impl<'a> Reader<'a> {
         self.take(1).map(|b| b[0] as usize)
     }
     fn u16(&mut self) -> Option<usize> {
-        self.take(2).map(|b| u16::from_be_bytes([b[0], b[1]]) as usize)
+        self.take(2)
+            .map(|b| u16::from_be_bytes([b[0], b[1]]) as usize)
     }
 }
 
