@@ -183,7 +183,10 @@ async fn isolation_holds() {
         "tail -n +2 /proc/net/route | wc -l; cat /sys/class/net/eth0/operstate 2>/dev/null || echo down",
     )
     .await;
-    assert_eq!(r.stdout.split_whitespace().collect::<Vec<_>>(), vec!["0", "down"]);
+    assert_eq!(
+        r.stdout.split_whitespace().collect::<Vec<_>>(),
+        vec!["0", "down"]
+    );
     let probe = format!(
         "import socket; s=socket.socket(); s.settimeout(2); print(s.connect_ex(('127.0.0.1', {})))",
         d.port

@@ -14,6 +14,7 @@ mod baselines;
 mod chart;
 mod lifecycle;
 mod memory;
+mod network;
 mod phases;
 mod proc;
 mod report;
@@ -52,10 +53,13 @@ pub enum Phase {
     Files,
     /// Pause/resume, hibernate/wake, snapshots of 100 MiB, restore, fork of 10.
     Lifecycle,
+    /// Create with and without an open network, namespace preparation, the egress proxy
+    /// against a direct connection.
+    Network,
 }
 
 impl Phase {
-    const ALL: [Phase; 9] = [
+    const ALL: [Phase; 10] = [
         Phase::Baselines,
         Phase::Cold,
         Phase::Pool,
@@ -65,6 +69,7 @@ impl Phase {
         Phase::Memory,
         Phase::Files,
         Phase::Lifecycle,
+        Phase::Network,
     ];
 
     fn name(self) -> &'static str {
@@ -78,6 +83,7 @@ impl Phase {
             Phase::Memory => "memory",
             Phase::Files => "files",
             Phase::Lifecycle => "lifecycle",
+            Phase::Network => "network",
         }
     }
 }
@@ -108,7 +114,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 8)]
     pub pool_size: u32,
     /// Run only these phases (comma-separated): baselines, cold, pool, exec, concurrent,
-    /// sustained, memory, files, lifecycle. Default: all.
+    /// sustained, memory, files, lifecycle, network. Default: all.
     #[arg(long, value_delimiter = ',', value_enum)]
     pub only: Vec<Phase>,
     /// Directory for results.json, results.txt and latency.png
@@ -707,6 +713,10 @@ impl Bench {
         if on(Phase::Lifecycle) {
             let r = self.lifecycle(&mut report).await;
             phase(&mut report, "lifecycle", r)?;
+        }
+        if on(Phase::Network) {
+            let r = self.network(&mut report).await;
+            phase(&mut report, "net", r)?;
         }
 
         for &n in &self.idle {

@@ -86,6 +86,7 @@ enum Job {
 
 /// Prepared namespaces and the worker that makes them.
 pub struct Pool {
+    last_take: Arc<Mutex<Option<std::time::Instant>>>,
     tx: Mutex<Sender<Job>>,
     ready: Arc<Mutex<VecDeque<Prepared>>>,
     target: Arc<AtomicUsize>,
@@ -105,7 +106,11 @@ impl Naming {
     }
 }
 
+/// How long after a namespace is taken a refill waits (while a spare is left).
+const REFILL_QUIET: Duration = Duration::from_millis(50);
+
 struct Worker {
+    last_take: Arc<Mutex<Option<std::time::Instant>>>,
     host: Netlink,
     host_ns: OwnedFd,
     alloc: Arc<Mutex<Alloc>>,
@@ -157,10 +162,28 @@ impl Worker {
             < self.target.load(Ordering::Acquire)
     }
 
+    /// How long a refill should still hold back: making a namespace holds the kernel's
+    /// network locks, which the sandbox just taken from the pool needs for its start.
+    /// Only while there is a spare left.
+    fn hold_back(&self) -> Duration {
+        let spare = self.ready.lock().map(|r| !r.is_empty()).unwrap_or(false);
+        let since = self
+            .last_take
+            .lock()
+            .ok()
+            .and_then(|t| *t)
+            .map(|t| t.elapsed());
+        match since {
+            Some(e) if spare => REFILL_QUIET.saturating_sub(e),
+            _ => Duration::ZERO,
+        }
+    }
+
     fn run(mut self, rx: Receiver<Job>) {
         let mut failures = 0u32;
         loop {
-            let job = if self.below_target() && failures < 5 {
+            let hold = self.hold_back();
+            let job = if self.below_target() && failures < 5 && hold.is_zero() {
                 match rx.try_recv() {
                     Ok(j) => Some(j),
                     Err(TryRecvError::Empty) => None,
@@ -170,6 +193,8 @@ impl Worker {
                 let wait = if failures >= 5 {
                     // Back off after repeated failures; a request still gets an answer.
                     Duration::from_secs(5)
+                } else if !hold.is_zero() && self.below_target() {
+                    hold
                 } else {
                     Duration::from_secs(3600)
                 };
@@ -216,7 +241,9 @@ impl Pool {
         let ready = Arc::new(Mutex::new(VecDeque::new()));
         let target = Arc::new(AtomicUsize::new(0));
         let (tx, rx) = std::sync::mpsc::channel();
+        let last_take = Arc::new(Mutex::new(None));
         let worker = Worker {
+            last_take: last_take.clone(),
             host,
             host_ns,
             alloc,
@@ -228,6 +255,7 @@ impl Pool {
             .name("sandpit-netns".into())
             .spawn(move || worker.run(rx))?;
         Ok(Pool {
+            last_take,
             tx: Mutex::new(tx),
             ready,
             target,
@@ -256,6 +284,9 @@ impl Pool {
     /// A prepared namespace: from the pool, else made now (blocking).
     pub fn acquire(&self) -> io::Result<Prepared> {
         let pooled = self.ready.lock().ok().and_then(|mut r| r.pop_front());
+        if let Ok(mut t) = self.last_take.lock() {
+            *t = Some(std::time::Instant::now());
+        }
         let got = match pooled {
             Some(p) => Ok(p),
             None => {
