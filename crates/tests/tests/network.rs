@@ -771,16 +771,39 @@ async fn nothing_is_left_after_delete_kill9_and_restart() {
         .output()
         .unwrap();
     assert!(out.status.success());
+    // The table of a daemon that is gone for good (no daemon holds its tag, no link).
+    let stale = "sandpit_0dead";
+    let out = std::process::Command::new("nft")
+        .args(["add", "table", "inet", stale])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
     let port = d.port;
     let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
     drop(d);
     let d = Daemon::start_in(data, port).await;
     let c = d.client();
+    assert!(!nft_table_exists(stale));
     let links = wait_links(&prefix, 3).await;
     assert!(!links.contains(&stray), "{links:?}");
     assert_eq!(links.len(), 3, "{links:?}");
     assert_eq!(curl(&c, &b, "http://allowed.test/").await, "200 rc=0");
     assert!(nft_table_exists(&table));
+    // A firewall reload that flushes the table: the daemon puts it back.
+    let out = std::process::Command::new("nft")
+        .args(["delete", "table", "inet", &table])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    for _ in 0..300 {
+        if nft_table_exists(&table) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(nft_table_exists(&table), "the table was not applied again");
+    assert_eq!(curl(&c, &b, "http://allowed.test/").await, "200 rc=0");
+    assert_eq!(curl(&c, &b, "http://169.254.169.254/").await, "403 rc=0");
     d.shutdown().await;
     assert_eq!(wait_links(&prefix, 0).await, Vec::<String>::new());
     assert!(!nft_table_exists(&table));

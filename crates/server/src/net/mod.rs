@@ -138,6 +138,10 @@ pub struct Net {
     pool: pool::Pool,
     alloc: Arc<Mutex<pool::Alloc>>,
     slots: Mutex<HashMap<String, Slot>>,
+    /// Host link names taken from the pool and not attached (or given back) yet.
+    in_flight: Mutex<std::collections::HashSet<String>>,
+    /// The table's rules, applied again should anything remove them.
+    rules: nft::Rules,
     by_ip: RwLock<HashMap<Ipv4Addr, String>>,
     policies: RwLock<HashMap<String, Arc<Entry>>>,
     /// What a sandbox without a policy gets.
@@ -314,6 +318,8 @@ impl Net {
             dns_tcp_port: local_port(&dns_tcp).map_err(io("DNS port"))?,
         };
         nft::apply(&rules).map_err(cfg_err)?;
+        let table_name = rules.table.clone();
+        sweep_foreign(&table_name, &mut host_nl);
         let alloc = Arc::new(Mutex::new(pool::Alloc::new(
             subnet.network(),
             subnet.prefix(),
@@ -334,10 +340,12 @@ impl Net {
             subnet,
             gateway,
             if_prefix,
-            table,
+            table: table_name,
             pool,
             alloc,
             slots: Mutex::default(),
+            in_flight: Mutex::default(),
+            rules,
             by_ip: RwLock::default(),
             policies: RwLock::default(),
             none_entry: Arc::new(Entry {
@@ -529,6 +537,10 @@ impl Net {
                 tick += 1;
                 let m = me.clone();
                 let _ = tokio::task::spawn_blocking(move || m.refresh_host()).await;
+                if tick.is_multiple_of(5) {
+                    let m = me.clone();
+                    let _ = tokio::task::spawn_blocking(move || m.check_table()).await;
+                }
                 if tick.is_multiple_of(30) {
                     me.housekeeping().await;
                 }
@@ -557,6 +569,22 @@ impl Net {
                 Ok(n) if n > 0 => tracing::info!(n, "pruned old network audit entries"),
                 Err(e) => tracing::warn!(error = %e, "pruning the network audit failed"),
                 _ => {}
+            }
+        }
+    }
+
+    /// Puts the table back if something removed it (a firewall reload that flushed the
+    /// ruleset): without it, sandboxes would reach the host's services directly.
+    fn check_table(&self) {
+        if nft::exists(&self.table) {
+            return;
+        }
+        match nft::apply(&self.rules) {
+            Ok(()) => {
+                tracing::warn!(table = %self.table, "the nftables table was gone; applied again")
+            }
+            Err(e) => {
+                tracing::error!(table = %self.table, error = %e, "the nftables table is gone and cannot be applied again")
             }
         }
     }
@@ -757,11 +785,18 @@ impl Net {
 
     /// A prepared namespace for a new sandbox (blocking when the pool is empty).
     fn acquire(&self) -> std::io::Result<Prepared> {
-        self.pool.acquire()
+        let p = self.pool.acquire()?;
+        if let Ok(mut f) = self.in_flight.lock() {
+            f.insert(p.host_if.clone());
+        }
+        Ok(p)
     }
 
     /// Ties a prepared namespace to sandbox `id`.
     fn attach(&self, id: &str, p: Prepared) {
+        if let Ok(mut f) = self.in_flight.lock() {
+            f.remove(&p.host_if);
+        }
         if let Ok(mut m) = self.by_ip.write() {
             m.insert(p.address, id.to_string());
         }
@@ -780,6 +815,9 @@ impl Net {
 
     /// Lets go of a namespace that was never attached (its link goes with it).
     fn discard(&self, p: Prepared) {
+        if let Ok(mut f) = self.in_flight.lock() {
+            f.remove(&p.host_if);
+        }
         if let Ok(mut a) = self.alloc.lock() {
             a.release(p.address);
         }
@@ -854,6 +892,9 @@ impl Net {
             .map(|s| s.values().map(|s| s.host_if.clone()).collect())
             .unwrap_or_default();
         known.extend(self.pool.names());
+        if let Ok(f) = self.in_flight.lock() {
+            known.extend(f.iter().cloned());
+        }
         let Ok(mut nl) = self.host_nl.lock() else {
             return;
         };
@@ -887,6 +928,38 @@ impl Net {
     /// Contents of a sandbox's `/etc/resolv.conf`.
     fn resolv_conf(&self) -> String {
         format!("nameserver {}\noptions edns0\n", self.gateway)
+    }
+}
+
+/// Removes the tables of daemons that are gone for good: no daemon holds their tag and no
+/// sandbox of theirs still has a link (a daemon that stops with none leaves its table to
+/// this; one that restarts makes it again).
+fn sweep_foreign(own: &str, nl: &mut link::Netlink) {
+    let links: Vec<String> = nl
+        .links()
+        .map(|l| l.into_iter().map(|(_, n)| n).collect())
+        .unwrap_or_default();
+    for table in nft::tables_with_prefix("sandpit_") {
+        let Some(tag) = table.strip_prefix("sandpit_") else {
+            continue;
+        };
+        if table == own || tag.len() != 5 || !tag.bytes().all(|b| b.is_ascii_hexdigit()) {
+            continue;
+        }
+        let prefix = format!("sp{tag}");
+        if links.iter().any(|l| l.starts_with(&prefix)) {
+            continue;
+        }
+        let Ok(Some(_held)) = try_lock(&format!("tag-{tag}")) else {
+            continue;
+        };
+        match nft::delete(&table) {
+            Ok(()) => {
+                let _ = std::fs::remove_file(format!("/run/sandpit/net/tag-{tag}.lock"));
+                tracing::info!(table, "removed the table of a daemon that is gone");
+            }
+            Err(e) => tracing::warn!(table, error = %e, "removing a stale nftables table failed"),
+        }
     }
 }
 

@@ -107,6 +107,33 @@ pub fn delete(table: &str) -> Result<(), String> {
     ))
 }
 
+/// Names of the inet tables whose names start with `prefix`.
+pub fn tables_with_prefix(prefix: &str) -> Vec<String> {
+    let Ok(out) = Command::new("nft")
+        .args(["list", "tables", "inet"])
+        .stderr(Stdio::null())
+        .output()
+    else {
+        return Vec::new();
+    };
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("table inet "))
+        .filter(|t| t.starts_with(prefix))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Whether the table exists.
+pub fn exists(table: &str) -> bool {
+    Command::new("nft")
+        .args(["list", "table", "inet", table])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
 /// Whether the `nft` tool runs here.
 pub fn available() -> bool {
     Command::new("nft")
