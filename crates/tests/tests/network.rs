@@ -902,3 +902,62 @@ async fn the_audit_streams_live() {
     .await;
     assert!(ended.is_ok(), "the stream outlived the daemon");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_pool_sandbox_takes_the_policy_of_its_claim() {
+    let up = Upstream::start(&[("allowed.test", "@2"), ("other.test", "@3")]);
+    let d = daemon(&up, "").await;
+    let c = d.client();
+    c.create_pool(&sandpit_api::PoolSpec {
+        name: "warm".into(),
+        limits: small(),
+        size: 1,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    for _ in 0..300 {
+        if c.get_pool("warm").await.unwrap().ready == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let p = policy(NetworkMode::Allowlist, vec![allow_domain("allowed.test")]);
+    let sb = c
+        .create_sandbox(&CreateSandboxRequest {
+            limits: small(),
+            timeout: Some(600),
+            network: Some(p.clone()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        sb.pool.as_deref(),
+        Some("warm"),
+        "not claimed from the pool"
+    );
+    assert_eq!(sb.network, Some(p));
+    assert_eq!(curl(&c, &sb.id, "http://allowed.test/").await, "200 rc=0");
+    assert_eq!(curl(&c, &sb.id, "http://other.test/").await, "000 rc=6");
+    // A claim without a policy gets the daemon's default (none): no route.
+    for _ in 0..300 {
+        if c.get_pool("warm").await.unwrap().ready == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let plain = c
+        .create_sandbox(&CreateSandboxRequest {
+            limits: small(),
+            timeout: Some(600),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(plain.pool.as_deref(), Some("warm"));
+    assert_eq!(plain.network.map(|n| n.mode), Some(NetworkMode::None));
+    let t = tcp_line(&c, &plain.id, &up.ip(2), 80).await;
+    assert!(t.contains("Network is unreachable"), "{t}");
+    d.shutdown().await;
+}

@@ -610,7 +610,10 @@ impl Net {
 
     /// Why no sandbox may reach `ip` (on `port`, when known), if it may not.
     pub fn blocked(&self, ip: Ipv4Addr, port: Option<u16>) -> Option<&'static str> {
-        let host = self.host.read().ok()?;
+        // Fails closed: without the host's addresses nothing can be told apart from them.
+        let Ok(host) = self.host.read() else {
+            return Some("the host's addresses are unknown");
+        };
         policy::blocked(
             ip,
             port,
@@ -754,6 +757,12 @@ impl Net {
     /// The interceptor, if one is installed.
     pub fn interceptor(&self) -> Option<Arc<dyn intercept::Interceptor>> {
         self.interceptor.read().ok().and_then(|i| i.clone())
+    }
+
+    /// The address of a running sandbox's link (reachable from the host while its policy
+    /// is not `none`).
+    pub fn address_of(&self, id: &str) -> Option<Ipv4Addr> {
+        self.slots.lock().ok()?.get(id).map(|s| s.address)
     }
 
     /// The gateway address (the sandboxes' resolver).
