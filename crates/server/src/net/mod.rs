@@ -332,6 +332,19 @@ impl Net {
             },
         )
         .map_err(io("start the network worker"))?;
+        // One namespace made and thrown away: a host where that cannot work is found out
+        // now, not by every create.
+        match pool.acquire() {
+            Ok(p) => {
+                if let Ok(mut a) = alloc.lock() {
+                    a.release(p.address);
+                }
+            }
+            Err(e) => {
+                let _ = nft::delete(&rules.table);
+                return Err(ServerError::Io("prepare a sandbox network".into(), e));
+            }
+        }
         for s in [&proxy, &dns_udp, &dns_tcp] {
             s.set_nonblocking(true).map_err(io("socket"))?;
         }
