@@ -8,6 +8,8 @@
 #   python3-venv:      with --test, a virtualenv for the test suite's Python tools
 #   debootstrap:       `sandpit template build --debootstrap` (and its test)
 #   python3-matplotlib: charts of the code interpreter's Python contexts (PNG results)
+#   nftables, iproute2, openssl: sandbox networking (`nft` enforces egress policies; the
+#                      network tests make their own namespaces with `ip` and a TLS cert)
 # With --test it also installs, into target/test-venv, the tools only the tests use:
 #   moto[server]:      an S3-compatible server on loopback for the snapshot storage tests
 #   e2b, e2b-code-interpreter, pytest: the E2B Python SDK scenarios (tests/e2b/python)
@@ -18,7 +20,7 @@ cd "$(dirname "$0")/.."
 for_tests=false
 [ "${1:-}" = "--test" ] && for_tests=true
 need=()
-for pkg in protobuf-compiler crun bubblewrap fonts-dejavu-core python3 python3-venv procps debootstrap e2fsprogs python3-matplotlib; do
+for pkg in protobuf-compiler crun bubblewrap fonts-dejavu-core python3 python3-venv procps debootstrap e2fsprogs python3-matplotlib nftables iproute2 openssl curl; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then

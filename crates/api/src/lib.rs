@@ -1,12 +1,14 @@
 //! Request and response bodies of the REST API under `/v1`, shared by server and client.
 
 pub mod leases;
+pub mod network;
 pub mod paths;
 pub mod secrets;
 pub mod templates;
 pub mod usage;
 pub mod volumes;
 
+pub use network::{NetworkAuditEntry, NetworkAuditList, NetworkMode, NetworkPolicy, NetworkRule};
 pub use volumes::{CreateVolumeRequest, Volume, VolumeList, VolumeMountSpec};
 
 use serde::{Deserialize, Serialize};
@@ -92,6 +94,10 @@ pub struct CreateSandboxRequest {
     /// this sandbox's matching requests.
     #[serde(default)]
     pub secrets: Vec<String>,
+    /// Egress policy (default: the daemon's `[network] default_mode`, no rules; a
+    /// snapshot's policy when starting from one).
+    #[serde(default)]
+    pub network: Option<NetworkPolicy>,
 }
 
 /// Lifecycle settings and state of a sandbox.
@@ -230,6 +236,9 @@ pub struct Sandbox {
     /// Token for its other ports (`E2B-Traffic-Access-Token`), shown to its owner only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traffic_access_token: Option<String>,
+    /// Egress policy (absent where the runtime has no network of its own).
+    #[serde(default)]
+    pub network: Option<NetworkPolicy>,
 }
 
 /// `PATCH /v1/sandboxes/{id}/access`: changes how its ports are exposed.

@@ -5,8 +5,8 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use utoipa::ToSchema;
 
-/// Egress is not metered until sandboxes have networking (they have loopback only).
-pub const EGRESS_NOTE: &str = "networking not built";
+/// What `egress_bytes` counts.
+pub const EGRESS_NOTE: &str = "sent through the egress proxy";
 
 /// Metering of one sandbox (also after it is gone).
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
@@ -28,7 +28,7 @@ pub struct SandboxUsage {
     pub memory_peak_bytes: u64,
     /// Bytes used in the writable layer; absent where the runtime has none (`process`).
     pub disk_used_bytes: Option<u64>,
-    /// Always 0 for now, see `egress_note`.
+    /// Bytes the sandbox sent out (through the egress proxy), see `egress_note`.
     pub egress_bytes: u64,
     pub egress_note: String,
     /// Execution records of the sandbox.
@@ -82,7 +82,7 @@ pub struct ExecutionResources {
     /// Largest resident set among them, MiB (rounded up).
     pub memory_peak_mb: Option<u64>,
     pub memory_peak_kb: Option<u64>,
-    /// Always 0 for now (sandboxes have loopback only).
+    /// Always 0: connections are not tied to commands (a sandbox's egress is metered whole).
     pub network_egress_kb: u64,
 }
 

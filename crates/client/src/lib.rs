@@ -328,6 +328,38 @@ impl Client {
         Ok(resp.items)
     }
 
+    /// `GET /v1/sandboxes/{id}/network`: the sandbox's egress policy.
+    pub async fn get_network(
+        &self,
+        id: &str,
+    ) -> Result<sandpit_api::network::NetworkPolicy, ClientError> {
+        self.json(self.req(Method::GET, &["sandboxes", id, "network"])?)
+            .await
+    }
+
+    /// `PUT /v1/sandboxes/{id}/network`: replaces the sandbox's egress policy.
+    pub async fn set_network(
+        &self,
+        id: &str,
+        policy: &sandpit_api::network::NetworkPolicy,
+    ) -> Result<sandpit_api::network::NetworkPolicy, ClientError> {
+        self.json(
+            self.req(Method::PUT, &["sandboxes", id, "network"])?
+                .json(policy),
+        )
+        .await
+    }
+
+    /// `GET /v1/network/audit`: outbound attempts, newest first; `query` holds filters
+    /// (`sandbox`, `since`, `until`, `verdict`, `limit`, `cursor`).
+    pub async fn network_audit(
+        &self,
+        query: &[(&str, String)],
+    ) -> Result<sandpit_api::network::NetworkAuditList, ClientError> {
+        self.json(self.req(Method::GET, &["network", "audit"])?.query(query))
+            .await
+    }
+
     /// `GET /v1/sandboxes/{id}/stats`: current resource usage.
     pub async fn stats(&self, id: &str) -> Result<SandboxStats, ClientError> {
         self.json(self.req(Method::GET, &["sandboxes", id, "stats"])?)

@@ -68,6 +68,7 @@ fn sandbox(id: &str) -> Sandbox {
         public: false,
         envd_access_token: None,
         traffic_access_token: None,
+        network: None,
     }
 }
 

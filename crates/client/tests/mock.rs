@@ -74,6 +74,7 @@ fn sandbox(id: &str, template: &str) -> Sandbox {
         public: false,
         envd_access_token: None,
         traffic_access_token: None,
+        network: None,
     }
 }
 

@@ -59,6 +59,13 @@ pub struct InitConfig {
     /// A CA certificate (PEM) to install beside the template's roots ([`crate::trust`]).
     #[serde(default)]
     pub extra_ca: Option<String>,
+    /// A prepared network namespace comes as the second descriptor with the config: join
+    /// it instead of unsharing an empty one.
+    #[serde(default)]
+    pub netns: bool,
+    /// Contents of `/etc/resolv.conf` (empty without networking).
+    #[serde(default)]
+    pub resolv_conf: Option<String>,
 }
 
 /// Where the writable layer's tmpfs appears inside a container sandbox, for the daemon
@@ -105,7 +112,7 @@ fn ctx<T, E: std::fmt::Display>(r: Result<T, E>, what: impl FnOnce() -> String) 
 /// Entry point of `sandpit __sandbox-init`; returns the process exit code.
 pub fn init_main() -> i32 {
     let started = mono_us();
-    let (raw, listener) = match receive_config() {
+    let (raw, listener, netns) = match receive_config() {
         Ok(r) => r,
         Err(e) => {
             println!("ERR reading config: {e}");
@@ -127,7 +134,7 @@ pub fn init_main() -> i32 {
         let _ = write!(m, " main={started}");
     }
     mark("config");
-    if let Err(e) = enter_sandbox(&cfg, listener) {
+    if let Err(e) = enter_sandbox(&cfg, listener, netns) {
         println!("ERR {}", e.replace('\n', " "));
         return 1;
     }
@@ -144,42 +151,43 @@ pub fn init_main() -> i32 {
 }
 
 /// Reads the configuration from stdin, a unix socket whose first message also carries the
-/// agent's listening socket.
-fn receive_config() -> R<(String, OwnedFd)> {
+/// agent's listening socket (and the sandbox's network namespace, when it has one).
+fn receive_config() -> R<(String, OwnedFd, Option<OwnedFd>)> {
     use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
     let mut buf = vec![0u8; 64 * 1024];
-    let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 1]);
-    let (n, fd) = {
+    let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 2]);
+    let (n, fds) = {
         let mut iov = [std::io::IoSliceMut::new(&mut buf)];
         let msg = ctx(
             recvmsg::<()>(0, &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC),
             || "receive config".into(),
         )?;
-        let mut fd = None;
+        let mut fds = Vec::new();
         for c in msg.cmsgs().map_err(|e| format!("receive config: {e}"))? {
-            if let ControlMessageOwned::ScmRights(fds) = c {
-                for f in fds {
+            if let ControlMessageOwned::ScmRights(got) = c {
+                for f in got {
                     // SAFETY: the kernel just installed this descriptor for us.
-                    let owned = unsafe { OwnedFd::from_raw_fd(f) };
-                    fd.get_or_insert(owned);
+                    fds.push(unsafe { OwnedFd::from_raw_fd(f) });
                 }
             }
         }
-        (msg.bytes, fd)
+        (msg.bytes, fds)
     };
+    let mut fds = fds.into_iter();
+    let (fd, netns) = (fds.next(), fds.next());
     buf.truncate(n);
     ctx(std::io::stdin().read_to_end(&mut buf), || {
         "read config".into()
     })?;
     let listener = fd.ok_or("no listening socket came with the config")?;
     let raw = String::from_utf8(buf).map_err(|e| format!("config: {e}"))?;
-    Ok((raw, listener))
+    Ok((raw, listener, netns))
 }
 
 /// Joins the sandbox's cgroup and its uts, ipc and net namespaces, and puts the agent's
 /// socket on its fd. Done here rather than between the daemon's fork and exec, so that
 /// the daemon can spawn with vfork semantics instead of copying its page tables.
-fn enter_sandbox(cfg: &InitConfig, listener: OwnedFd) -> R<()> {
+fn enter_sandbox(cfg: &InitConfig, listener: OwnedFd, netns: Option<OwnedFd>) -> R<()> {
     if cfg.cgroup_tasks.is_empty() {
         return Err("no cgroup to join".into());
     }
@@ -189,10 +197,24 @@ fn enter_sandbox(cfg: &InitConfig, listener: OwnedFd) -> R<()> {
         ctx(std::fs::write(p, "0"), || format!("join {}", p.display()))?;
     }
     mark("cgroup");
-    ctx(
-        unshare(CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWNET),
-        || "unshare uts, ipc and net namespaces".into(),
-    )?;
+    // The daemon's prepared namespace is joined while this process is still the host's
+    // root; it stays owned by the host's user namespace, so the sandbox can never change
+    // its addresses, routes or links.
+    let flags = match (cfg.netns, netns) {
+        (true, Some(ns)) => {
+            ctx(nix::sched::setns(&ns, CloneFlags::CLONE_NEWNET), || {
+                "join the network namespace".into()
+            })?;
+            CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWIPC
+        }
+        (true, None) => return Err("no network namespace came with the config".into()),
+        (false, _) => {
+            CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWNET
+        }
+    };
+    ctx(unshare(flags), || {
+        "unshare uts, ipc and net namespaces".into()
+    })?;
     mark("netns");
     let fd = crate::container::LISTEN_FD;
     if listener.as_raw_fd() == fd {
@@ -674,7 +696,11 @@ fn populate_upper(cfg: &InitConfig, upper: &Path) -> R<()> {
     let mut files = vec![
         ("etc/hostname", "sandpit\n", uroot),
         ("etc/hosts", crate::template::HOSTS, uroot),
-        ("etc/resolv.conf", "", uroot),
+        (
+            "etc/resolv.conf",
+            cfg.resolv_conf.as_deref().unwrap_or(""),
+            uroot,
+        ),
         (AGENT_PATH.trim_start_matches('/'), "", 0),
     ];
     if cfg.host_template {

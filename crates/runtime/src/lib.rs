@@ -87,6 +87,27 @@ pub struct SandboxSpec {
     /// A CA certificate (PEM) the sandbox trusts besides its template's roots: the
     /// credential broker's CA for this sandbox (container runtime only; see [`trust`]).
     pub extra_ca_pem: Option<String>,
+    /// A prepared network namespace to join instead of a new empty one (container
+    /// runtime only), with the sandbox's `/etc/resolv.conf`.
+    pub net: Option<SandboxNet>,
+}
+
+/// A network namespace made ready for a sandbox by the daemon.
+#[derive(Debug, Clone)]
+pub struct SandboxNet {
+    /// The namespace (`/proc/.../ns/net`), owned by the host's user namespace.
+    pub netns: std::sync::Arc<std::os::fd::OwnedFd>,
+    /// Contents of the sandbox's `/etc/resolv.conf`.
+    pub resolv_conf: String,
+}
+
+/// Where a sandbox's network link is, kept in its handle for re-adoption after a restart.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NetAttachment {
+    /// The sandbox's IPv4 address.
+    pub address: std::net::Ipv4Addr,
+    /// Name of the host end of its veth pair.
+    pub host_if: String,
 }
 
 /// A writable layer as the daemon may read it while the sandbox is frozen.
@@ -122,6 +143,9 @@ pub struct SandboxHandle {
     /// First host uid of the sandbox's user namespace (containers only).
     #[serde(default)]
     pub uid_base: Option<u32>,
+    /// Its network link, when the daemon gave it one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub net: Option<NetAttachment>,
 }
 
 /// Resource usage of a sandbox.

@@ -82,6 +82,7 @@ impl ProcessRuntime {
             socket,
             dir: dir.to_path_buf(),
             uid_base: None,
+            net: None,
         })
     }
 

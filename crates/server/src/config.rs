@@ -32,6 +32,9 @@ pub struct FileConfig {
     /// The credential broker's key and upstream trust (`[broker]`).
     #[serde(default)]
     pub broker: crate::broker::BrokerConfig,
+    /// Sandbox networking (`[network]`).
+    #[serde(default)]
+    pub network: crate::net::NetworkConfig,
 }
 
 impl FileConfig {

@@ -136,7 +136,14 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
         cfg.self_exe.clone(),
         std::path::Path::new("/sys/fs/cgroup"),
     )?;
-    runtimes.insert("container".into(), Arc::new(container));
+    let last_audit = store.max_audit_id().await?;
+    let net = net::Net::start(&file.network, &cfg.data_dir, store.clone(), last_audit)?;
+    let container: Arc<dyn Runtime> = Arc::new(container);
+    let container: Arc<dyn Runtime> = match &net {
+        Some(n) => Arc::new(net::runtime::NetRuntime::new(container, n.clone())),
+        None => container,
+    };
+    runtimes.insert("container".into(), container);
     // Registered even when not offered, so that reconcile can clean up its sandboxes.
     let process =
         sandpit_runtime::process::ProcessRuntime::new(&cfg.data_dir, cfg.self_exe.clone())?;
@@ -166,8 +173,17 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
         },
         snapshot_store,
     );
+    if let Some(n) = &net {
+        let _ = manager.net.set(n.clone());
+        // Connections to hosts with a bound credential go through the broker; it wants
+        // none while it has no key.
+        n.set_interceptor(manager.broker.clone());
+    }
     if let Err(e) = manager.reconcile().await {
         tracing::warn!(error = %e.message, "reconcile failed");
+    }
+    if let Some(n) = &net {
+        n.run().await?;
     }
     manager.sweep_snapshot_objects().await;
     if let Err(e) = manager.reconcile_volumes().await {
@@ -210,8 +226,9 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
         .await
         .map_err(|e| ServerError::Io(format!("listen on {}", cfg.listen), e))?;
     tracing::info!(listen = %cfg.listen, data_dir = %cfg.data_dir.display(), "sandpit serving");
+    let net = manager.net.get().cloned();
     axum::serve(listener, api::router(state))
-        .with_graceful_shutdown(async {
+        .with_graceful_shutdown(async move {
             use tokio::signal::unix::{SignalKind, signal};
             match (
                 signal(SignalKind::terminate()),
@@ -221,6 +238,10 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
                     tokio::select! { _ = t.recv() => {}, _ = i.recv() => {} }
                 }
                 _ => std::future::pending::<()>().await,
+            }
+            // Live streams would hold the graceful shutdown open forever.
+            if let Some(n) = net {
+                n.audit.close_streams();
             }
         })
         .await

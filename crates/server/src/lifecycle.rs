@@ -422,6 +422,7 @@ impl Manager {
             layers,
             volumes,
             extra_ca_pem: self.broker.ca_pem(&rec.id),
+            net: None,
         };
         let running = self
             .boot(

@@ -87,6 +87,8 @@ pub struct Manager {
     pub usage: crate::usage::Usage,
     /// The credential broker (secrets, sandbox CAs, the egress proxy's interceptor).
     pub broker: Arc<crate::broker::Broker>,
+    /// Sandbox networking, when the daemon has it.
+    pub net: std::sync::OnceLock<Arc<crate::net::Net>>,
 }
 
 /// What the agent's `/init` sets.
@@ -128,6 +130,8 @@ pub(crate) struct Plan {
     pub(crate) volumes: Vec<sandpit_api::VolumeMountSpec>,
     /// The template's settings (and the hold that keeps it from being deleted meanwhile).
     pub(crate) defaults: crate::templates::Defaults,
+    /// Egress policy (None: no network of its own, or an idle pool member's `none`).
+    pub(crate) network: Option<crate::net::policy::Policy>,
 }
 
 impl Plan {
@@ -261,6 +265,7 @@ impl Manager {
             auto_failures: Mutex::default(),
             usage: Default::default(),
             broker,
+            net: Default::default(),
         })
     }
 
@@ -338,6 +343,7 @@ impl Manager {
             template,
             volumes: Vec::new(),
             defaults,
+            network: None,
         })
     }
 
@@ -377,6 +383,7 @@ impl Manager {
             req.env = env;
             req.workdir = req.workdir.take().or_else(|| r.workdir.clone());
             req.user = req.user.take().or_else(|| r.user.clone());
+            req.network = req.network.take().or_else(|| r.network.clone());
         }
         let mut plan = self
             .plan(req.template.as_deref(), req.runtime.as_deref(), &req.limits)
@@ -384,6 +391,8 @@ impl Manager {
         let req = crate::templates::with_defaults(req, &plan.defaults);
         crate::volumes::check_mounts(&req.volumes)?;
         plan.volumes = req.volumes.clone();
+        plan.network =
+            crate::net::plan_policy(self.net.get(), &plan.key.runtime, req.network.as_ref())?;
         let timeout = self.timeout(req.timeout)?;
         check_env(&req.env)?;
         check_metadata(&req.metadata)?;
@@ -441,6 +450,10 @@ impl Manager {
                 .claim(owner, &plan.key, &req, &workdir, expires_at_ms, &life)
                 .await
         {
+            if let Err(e) = crate::net::assign(self.net.get(), &rec, plan.network.clone()).await {
+                let _ = self.destroy(&rec).await;
+                return Err(e);
+            }
             let rec = self.with_proxy_access(rec, secure, public).await?;
             return self.with_secrets(rec, &secrets).await;
         }
@@ -628,6 +641,10 @@ impl Manager {
         };
         let ca = self.broker.ca_pem_soon(&rec.id);
         self.store.insert_sandbox(&rec).await?;
+        if let Err(e) = crate::net::assign(self.net.get(), &rec, plan.network.clone()).await {
+            let _ = self.store.delete_sandbox(&rec.id).await;
+            return Err(e);
+        }
         let volumes = match self.attach_volumes(&rec.id, owner, &plan.volumes).await {
             Ok(v) => v,
             Err(e) => {
@@ -649,6 +666,7 @@ impl Manager {
             volumes,
             layers: self.start_layers(&rec, &plan.defaults)?,
             extra_ca_pem: ca.await,
+            net: None,
         };
         self.boot(&rec, plan.runtime, spec, Failed::Delete).await
     }

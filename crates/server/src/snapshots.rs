@@ -280,6 +280,8 @@ struct Settings {
     limits: sandpit_api::LimitsSpec,
     workdir: Option<String>,
     user: Option<String>,
+    /// Egress policy of the sandbox when it was taken.
+    network: Option<sandpit_api::NetworkPolicy>,
 }
 
 fn snapshot_name_ok(n: &str) -> bool {
@@ -442,6 +444,7 @@ impl Manager {
             limits: limits_of(&rec),
             workdir: rec.life.workdir.clone(),
             user: rec.life.user.clone(),
+            network: self.net.get().and_then(|n| n.policy_of(&rec.id)),
         };
         let snap = SnapshotRecord {
             id: id.clone(),
@@ -600,6 +603,7 @@ impl Manager {
             limits: settings.limits,
             workdir: settings.workdir,
             user: settings.user,
+            network: settings.network,
             _pins: pins,
         })
     }
@@ -701,6 +705,9 @@ impl Manager {
             .await?;
         // A volume is shared, not copied: each copy mounts its source's.
         plan.volumes = self.volume_specs(&rec.id).await?;
+        let source_policy = self.net.get().and_then(|n| n.policy_of(&rec.id));
+        plan.network =
+            crate::net::plan_policy(self.net.get(), &plan.key.runtime, source_policy.as_ref())?;
         let timeout = self.timeout(req.timeout)?;
         let metadata = req.metadata.clone().unwrap_or_else(|| rec.metadata.clone());
         crate::manager::check_metadata(&metadata)?;
@@ -902,6 +909,7 @@ pub(crate) struct Restore<'a> {
     pub limits: sandpit_api::LimitsSpec,
     pub workdir: Option<String>,
     pub user: Option<String>,
+    pub network: Option<sandpit_api::NetworkPolicy>,
     _pins: Vec<crate::lifecycle::Pin<'a>>,
 }
 

@@ -8,6 +8,7 @@ mod error;
 mod keys;
 mod leases;
 mod model;
+mod network;
 mod pools;
 mod sandboxes;
 mod schema;
@@ -31,6 +32,7 @@ pub use model::{
     ApiKey, Lifecycle, OnTimeout, ParseSandboxStateError, PoolRecord, SandboxFilter, SandboxPage,
     SandboxRecord, SandboxState, SnapshotRecord, TemplateRecord, TemplateState,
 };
+pub use network::{AuditFilter, AuditRecord, AuditWrite};
 pub use pools::Claim;
 pub use schema::SCHEMA_VERSION;
 pub use secrets::{SecretAttachment, SecretRecord};

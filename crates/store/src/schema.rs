@@ -221,6 +221,40 @@ pub(crate) const MIGRATIONS: &[(i64, &[&str])] = &[
         ],
     ),
     (
+        7,
+        &[
+            // Each sandbox's egress policy (JSON); goes with the sandbox's record.
+            "CREATE TABLE sandbox_network (
+            sandbox_id TEXT PRIMARY KEY NOT NULL REFERENCES sandboxes (id) ON DELETE CASCADE,
+            policy TEXT NOT NULL,
+            updated_at_ms BIGINT NOT NULL
+        )",
+            // Every outbound attempt of a sandbox; outlives the sandbox. Ids come from
+            // the daemon, which streams an entry before it is written.
+            "CREATE TABLE network_audit (
+            id BIGINT PRIMARY KEY NOT NULL,
+            at_ms BIGINT NOT NULL,
+            sandbox_id TEXT NOT NULL,
+            owner TEXT NOT NULL,
+            protocol TEXT NOT NULL,
+            dest_name TEXT,
+            dest_ip TEXT,
+            dest_port BIGINT NOT NULL,
+            sni TEXT,
+            http_host TEXT,
+            verdict TEXT NOT NULL,
+            rule TEXT NOT NULL,
+            bytes_sent BIGINT NOT NULL,
+            bytes_received BIGINT NOT NULL,
+            ended_at_ms BIGINT,
+            error TEXT
+        )",
+            "CREATE INDEX network_audit_owner_idx ON network_audit (owner, id)",
+            "CREATE INDEX network_audit_sandbox_idx ON network_audit (sandbox_id, id)",
+            "CREATE INDEX network_audit_at_idx ON network_audit (at_ms)",
+        ],
+    ),
+    (
         8,
         &[
             // Credential broker secrets: the value only sealed by the daemon's broker key.

@@ -1,6 +1,8 @@
 //! Harness for end-to-end tests: starts `sandpit serve` on a free loopback port with its
 //! own data directory, and tears everything down again.
 
+pub mod netfix;
+
 use sandpit_api::{CreateSandboxRequest, LimitsSpec};
 use sandpit_client::Client;
 use std::path::PathBuf;

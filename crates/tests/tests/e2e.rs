@@ -171,10 +171,22 @@ async fn isolation_holds() {
         "ptrace(ATTACH) of a host pid must fail with ESRCH: {}",
         r.stdout
     );
-    // the network is loopback only: no other interface, and the daemon's port on the
-    // host's loopback is not reachable from the sandbox's own loopback
+    // the network is loopback only (network mode `none` by default): the sandbox's link,
+    // when the daemon gives it one, is down with no route at all, and the daemon's port
+    // on the host's loopback is not reachable from the sandbox's own loopback
     let r = sh(&c, &id, "ls /sys/class/net").await;
-    assert_eq!(r.stdout.split_whitespace().collect::<Vec<_>>(), vec!["lo"]);
+    let links: Vec<&str> = r.stdout.split_whitespace().collect();
+    assert!(links == ["lo"] || links == ["eth0", "lo"], "{links:?}");
+    let r = sh(
+        &c,
+        &id,
+        "tail -n +2 /proc/net/route | wc -l; cat /sys/class/net/eth0/operstate 2>/dev/null || echo down",
+    )
+    .await;
+    assert_eq!(
+        r.stdout.split_whitespace().collect::<Vec<_>>(),
+        vec!["0", "down"]
+    );
     let probe = format!(
         "import socket; s=socket.socket(); s.settimeout(2); print(s.connect_ex(('127.0.0.1', {})))",
         d.port

@@ -70,7 +70,7 @@ async fn metering_excludes_paused_time() {
         .expect("container sandboxes report disk use");
     assert!((8 << 20..(64 << 20)).contains(&disk), "{u:?}");
     assert_eq!(u.egress_bytes, 0);
-    assert_eq!(u.egress_note, "networking not built");
+    assert_eq!(u.egress_note, sandpit_api::usage::EGRESS_NOTE);
     assert!(u.executions >= 1);
 
     // The owner's summary for a period covering the sandbox says the same.
@@ -398,7 +398,7 @@ async fn the_cli_shows_usage_and_executions() {
     assert_eq!(v["executions"], 1);
     let (ok, table, _) = cli(&d, &["usage", &id]);
     assert!(ok);
-    assert!(table.contains("networking not built"), "{table}");
+    assert!(table.contains(sandpit_api::usage::EGRESS_NOTE), "{table}");
     assert!(
         table
             .lines()

@@ -15,6 +15,7 @@ mod chart;
 mod e2b;
 mod lifecycle;
 mod memory;
+mod network;
 mod phases;
 mod proc;
 mod proxy;
@@ -58,10 +59,13 @@ pub enum Phase {
     E2b,
     /// Requests and a download through the sandbox proxy, beside direct ones.
     Proxy,
+    /// Create with and without an open network, namespace preparation, the egress proxy
+    /// against a direct connection.
+    Network,
 }
 
 impl Phase {
-    const ALL: [Phase; 11] = [
+    const ALL: [Phase; 12] = [
         Phase::Baselines,
         Phase::Cold,
         Phase::Pool,
@@ -73,6 +77,7 @@ impl Phase {
         Phase::Lifecycle,
         Phase::E2b,
         Phase::Proxy,
+        Phase::Network,
     ];
 
     fn name(self) -> &'static str {
@@ -88,6 +93,7 @@ impl Phase {
             Phase::Lifecycle => "lifecycle",
             Phase::E2b => "e2b",
             Phase::Proxy => "proxy",
+            Phase::Network => "network",
         }
     }
 }
@@ -118,7 +124,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 8)]
     pub pool_size: u32,
     /// Run only these phases (comma-separated): baselines, cold, pool, exec, concurrent,
-    /// sustained, memory, files, lifecycle, proxy, e2b. Default: all.
+    /// sustained, memory, files, lifecycle, network, proxy, e2b. Default: all.
     #[arg(long, value_delimiter = ',', value_enum)]
     pub only: Vec<Phase>,
     /// Python with the `e2b` package, for the e2b phase (default: the test virtualenv
@@ -742,6 +748,10 @@ impl Bench {
         if on(Phase::Lifecycle) {
             let r = self.lifecycle(&mut report).await;
             phase(&mut report, "lifecycle", r)?;
+        }
+        if on(Phase::Network) {
+            let r = self.network(&mut report).await;
+            phase(&mut report, "net", r)?;
         }
         if on(Phase::Proxy) {
             let r = self.proxy(&mut report).await;

@@ -53,6 +53,12 @@ pub(super) struct Target {
 
 pub(super) const TARGETS: &[Target] = &[
     Target {
+        key: "net.create_open_minus_none.p50_ms",
+        value: 1.0,
+        goal: Goal::AtMost,
+        unit: "ms",
+    },
+    Target {
         key: "pool_first_exec.p50_ms",
         value: 2.0,
         goal: Goal::AtMost,
@@ -698,6 +704,55 @@ impl Report {
                 ),
             );
         }
+        if self
+            .figures
+            .contains_key("net.create_open_first_exec.p50_ms")
+        {
+            t.blank();
+            dist_row(
+                &mut t,
+                "create (link down) -> exec",
+                "net.create_none_first_exec",
+                none,
+            );
+            dist_row(
+                &mut t,
+                "create (link up) -> exec",
+                "net.create_open_first_exec",
+                none,
+            );
+            value_row(
+                &mut t,
+                "  up minus down, p50",
+                "net.create_open_minus_none.p50_ms",
+                none,
+            );
+            value_row(
+                &mut t,
+                "  up minus down, p95",
+                "net.create_open_minus_none.p95_ms",
+                none,
+            );
+            dist_row(&mut t, "  link up + route (netlink)", "net.link_up", none);
+            dist_row(
+                &mut t,
+                "connect via the proxy",
+                "net.proxy_connect",
+                ("direct", "baseline.direct_connect.p50_ms", ""),
+            );
+            value_row(&mut t, "  added, p50", "net.proxy_added.p50_ms", none);
+            value_row(&mut t, "  added, p95", "net.proxy_added.p95_ms", none);
+            value_row(
+                &mut t,
+                "proxy throughput",
+                "net.proxy_throughput.mb_per_s",
+                (
+                    "direct",
+                    "baseline.direct_throughput.mb_per_s",
+                    "ratio.proxy_vs_direct_throughput",
+                ),
+            );
+        }
         let baselines = self.figures.keys().any(|k| k.starts_with("baseline."));
         if baselines {
             t.blank();
@@ -711,6 +766,9 @@ impl Report {
             ("  unshare wrapper alone", "baseline.unshare_wrapper"),
             ("crun run, N at once", "baseline.crun_run_concurrent"),
             ("runsc --platform=ptrace run", "baseline.runsc_ptrace"),
+            ("netns + veth via netlink", "baseline.netns_prepare"),
+            ("  unshare netns alone", "baseline.unshare_netns"),
+            ("direct connect (no proxy)", "baseline.direct_connect"),
         ] {
             let p50 = format!("{prefix}.p50_ms");
             // The wrapper row exists only where the cgroup layout needs the wrapper.

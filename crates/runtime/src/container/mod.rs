@@ -110,6 +110,7 @@ impl ContainerRuntime {
             socket,
             dir: dir.to_path_buf(),
             uid_base: Some(uid_base),
+            net: None,
         })
     }
 
@@ -160,6 +161,8 @@ impl ContainerRuntime {
             volumes: spec.volumes.clone(),
             layers: spec.layers.clone(),
             extra_ca: spec.extra_ca_pem.clone(),
+            netns: spec.net.is_some(),
+            resolv_conf: spec.net.as_ref().map(|n| n.resolv_conf.clone()),
         };
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()
             .map_err(|e| RuntimeError::io("config socket", e))?;
@@ -180,7 +183,11 @@ impl ContainerRuntime {
         drop(cmd);
         let t_spawn = crate::init::mono_us();
 
-        let sent = send_with_fd(&ours, &payload, listener.as_raw_fd())
+        let mut fds = vec![listener.as_raw_fd()];
+        if let Some(n) = &spec.net {
+            fds.push(n.netns.as_raw_fd());
+        }
+        let sent = send_with_fds(&ours, &payload, &fds)
             .map_err(|e| RuntimeError::io("send init config", e));
         drop(listener);
         drop(ours);
@@ -313,18 +320,17 @@ fn open_upper(h: &SandboxHandle) -> Result<std::os::fd::OwnedFd, RuntimeError> {
     openat2(&layer, "upper", how).map_err(|e| io("open the upper layer", e))
 }
 
-/// Writes `payload` to `sock`, the first part together with `fd` (SCM_RIGHTS).
-fn send_with_fd(
+/// Writes `payload` to `sock`, the first part together with `fds` (SCM_RIGHTS).
+fn send_with_fds(
     sock: &std::os::unix::net::UnixStream,
     payload: &[u8],
-    fd: std::os::fd::RawFd,
+    fds: &[std::os::fd::RawFd],
 ) -> std::io::Result<()> {
     use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
-    let fds = [fd];
     let n = sendmsg::<()>(
         sock.as_raw_fd(),
         &[std::io::IoSlice::new(payload)],
-        &[ControlMessage::ScmRights(&fds)],
+        &[ControlMessage::ScmRights(fds)],
         MsgFlags::empty(),
         None,
     )?;

@@ -4,6 +4,7 @@ pub mod commands;
 pub mod e2b;
 pub mod files;
 pub mod leases;
+pub mod network;
 pub mod passthrough;
 pub mod pools;
 pub mod sandboxes;
@@ -205,6 +206,7 @@ async fn authenticate(
         usage::summary, usage::sandbox, usage::executions,
         crate::proxy::api::get, crate::proxy::api::update, crate::proxy::api::port_url,
         secrets::create, secrets::list, secrets::get_one, secrets::delete, secrets::sandbox_get, secrets::sandbox_put,
+        network::get_policy, network::set_policy, network::audit, network::audit_stream,
     ),
     components(schemas(sandpit_api::ErrorBody, sandpit_api::CommandEvent, sandpit_api::ClientMessage)),
     modifiers(&BearerAuth)
@@ -248,6 +250,7 @@ pub fn router(state: AppState) -> Router {
 fn api_router(state: AppState) -> Router {
     let doc = openapi();
     let authed = Router::new()
+        .merge(network::routes())
         .route("/v1/info", get(sandboxes::info))
         .route("/v1/templates", get(templates::list).post(templates::build))
         .route(

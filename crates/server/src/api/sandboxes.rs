@@ -45,6 +45,7 @@ pub fn to_api(rec: &SandboxRecord, isolated: bool) -> Sandbox {
         public: false,
         envd_access_token: None,
         traffic_access_token: None,
+        network: None,
     }
 }
 
@@ -54,7 +55,9 @@ fn bare_view(state: &AppState, rec: &SandboxRecord) -> Sandbox {
         .runtimes
         .get(&rec.runtime)
         .is_some_and(|r| r.capabilities().isolated);
-    to_api(rec, isolated)
+    let mut s = to_api(rec, isolated);
+    s.network = state.manager.net.get().and_then(|n| n.policy_of(&rec.id));
+    s
 }
 
 /// The owner's views of sandboxes, with their proxy tokens.

@@ -1,0 +1,342 @@
+//! The transparent egress proxy. Every TCP connection a sandbox opens is redirected here
+//! (nftables); the proxy reads the original destination (SO_ORIGINAL_DST), peeks at the
+//! first bytes for the TLS server name or HTTP Host, and decides with the sandbox's
+//! policy. A connection whose name decides must go to an address that name resolves to:
+//! a well-known SNI sent to an arbitrary address, or an address DNS should never have
+//! given out, is refused. Allowed connections are spliced (or handed to the interceptor
+//! when it wants them), with their bytes counted for the audit and metering.
+
+use super::Net;
+use super::intercept::Outbound;
+use super::policy::{Attempt, normalize_name};
+use super::sniff::{MAX_PEEK, Sniffed, sniff};
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+
+const SO_ORIGINAL_DST: libc::c_int = 80;
+
+/// The address a redirected connection was meant for.
+fn original_dst(s: &TcpStream) -> io::Result<SocketAddrV4> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: sockaddr_in is plain data; getsockopt writes at most `len` bytes into it.
+    unsafe {
+        let mut addr: libc::sockaddr_in = std::mem::zeroed();
+        let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        let r = libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_IP,
+            SO_ORIGINAL_DST,
+            (&mut addr as *mut libc::sockaddr_in).cast(),
+            &mut len,
+        );
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(SocketAddrV4::new(
+            Ipv4Addr::from(u32::from_be(addr.sin_addr.s_addr)),
+            u16::from_be(addr.sin_port),
+        ))
+    }
+}
+
+/// Accepts the sandboxes' redirected connections until the daemon stops.
+pub async fn serve(net: Arc<Net>, listener: TcpListener) {
+    loop {
+        match listener.accept().await {
+            Ok((s, peer)) => {
+                let net = net.clone();
+                tokio::spawn(async move {
+                    let _ = s.set_nodelay(true);
+                    handle(net, s, peer).await;
+                });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "egress proxy accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// Reads the client's first bytes until they tell what it speaks, it stops sending for
+/// `wait`, or [`MAX_PEEK`] bytes have come.
+async fn peek(client: &mut TcpStream, buf: &mut Vec<u8>, wait: Duration) -> Sniffed {
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut chunk = [0u8; 4096];
+    loop {
+        let s = sniff(buf);
+        if s != Sniffed::NeedMore {
+            return s;
+        }
+        if buf.len() >= MAX_PEEK {
+            return Sniffed::Other;
+        }
+        let room = (MAX_PEEK - buf.len()).min(chunk.len());
+        match tokio::time::timeout_at(deadline, client.read(&mut chunk[..room])).await {
+            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return Sniffed::Other,
+            Ok(Ok(n)) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+async fn handle(net: Arc<Net>, mut client: TcpStream, peer: SocketAddr) {
+    let IpAddr::V4(src) = peer.ip() else { return };
+    let Ok(dst) = original_dst(&client) else {
+        return;
+    };
+    // Not a sandbox (nothing else is redirected here): nothing to say to it.
+    let Some((sandbox, entry)) = net.sandbox_of(src) else {
+        return;
+    };
+    let (ip, port) = (*dst.ip(), dst.port());
+    let mut first = Vec::with_capacity(1024);
+    let sniffed = peek(&mut client, &mut first, net.peek_timeout).await;
+    let (sni, http_host, tls) = match &sniffed {
+        Sniffed::Tls(n) => (n.clone(), None, true),
+        Sniffed::Http(h) => (None, h.clone(), false),
+        _ => (None, None, false),
+    };
+    // A name the client claims; an address literal in its place is no name.
+    let claimed = sni
+        .as_deref()
+        .or(http_host.as_deref())
+        .and_then(normalize_name)
+        .filter(|n| n.parse::<Ipv4Addr>().is_err());
+    let name = claimed.clone().or_else(|| net.resolved_name(&sandbox, ip));
+    let attempt = super::audit::Attempt {
+        sandbox_id: sandbox.clone(),
+        owner: entry.owner.clone(),
+        protocol: "tcp",
+        dest_name: name.clone(),
+        dest_ip: Some(ip.to_string()),
+        dest_port: port,
+        sni,
+        http_host,
+    };
+    let verdict = decide(
+        &net,
+        &sandbox,
+        &entry.policy,
+        name.as_deref(),
+        claimed.is_some(),
+        ip,
+        port,
+    )
+    .await;
+    let rule = match verdict {
+        Ok(rule) => rule,
+        Err(rule) => {
+            net.audit.record(attempt, false, &rule);
+            if matches!(sniffed, Sniffed::Http(_)) {
+                let body = format!(
+                    "sandpit: the sandbox's egress policy refused this connection ({rule})\n"
+                );
+                let resp = format!(
+                    "HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ =
+                    tokio::time::timeout(Duration::from_secs(2), client.write_all(resp.as_bytes()))
+                        .await;
+            }
+            return;
+        }
+    };
+    let Some(_slot) = net.connection_slot(&sandbox) else {
+        net.audit
+            .record(attempt, false, "too many open connections for this sandbox");
+        return;
+    };
+    let owner = entry.owner.clone();
+    let entry_rec = net.audit.record(attempt, true, &rule);
+    let upstream = SocketAddr::V4(dst);
+    let outbound = Outbound {
+        sandbox_id: sandbox.clone(),
+        host: name.clone().unwrap_or_else(|| ip.to_string()),
+        port,
+        tls,
+    };
+    if let Some(i) = net.interceptor()
+        && i.wants(&outbound)
+    {
+        let client = Box::new(Prefixed::new(first, client));
+        let (sent, received, error) = match i.serve(outbound, client, upstream).await {
+            Ok((s, r)) => (s, r, None),
+            Err(e) => (0, 0, Some(e.to_string())),
+        };
+        net.audit.close(&owner, entry_rec, sent, received, error);
+        return;
+    }
+    let server = match tokio::time::timeout(net.connect_timeout, TcpStream::connect(upstream)).await
+    {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            net.audit
+                .close(&owner, entry_rec, 0, 0, Some(format!("connect: {e}")));
+            return;
+        }
+        Err(_) => {
+            net.audit
+                .close(&owner, entry_rec, 0, 0, Some("connect: timed out".into()));
+            return;
+        }
+    };
+    let _ = server.set_nodelay(true);
+    let (sent, received, error) = splice(client, server, &first).await;
+    net.audit.close(&owner, entry_rec, sent, received, error);
+}
+
+/// The policy's verdict on one connection: the deciding rule, allowed or refused.
+async fn decide(
+    net: &Net,
+    sandbox: &str,
+    policy: &super::policy::Policy,
+    name: Option<&str>,
+    claimed: bool,
+    ip: Ipv4Addr,
+    port: u16,
+) -> Result<String, String> {
+    if let Some(why) = net.blocked(ip, Some(port)) {
+        return Err(format!("blocked: {why}"));
+    }
+    let d = policy.decide(&Attempt {
+        name,
+        ip: Some(ip),
+        port: Some(port),
+    });
+    if !d.allow {
+        return Err(d.rule);
+    }
+    let Some(name) = name.filter(|_| claimed) else {
+        return Ok(d.rule);
+    };
+    // Allowed whatever the name: nothing to check.
+    let unnamed = policy.decide(&Attempt {
+        name: None,
+        ip: Some(ip),
+        port: Some(port),
+    });
+    if unnamed.allow {
+        return Ok(d.rule);
+    }
+    // The name decided: the address must be one it resolves to.
+    if net.was_resolved(sandbox, name, ip) {
+        return Ok(d.rule);
+    }
+    match net.resolver.resolve_v4(name).await {
+        Ok(addrs) if addrs.contains(&ip) => Ok(d.rule),
+        Ok(_) => Err(format!("{name} does not resolve to {ip}")),
+        Err(e) => Err(format!("{name} could not be resolved: {e}")),
+    }
+}
+
+/// Copies both ways until both sides are done (or one fails), counting bytes: (from the
+/// client, to the client, error).
+async fn splice(client: TcpStream, server: TcpStream, first: &[u8]) -> (u64, u64, Option<String>) {
+    let (mut cr, mut cw) = client.into_split();
+    let (mut sr, mut sw) = server.into_split();
+    let mut up = 0u64;
+    let mut down = 0u64;
+    let result = {
+        let upward = async {
+            if !first.is_empty() {
+                sw.write_all(first).await?;
+                up += first.len() as u64;
+            }
+            pump(&mut cr, &mut sw, &mut up).await
+        };
+        let downward = pump(&mut sr, &mut cw, &mut down);
+        tokio::try_join!(upward, downward)
+    };
+    (up, down, result.err().map(|e| e.to_string()))
+}
+
+async fn pump<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
+    r: &mut R,
+    w: &mut W,
+    count: &mut u64,
+) -> io::Result<()> {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = r.read(&mut buf).await?;
+        if n == 0 {
+            let _ = w.shutdown().await;
+            return Ok(());
+        }
+        w.write_all(&buf[..n]).await?;
+        *count += n as u64;
+    }
+}
+
+/// A stream that first replays bytes already read from it.
+pub struct Prefixed<S> {
+    prefix: Vec<u8>,
+    pos: usize,
+    inner: S,
+}
+
+impl<S> Prefixed<S> {
+    /// `inner`, whose next bytes are `prefix`.
+    pub fn new(prefix: Vec<u8>, inner: S) -> Self {
+        Self {
+            prefix,
+            pos: 0,
+            inner,
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Prefixed<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if self.pos < self.prefix.len() {
+            let n = (self.prefix.len() - self.pos).min(buf.remaining());
+            let start = self.pos;
+            buf.put_slice(&self.prefix[start..start + n]);
+            self.pos += n;
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Prefixed<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn prefixed_replays_then_reads_on() {
+        let (a, mut b) = tokio::io::duplex(64);
+        b.write_all(b" world").await.unwrap();
+        drop(b);
+        let mut p = Prefixed::new(b"hello".to_vec(), a);
+        let mut s = String::new();
+        p.read_to_string(&mut s).await.unwrap();
+        assert_eq!(s, "hello world");
+    }
+}
