@@ -583,3 +583,76 @@ async fn a_multipart_upload_is_answered_after_its_last_bytes() {
     assert_eq!(out.stdout, "uploaded");
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn e2b_network_settings_become_egress_policies() {
+    /// The sandbox's egress policy as sandpit's own API shows it.
+    async fn policy(d: &Daemon, id: String) -> Value {
+        reqwest::Client::new()
+            .get(format!("{}/v1/sandboxes/{id}/network", d.url))
+            .bearer_auth(&d.key)
+            .send()
+            .await
+            .expect("send")
+            .json()
+            .await
+            .expect("json")
+    }
+    let d = Daemon::start().await;
+    let e = E2b::new(&d);
+    // E2B's default: internet access (sandpit's `open`, private ranges still blocked).
+    let open = e.create_id(json!({"templateID": "base"})).await;
+    assert_eq!(policy(&d, open.clone()).await["mode"], "open");
+    let (_, detail, _) = e
+        .call(reqwest::Method::GET, &format!("/sandboxes/{open}"), None)
+        .await;
+    assert_eq!(detail["allowInternetAccess"], json!(true));
+    // No internet at all.
+    let none = e
+        .create_id(json!({"templateID": "base", "allow_internet_access": false}))
+        .await;
+    assert_eq!(
+        policy(&d, none.clone()).await,
+        json!({"mode": "none", "rules": []})
+    );
+    let (_, detail, _) = e
+        .call(reqwest::Method::GET, &format!("/sandboxes/{none}"), None)
+        .await;
+    assert_eq!(detail["allowInternetAccess"], json!(false));
+    // An allowlist.
+    let list = e
+        .create_id(json!({"templateID": "base", "network": {
+            "allowOut": ["api.example.com", "203.0.113.7"], "denyOut": ["0.0.0.0/0"]}}))
+        .await;
+    let p = policy(&d, list.clone()).await;
+    assert_eq!(p["mode"], "allowlist", "{p}");
+    assert_eq!(p["rules"][0]["domain"], "api.example.com");
+    assert_eq!(p["rules"][1]["cidr"], "203.0.113.7/32");
+    // A live change through E2B's route.
+    let (s, v, _) = e
+        .call(
+            reqwest::Method::PUT,
+            &format!("/sandboxes/{open}/network"),
+            Some(json!({"denyOut": ["evil.example.com"]})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NO_CONTENT, "{v}");
+    let p = policy(&d, open.clone()).await;
+    assert_eq!(p["mode"], "open");
+    assert_eq!(p["rules"][0]["action"], "deny");
+    assert_eq!(p["rules"][0]["domain"], "evil.example.com");
+    // What sandpit cannot honour is refused, not ignored.
+    for body in [
+        json!({"templateID": "base", "network": {"dnsServers": ["1.1.1.1"]}}),
+        json!({"templateID": "base", "network": {"maskRequestHost": "x"}}),
+        json!({"templateID": "base", "network": {"rules": {"api.x": {}}}}),
+        json!({"templateID": "base", "network": {"allowOut": ["not a cidr/99"]}}),
+    ] {
+        let (s, v, _) = e
+            .call(reqwest::Method::POST, "/v2/sandboxes", Some(body))
+            .await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+        assert_e2b_error(&v, StatusCode::BAD_REQUEST);
+    }
+    d.shutdown().await;
+}

@@ -36,6 +36,15 @@ pub struct E2bConfig {
     /// end at their timeout, so 0, never, by default).
     #[serde(default)]
     pub idle_timeout_secs: u64,
+    /// Whether an E2B create that says nothing of the network gets internet access (mode
+    /// `open`: the always-blocked host, private and metadata ranges stay blocked), as on
+    /// E2B. `false` leaves such sandboxes on the daemon's `[network] default_mode`.
+    #[serde(default = "yes")]
+    pub internet_by_default: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn default_aliases() -> BTreeMap<String, String> {
@@ -50,6 +59,7 @@ impl Default for E2bConfig {
         Self {
             templates: default_aliases(),
             idle_timeout_secs: 0,
+            internet_by_default: true,
         }
     }
 }
@@ -183,6 +193,10 @@ pub fn router(state: AppState) -> Router<AppState> {
         .route("/v2/sandboxes/{id}/connect", post(sandboxes::connect))
         .route("/sandboxes/{id}/fork", post(sandboxes::fork))
         .route("/sandboxes/{id}/metrics", get(sandboxes::metrics))
+        .route(
+            "/sandboxes/{id}/network",
+            axum::routing::put(sandboxes::update_network),
+        )
         .route("/sandboxes/{id}/snapshots", post(templates::snapshot))
         .route("/snapshots", get(templates::list_snapshots))
         .route("/templates", get(templates::list))
@@ -211,11 +225,17 @@ pub async fn access(
     rec: &sandpit_store::SandboxRecord,
 ) -> Result<Access, E2bError> {
     let a = crate::proxy::access(&state.manager, &rec.id).await?;
+    let internet = state
+        .manager
+        .net
+        .get()
+        .and_then(|n| n.policy_of(&rec.id))
+        .map(|p| p.mode != sandpit_api::NetworkMode::None);
     Ok(Access {
         envd_token: Some(a.envd_token),
         traffic_token: Some(a.traffic_token),
         domain: state.manager.cfg.proxy.domain(),
-        internet: Some(false),
+        internet: Some(internet.unwrap_or(false)),
     })
 }
 
@@ -224,12 +244,14 @@ pub async fn access(
 pub struct NetworkSpec {
     /// `allowPublicTraffic`: ports open without the traffic token.
     pub public: Option<bool>,
+    /// The egress policy (`None`: the daemon's default).
+    pub policy: Option<sandpit_api::NetworkPolicy>,
 }
 
-/// E2B's `network` object.
+/// E2B's `network` object (create), and the body of `PUT /sandboxes/{id}/network`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct E2bNetwork {
+pub struct E2bNetwork {
     allow_public_traffic: Option<bool>,
     #[serde(default)]
     allow_out: Vec<String>,
@@ -242,36 +264,154 @@ struct E2bNetwork {
     #[serde(default)]
     https_ports: Vec<u16>,
     rules: Option<serde_json::Value>,
+    /// Only in the update body.
+    #[serde(rename = "allow_internet_access")]
+    allow_internet_access: Option<bool>,
 }
 
-/// Reads the network part of a create. Egress settings sandpit cannot honour are refused
-/// rather than silently ignored.
-pub fn network_spec(req: &types::NewSandbox) -> Result<NetworkSpec, E2bError> {
+impl E2bNetwork {
+    /// Refuses what sandpit cannot honour rather than ignoring it.
+    fn check(&self) -> Result<(), E2bError> {
+        let refuse = |what: &str, why: &str| {
+            Err(E2bError::bad_request(format!(
+                "{what} is not supported: {why}"
+            )))
+        };
+        if !self.dns_servers.is_empty() {
+            return refuse(
+                "dnsServers",
+                "sandboxes use the daemon's resolver, which enforces the policy",
+            );
+        }
+        if self.egress_proxy.as_ref().is_some_and(|v| !v.is_null()) {
+            return refuse("egressProxy", "egress goes through the daemon's own proxy");
+        }
+        if self.mask_request_host.is_some() {
+            return refuse(
+                "maskRequestHost",
+                "the proxy forwards the Host a client sends",
+            );
+        }
+        if self.rules.as_ref().is_some_and(|v| !v.is_null()) {
+            return refuse(
+                "rules",
+                "inject credentials with sandpit's broker (/v1/secrets)",
+            );
+        }
+        if !self.https_ports.is_empty() {
+            return refuse(
+                "httpsPorts",
+                "the proxy forwards plain HTTP to sandbox ports",
+            );
+        }
+        Ok(())
+    }
+}
+
+/// One `allowOut`/`denyOut` entry: an IP address or CIDR block, else a domain name.
+fn egress_rule(
+    entry: &str,
+    action: sandpit_api::network::RuleAction,
+    overrides: bool,
+) -> sandpit_api::NetworkRule {
+    let e = entry.trim();
+    let cidr = match e.parse::<std::net::IpAddr>() {
+        Ok(std::net::IpAddr::V4(_)) => Some(format!("{e}/32")),
+        Ok(std::net::IpAddr::V6(_)) => Some(format!("{e}/128")),
+        Err(_) if e.contains('/') => Some(e.to_string()),
+        Err(_) => None,
+    };
+    sandpit_api::NetworkRule {
+        action,
+        domain: cidr.is_none().then(|| e.to_string()),
+        cidr,
+        ports: Vec::new(),
+        overrides,
+        name: None,
+    }
+}
+
+/// E2B's egress settings as a sandpit policy. Internet access with `denyOut` entries is
+/// mode `open` with deny rules, and `allowOut` entries win over them (as in E2B); denying
+/// everything (`0.0.0.0/0`) or no internet access with `allowOut` entries is an
+/// allowlist; no internet access and no entries is mode `none`.
+pub fn egress_policy(
+    internet: Option<bool>,
+    allow_out: &[String],
+    deny_out: &[String],
+    default_internet: bool,
+) -> Option<sandpit_api::NetworkPolicy> {
+    use sandpit_api::NetworkMode;
+    use sandpit_api::network::RuleAction;
+    if internet.is_none() && allow_out.is_empty() && deny_out.is_empty() && !default_internet {
+        return None;
+    }
+    let deny_all = deny_out
+        .iter()
+        .any(|d| matches!(d.trim(), "0.0.0.0/0" | "::/0"));
+    let internet = internet.unwrap_or(true) && !deny_all;
+    let allows = allow_out
+        .iter()
+        .map(|a| egress_rule(a, RuleAction::Allow, internet));
+    let policy = if internet {
+        sandpit_api::NetworkPolicy {
+            mode: NetworkMode::Open,
+            rules: deny_out
+                .iter()
+                .map(|d| egress_rule(d, RuleAction::Deny, false))
+                .chain(allows)
+                .collect(),
+        }
+    } else if allow_out.is_empty() {
+        sandpit_api::NetworkPolicy {
+            mode: NetworkMode::None,
+            rules: Vec::new(),
+        }
+    } else {
+        sandpit_api::NetworkPolicy {
+            mode: NetworkMode::Allowlist,
+            rules: allows.collect(),
+        }
+    };
+    Some(policy)
+}
+
+/// Reads the network part of a create.
+pub fn network_spec(
+    req: &types::NewSandbox,
+    default_internet: bool,
+) -> Result<NetworkSpec, E2bError> {
     let net: E2bNetwork = match &req.network {
         None | Some(serde_json::Value::Null) => E2bNetwork::default(),
         Some(v) => serde_json::from_value(v.clone())
             .map_err(|e| E2bError::bad_request(format!("invalid network: {e}")))?,
     };
-    if req.allow_internet_access == Some(true)
-        || !net.allow_out.is_empty()
-        || !net.deny_out.is_empty()
-        || !net.dns_servers.is_empty()
-        || net.egress_proxy.as_ref().is_some_and(|v| !v.is_null())
-        || net.mask_request_host.is_some()
-        || net.rules.as_ref().is_some_and(|v| !v.is_null())
-    {
-        return Err(E2bError::bad_request(
-            "egress network access is not available on this sandpit daemon",
-        ));
-    }
-    if !net.https_ports.is_empty() {
-        return Err(E2bError::bad_request(
-            "httpsPorts is not supported: the proxy forwards plain HTTP to sandbox ports",
-        ));
-    }
+    net.check()?;
     Ok(NetworkSpec {
         public: net.allow_public_traffic,
+        policy: egress_policy(
+            req.allow_internet_access,
+            &net.allow_out,
+            &net.deny_out,
+            default_internet,
+        ),
     })
+}
+
+/// Reads the body of `PUT /sandboxes/{id}/network`: `None` when it changes no egress.
+pub fn network_update(body: &E2bNetwork) -> Result<Option<sandpit_api::NetworkPolicy>, E2bError> {
+    body.check()?;
+    if body.allow_public_traffic.is_some() {
+        return Err(E2bError::bad_request(
+            "allowPublicTraffic cannot change here: PATCH /v1/sandboxes/{id}/access does",
+        ));
+    }
+    Ok(egress_policy(
+        body.allow_internet_access,
+        &body.allow_out,
+        &body.deny_out,
+        true,
+    ))
 }
 
 /// Carries E2B's `secure` and network settings into a sandpit create.
@@ -282,5 +422,70 @@ pub fn apply_access(
 ) -> sandpit_api::CreateSandboxRequest {
     create.secure = secure;
     create.public = network.public;
+    create.network = network.policy;
     create
+}
+
+#[cfg(test)]
+mod tests {
+    use super::egress_policy;
+    use sandpit_api::NetworkMode;
+    use sandpit_api::network::RuleAction;
+
+    fn s(v: &[&str]) -> Vec<String> {
+        v.iter().map(|x| x.to_string()).collect()
+    }
+
+    #[test]
+    fn nothing_said_follows_the_default() {
+        let open = egress_policy(None, &[], &[], true).expect("a policy");
+        assert_eq!(open.mode, NetworkMode::Open);
+        assert!(open.rules.is_empty());
+        assert_eq!(egress_policy(None, &[], &[], false), None);
+    }
+
+    #[test]
+    fn no_internet_is_none_or_an_allowlist() {
+        let none = egress_policy(Some(false), &[], &[], true).expect("a policy");
+        assert_eq!(none.mode, NetworkMode::None);
+        let list = egress_policy(
+            Some(false),
+            &s(&["api.example.com", "1.2.3.4", "10.0.0.0/8"]),
+            &[],
+            true,
+        )
+        .expect("a policy");
+        assert_eq!(list.mode, NetworkMode::Allowlist);
+        assert_eq!(list.rules[0].domain.as_deref(), Some("api.example.com"));
+        assert_eq!(list.rules[1].cidr.as_deref(), Some("1.2.3.4/32"));
+        assert_eq!(list.rules[2].cidr.as_deref(), Some("10.0.0.0/8"));
+        assert!(
+            list.rules
+                .iter()
+                .all(|r| r.action == RuleAction::Allow && !r.overrides)
+        );
+        // Denying everything is the same allowlist.
+        let same = egress_policy(None, &s(&["api.example.com"]), &s(&["0.0.0.0/0"]), true)
+            .expect("a policy");
+        assert_eq!(same.mode, NetworkMode::Allowlist);
+        assert_eq!(same.rules.len(), 1);
+    }
+
+    #[test]
+    fn deny_entries_with_internet_are_deny_rules_that_allow_entries_override() {
+        let p = egress_policy(
+            None,
+            &s(&["good.example.com"]),
+            &s(&["evil.example.com", "::1"]),
+            true,
+        )
+        .expect("a policy");
+        assert_eq!(p.mode, NetworkMode::Open);
+        assert_eq!(p.rules.len(), 3);
+        assert_eq!(p.rules[0].action, RuleAction::Deny);
+        assert_eq!(p.rules[0].domain.as_deref(), Some("evil.example.com"));
+        assert_eq!(p.rules[1].cidr.as_deref(), Some("::1/128"));
+        assert_eq!(p.rules[2].action, RuleAction::Allow);
+        assert!(p.rules[2].overrides);
+    }
 }

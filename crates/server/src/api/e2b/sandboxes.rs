@@ -77,7 +77,9 @@ pub async fn create(
     if req.iam.as_ref().is_some_and(|v| !v.is_null()) {
         return Err(E2bError::bad_request("iam is not supported by sandpit"));
     }
-    let network = crate::api::e2b::network_spec(&req)?;
+    // Without networking on this daemon, only an explicit request for it is an error.
+    let default_internet = state.e2b.internet_by_default && state.manager.net.get().is_some();
+    let network = crate::api::e2b::network_spec(&req, default_internet)?;
     let (template, snapshot) = resolve_template(&state, &owner, &req.template_id).await?;
     let on_timeout = match req.auto_pause {
         Some(true) => Some("pause".to_string()),
@@ -507,4 +509,25 @@ pub async fn metrics(
         disk_used: disk_used.max(0) as u64,
         disk_total: rec.disk_bytes.max(0) as u64,
     }]))
+}
+
+/// `PUT /sandboxes/{id}/network`: replaces the sandbox's egress policy; new connections
+/// follow it at once.
+pub async fn update_network(
+    State(state): State<AppState>,
+    owner: Owner,
+    Path(id): Path<String>,
+    Required(req): Required<crate::api::e2b::E2bNetwork>,
+) -> Result<StatusCode, E2bError> {
+    live(&state, &owner, &id).await?;
+    if let Some(policy) = crate::api::e2b::network_update(&req)? {
+        let _applied = crate::api::network::set_policy(
+            State(state.clone()),
+            owner,
+            Path(id),
+            crate::api::ApiJson(policy),
+        )
+        .await?;
+    }
+    Ok(StatusCode::NO_CONTENT)
 }
