@@ -5,7 +5,7 @@ pub mod netfix;
 
 use sandpit_api::{CreateSandboxRequest, LimitsSpec};
 use sandpit_client::Client;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -67,6 +67,13 @@ impl Daemon {
         Self::launch_with(data, free_port(), &[], true).await
     }
 
+    /// Starts a daemon on an existing data directory, its log (at debug level) going to
+    /// the file `log` instead of the test's stderr, for tests that look through it.
+    pub async fn start_in_logged(data: tempfile::TempDir, port: u16, log: &Path) -> Daemon {
+        let file = std::fs::File::create(log).expect("create the daemon's log file");
+        Self::launch_inner(data, port, &[], false, Some(file)).await
+    }
+
     async fn launch(data: tempfile::TempDir, port: u16, extra: &[&str]) -> Daemon {
         Self::launch_with(data, port, extra, false).await
     }
@@ -76,6 +83,16 @@ impl Daemon {
         port: u16,
         extra: &[&str],
         stray_fd: bool,
+    ) -> Daemon {
+        Self::launch_inner(data, port, extra, stray_fd, None).await
+    }
+
+    async fn launch_inner(
+        data: tempfile::TempDir,
+        port: u16,
+        extra: &[&str],
+        stray_fd: bool,
+        log: Option<std::fs::File>,
     ) -> Daemon {
         let mut cmd = Command::new(sandpit_bin());
         if stray_fd {
@@ -100,9 +117,9 @@ impl Daemon {
             ])
             .arg(data.path())
             .args(extra)
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", if log.is_some() { "debug" } else { "warn" })
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(log.map_or_else(Stdio::inherit, Stdio::from))
             .spawn()
             .expect("spawn sandpit serve");
         let url = format!("http://127.0.0.1:{port}");

@@ -29,7 +29,8 @@ pub struct Upstream {
     pub ns: String,
     pub slice: u8,
     server: Option<Child>,
-    _dir: tempfile::TempDir,
+    /// Certificates, keys and the request log.
+    dir: tempfile::TempDir,
     _lock: std::fs::File,
 }
 
@@ -108,25 +109,7 @@ impl Upstream {
             ]);
         }
         let dir = tempfile::tempdir().expect("tempdir");
-        let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
-        run(&[
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-subj",
-            "/CN=upstream.test",
-            "-days",
-            "1",
-            "-keyout",
-            key.to_str().unwrap(),
-            "-out",
-            cert.to_str().unwrap(),
-        ]);
+        let (cert, key) = make_certs(dir.path(), dns);
         // `@N` stands for address N of this slice of 203.0.113.0/24, `@@N` of 198.51.100.0/24.
         let resolve = |v: &str| match (v.strip_prefix("@@"), v.strip_prefix('@')) {
             (Some(n), _) => format!("198.51.100.{}", base + n.parse::<u8>().expect("@@N")),
@@ -138,6 +121,7 @@ impl Upstream {
             "dns_ip": format!("203.0.113.{}", base + 1),
             "cert": cert,
             "key": key,
+            "requests": dir.path().join("requests.jsonl"),
         });
         let mut child = Command::new("ip")
             .args(["netns", "exec", &ns, "python3", "-c", SCRIPT])
@@ -156,7 +140,7 @@ impl Upstream {
             ns,
             slice,
             server: Some(child),
-            _dir: dir,
+            dir,
             _lock: lock,
         }
     }
@@ -174,6 +158,31 @@ impl Upstream {
     /// The DNS server's address.
     pub fn dns(&self) -> String {
         self.ip(1)
+    }
+
+    /// The PEM file of the test CA that issued the HTTPS server's certificate (for a
+    /// daemon's `[broker] extra_ca_file`, or a client's `--cacert`).
+    pub fn ca_file(&self) -> std::path::PathBuf {
+        self.dir.path().join("ca.pem")
+    }
+
+    /// Every HTTP(S) request the servers answered so far, in order: `host`, `path`,
+    /// `method`, `authorization` (null when the request had none).
+    pub fn requests(&self) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(self.dir.path().join("requests.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("a request record"))
+            .collect()
+    }
+
+    /// The Authorization header values the servers received, in order (requests
+    /// without one are left out).
+    pub fn seen_authorization(&self) -> Vec<String> {
+        self.requests()
+            .iter()
+            .filter_map(|r| r["authorization"].as_str().map(String::from))
+            .collect()
     }
 
     /// A daemon config file's `[network]` section using this upstream's DNS.
@@ -197,6 +206,74 @@ impl Drop for Upstream {
             .args(["link", "del", &format!("sptestv{}", self.slice)])
             .output();
     }
+}
+
+/// Makes a test CA (`ca.pem`) and the HTTPS server's certificate, issued by it for
+/// `upstream.test`, `*.upstream.test` and every name in `dns`, in `dir`: (cert, key).
+fn make_certs(
+    dir: &std::path::Path,
+    dns: &[(&str, &str)],
+) -> (std::path::PathBuf, std::path::PathBuf) {
+    let p = |f: &str| dir.join(f).to_str().expect("utf-8 temp path").to_string();
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    let mut ca = vec!["openssl", "req", "-x509"];
+    ca.extend_from_slice(&ec);
+    let (ca_key, ca_pem) = (p("ca.key"), p("ca.pem"));
+    ca.extend_from_slice(&[
+        "-subj",
+        "/CN=sandpit test upstream CA",
+        "-days",
+        "1",
+        "-keyout",
+        &ca_key,
+        "-out",
+        &ca_pem,
+    ]);
+    run(&ca);
+    let (key, csr, cert) = (p("key.pem"), p("leaf.csr"), p("cert.pem"));
+    let mut req = vec!["openssl", "req", "-new"];
+    req.extend_from_slice(&ec);
+    req.extend_from_slice(&["-subj", "/CN=upstream.test", "-keyout", &key, "-out", &csr]);
+    run(&req);
+    let mut names = vec!["upstream.test".to_string(), "*.upstream.test".to_string()];
+    names.extend(dns.iter().map(|(n, _)| n.to_string()));
+    names.sort();
+    names.dedup();
+    let san: Vec<String> = names.iter().map(|n| format!("DNS:{n}")).collect();
+    let ext = p("leaf.ext");
+    std::fs::write(
+        &ext,
+        format!(
+            "subjectAltName={}\nbasicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n",
+            san.join(",")
+        ),
+    )
+    .expect("write the leaf's extensions");
+    run(&[
+        "openssl",
+        "x509",
+        "-req",
+        "-in",
+        &csr,
+        "-CA",
+        &ca_pem,
+        "-CAkey",
+        &ca_key,
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-extfile",
+        &ext,
+        "-out",
+        &cert,
+    ]);
+    (cert.into(), key.into())
 }
 
 /// Host links whose names start with `prefix`.

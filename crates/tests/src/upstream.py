@@ -1,6 +1,7 @@
 """Test servers of a network namespace the tests make: DNS (UDP 53), HTTP (80), HTTPS (443,
-any name, self-signed), and a server-first TCP banner (7000). Only ever bound inside that
-namespace. Usage: upstream.py CONFIG_JSON ("dns": {name: address}, "dns_ip", "cert", "key")."""
+any name, a certificate of a test CA), and a server-first TCP banner (7000). Only ever bound inside that
+namespace. Usage: upstream.py CONFIG_JSON ("dns": {name: address}, "dns_ip", "cert", "key",
+"requests": a file that gets one JSON line per HTTP request answered)."""
 
 import json
 import socket
@@ -54,8 +55,30 @@ def dns():
             s.sendto(r, peer)
 
 
+log_lock = threading.Lock()
+
+
+def record(h):
+    """Appends what a request came with, before it is answered: the tests read the
+    Authorization header here, since the broker masks it in any echo."""
+    line = json.dumps(
+        {
+            "host": h.headers.get("Host", ""),
+            "method": h.command,
+            "path": h.path,
+            "authorization": h.headers.get("Authorization"),
+        }
+    )
+    with log_lock, open(cfg["requests"], "a") as f:
+        f.write(line + "\n")
+
+
 class Hello(BaseHTTPRequestHandler):
+    # Keep-alive, as most real servers: every answer has a Content-Length.
+    protocol_version = "HTTP/1.1"
+
     def do_GET(self):
+        record(self)
         host = self.headers.get("Host", "")
         sni = getattr(self.connection, "sni", None)
         body = json.dumps(
@@ -72,7 +95,11 @@ class Hello(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def do_DELETE(self):
+        self.do_GET()
+
     def do_POST(self):
+        record(self)
         n = int(self.headers.get("Content-Length", "0"))
         left = n
         while left > 0:

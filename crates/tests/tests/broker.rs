@@ -4,12 +4,12 @@
 //! environment, and the secret nowhere inside the sandbox.
 //!
 //! `full_path_through_the_egress_proxy` at the end drives sandbox curl -> egress proxy ->
-//! broker -> a test upstream in a test-made netns; it needs the egress proxy (issue 5
-//! part 2) and is enabled when that lands.
+//! broker -> a test HTTPS upstream in a network namespace the test makes (see `netfix`).
 
 use sandpit_api::CreateSandboxRequest;
 use sandpit_api::secrets::{CreateSecretRequest, InjectSpec};
 use sandpit_client::Client;
+use sandpit_tests::netfix::Upstream;
 use sandpit_tests::{Daemon, sh, sh_root};
 
 const VALUE: &str = "ghp_E2eTopSecret_Value_5f3a9c";
@@ -625,31 +625,82 @@ async fn a_custom_template_gets_its_own_roots_and_the_ca_and_cannot_redirect_the
     d.shutdown().await;
 }
 
-/// The whole path, once the egress proxy exists (issue 5 part 2): a sandbox's curl
-/// reaches a test HTTPS upstream at `upstream_ip` (in a network namespace the caller
-/// made, serving `host` with a certificate of the CA in `upstream_ca_file`, which the
-/// daemon's `[broker] extra_ca_file` must name) through the egress proxy and the broker.
-/// `network` is the create request's network policy allowing `host`, in the form the
-/// proxy's API takes. Enable at merge by calling it from a `#[tokio::test]` that sets up
-/// the netns, the upstream and the daemon config.
-#[allow(dead_code)]
-pub async fn full_path_through_the_egress_proxy(
-    d: &Daemon,
-    host: &str,
-    upstream_ip: std::net::IpAddr,
-    network: serde_json::Value,
-    seen_authorization: impl Fn() -> Vec<String>,
-) {
-    let c = d.client();
-    let mut s = secret("full");
-    s.hosts = vec![host.to_string()];
-    s.methods = vec!["GET".into()];
-    s.path_prefixes = vec!["/repos".into()];
-    c.create_secret(&s, None).await.unwrap();
-    let mut req = serde_json::to_value(small(&["full"])).unwrap();
-    req["network"] = network;
+/// The audit of sandbox `id` as the API gives it: (raw JSON text, entries).
+async fn audit_of(d: &Daemon, id: &str) -> (String, Vec<sandpit_api::NetworkAuditEntry>) {
     let (status, text) = raw(
         d,
+        reqwest::Method::GET,
+        &format!("/v1/network/audit?sandbox={id}&limit=1000"),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    let list: sandpit_api::network::NetworkAuditList = serde_json::from_str(&text).unwrap();
+    (text, list.items)
+}
+
+/// `curl` in the sandbox over HTTPS with the sandbox's own trust store: the body, a
+/// newline, the status (000 when no HTTP answer came), a space, curl's exit code.
+async fn curl(c: &Client, id: &str, args: &str) -> (String, String) {
+    let out = sh(
+        c,
+        id,
+        &format!("curl -sS --max-time 10 -w '\\n%{{http_code}}' {args}; echo \" $?\""),
+    )
+    .await;
+    let (body, tail) = out.stdout.trim_end().rsplit_once('\n').unwrap_or_default();
+    assert!(!out.stderr.contains(VALUE), "{}", out.stderr);
+    (body.to_string(), tail.to_string())
+}
+
+/// The whole path: a sandbox's curl reaches a test HTTPS upstream (in a network namespace
+/// the test makes, its certificate issued by a test CA the daemon's `[broker]
+/// extra_ca_file` names) through the egress proxy and the broker; names resolve through
+/// the daemon's resolver.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_path_through_the_egress_proxy() {
+    use std::os::unix::fs::PermissionsExt;
+    let up = Upstream::start(&[
+        ("api.upstream.test", "@2"),
+        ("plain.upstream.test", "@3"),
+        ("brief.upstream.test", "@4"),
+    ]);
+    let data = tempfile::Builder::new()
+        .prefix("sandpit-test-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let key = data.path().join("broker.key");
+    let mut raw_key = [0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut raw_key))
+        .unwrap();
+    std::fs::write(&key, raw_key).unwrap();
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::fs::write(
+        data.path().join("config.toml"),
+        format!(
+            "{}[broker]\nkey_file = {:?}\nextra_ca_file = {:?}\n",
+            up.config(""),
+            key.display().to_string(),
+            up.ca_file().display().to_string()
+        ),
+    )
+    .unwrap();
+    let log_dir = tempfile::tempdir().unwrap();
+    let log = log_dir.path().join("daemon.log");
+    let d = Daemon::start_in_logged(data, free_port(), &log).await;
+    let c = d.client();
+
+    let mut s = secret("full");
+    s.hosts = vec!["api.upstream.test".into()];
+    c.create_secret(&s, None).await.unwrap();
+    let mut req = serde_json::to_value(small(&["full"])).unwrap();
+    req["network"] = serde_json::json!({
+        "mode": "allowlist",
+        "rules": [{"action": "allow", "domain": "*.upstream.test", "ports": [443]}],
+    });
+    let (status, text) = raw(
+        &d,
         reqwest::Method::POST,
         "/v1/sandboxes",
         Some(&req.to_string()),
@@ -660,32 +711,194 @@ pub async fn full_path_through_the_egress_proxy(
         .as_str()
         .unwrap()
         .to_string();
-    let resolve = format!("--resolve {host}:443:{upstream_ip}");
-    // Allowed: the sandbox sends no credential, the upstream gets it.
-    let ok = sh(
+    let on = |host: &str| {
+        up.requests()
+            .into_iter()
+            .filter(|r| r["host"] == host)
+            .collect::<Vec<_>>()
+    };
+
+    // Allowed: the sandbox sends no credential (or a wrong one), the upstream gets it.
+    let (body, tail) = curl(
         &c,
         &id,
-        &format!("curl -sS {resolve} -o /dev/null -w '%{{http_code}}' https://{host}/repos/x"),
+        "-H 'Authorization: Bearer from-the-sandbox' https://api.upstream.test/repos/x",
     )
     .await;
-    assert_eq!(ok.stdout, "200", "{}", ok.stderr);
-    assert_eq!(seen_authorization(), [format!("Bearer {VALUE}")]);
+    assert_eq!(tail, "200 0", "{body}");
+    let echoed: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(echoed["path"], "/repos/x");
+    assert_eq!(echoed["sni"], "api.upstream.test");
+    assert_eq!(up.seen_authorization(), [format!("Bearer {VALUE}")]);
+
     // Refused by method and by path, with the reason, and nothing reaches the upstream.
     for (method, path, reason) in [("DELETE", "/repos/x", "method"), ("GET", "/admin", "path")] {
-        let out = sh(
+        let (body, tail) = curl(
             &c,
             &id,
-            &format!("curl -sS {resolve} -X {method} -w '\\n%{{http_code}}' https://{host}{path}"),
+            &format!("-X {method} https://api.upstream.test{path}"),
         )
         .await;
-        let (body, code) = out.stdout.rsplit_once('\n').unwrap_or_default();
-        assert_eq!(code, "403", "{}", out.stdout);
-        let body: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(tail, "403 0", "{body}");
+        let body: serde_json::Value = serde_json::from_str(&body).unwrap();
         assert_eq!(body["reason"], reason, "{body}");
-        assert!(!out.stdout.contains(VALUE));
+        assert_eq!(body["secret"], "full", "{body}");
     }
-    assert_eq!(seen_authorization().len(), 1);
+    assert_eq!(on("api.upstream.test").len(), 1, "{:?}", up.requests());
+    // Requests of one keep-alive connection are judged one by one.
+    let two = sh(
+        &c,
+        &id,
+        "curl -sS --max-time 10 -o /dev/null -o /dev/null -w '%{http_code} %{num_connects}\\n' https://api.upstream.test/repos/a https://api.upstream.test/admin",
+    )
+    .await;
+    assert_eq!(two.stdout, "200 1\n403 0\n", "{}", two.stderr);
+    let api = on("api.upstream.test");
+    assert_eq!(api.len(), 2, "{api:?}");
+    assert_eq!(api[1]["path"], "/repos/a");
+    assert_eq!(api[1]["authorization"], format!("Bearer {VALUE}"));
+
+    // The broker's certificate for the bound host is the sandbox CA's, not the upstream's.
+    let ca_pem = std::fs::read_to_string(up.ca_file()).unwrap();
+    sh(
+        &c,
+        &id,
+        &format!("cat > /tmp/upstream-ca.pem <<'EOF'\n{ca_pem}EOF"),
+    )
+    .await;
+    let (_, tail) = curl(
+        &c,
+        &id,
+        "--cacert /tmp/upstream-ca.pem https://api.upstream.test/repos/x",
+    )
+    .await;
+    assert_eq!(tail, "000 60", "the bound host was not intercepted");
+    assert_eq!(on("api.upstream.test").len(), 2);
+
+    // A host without a bound credential passes through untouched: the upstream's own
+    // certificate (which the sandbox's trust store does not hold), the sandbox's own
+    // header, no credential added.
+    let (_, tail) = curl(&c, &id, "https://plain.upstream.test/repos/x").await;
+    assert_eq!(
+        tail, "000 60",
+        "the sandbox CA signed a passed-through host"
+    );
+    let (body, tail) = curl(
+        &c,
+        &id,
+        "--cacert /tmp/upstream-ca.pem -H 'Authorization: Bearer mine' https://plain.upstream.test/repos/y",
+    )
+    .await;
+    assert_eq!(tail, "200 0", "{body}");
+    let (_, tail) = curl(
+        &c,
+        &id,
+        "--cacert /tmp/upstream-ca.pem https://plain.upstream.test/repos/z",
+    )
+    .await;
+    assert_eq!(tail, "200 0");
+    let plain = on("plain.upstream.test");
+    assert_eq!(plain.len(), 2, "{plain:?}");
+    assert_eq!(plain[0]["authorization"], "Bearer mine");
+    assert_eq!(plain[1]["authorization"], serde_json::Value::Null);
+    let issuer = sh(
+        &c,
+        &id,
+        "openssl s_client -connect plain.upstream.test:443 -servername plain.upstream.test </dev/null 2>/dev/null | openssl x509 -noout -issuer",
+    )
+    .await;
+    assert!(
+        issuer.stdout.contains("sandpit test upstream CA"),
+        "{issuer:?}"
+    );
+
+    // A secret past its expiry: the request is refused and the upstream sees nothing.
+    let mut brief = secret("brief");
+    brief.hosts = vec!["brief.upstream.test".into()];
+    brief.ttl_secs = None;
+    brief.expires_at_ms = Some(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as i64
+            + 3_000,
+    );
+    c.create_secret(&brief, None).await.unwrap();
+    c.set_sandbox_secrets(&id, &["full".into(), "brief".into()])
+        .await
+        .unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(3_500)).await;
+    let (body, tail) = curl(&c, &id, "https://brief.upstream.test/repos/x").await;
+    assert_eq!(tail, "403 0", "{body}");
+    let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(body["reason"], "expired", "{body}");
+    assert!(on("brief.upstream.test").is_empty(), "{:?}", up.requests());
+    assert_eq!(up.seen_authorization().len(), 3);
+
+    // The audit: each connection, with what it carried, and never the value.
+    let mut entries = Vec::new();
+    for _ in 0..50 {
+        let (text, items) = audit_of(&d, &id).await;
+        assert!(!text.contains(VALUE), "{text}");
+        entries = items
+            .into_iter()
+            .filter(|e| e.protocol == "tcp")
+            .collect::<Vec<_>>();
+        if entries.len() >= 10 && entries.iter().all(|e| e.ended_at_ms.is_some()) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let to = |host: &str| {
+        entries
+            .iter()
+            .filter(|e| e.dest_name.as_deref() == Some(host))
+            .collect::<Vec<_>>()
+    };
+    let (api, plain, brief) = (
+        to("api.upstream.test"),
+        to("plain.upstream.test"),
+        to("brief.upstream.test"),
+    );
+    assert_eq!(
+        (api.len(), plain.len(), brief.len()),
+        (5, 4, 1),
+        "{entries:#?}"
+    );
+    for e in entries.iter() {
+        assert_eq!(e.verdict, sandpit_api::network::Verdict::Allow, "{e:?}");
+        assert_eq!(e.dest_port, 443);
+        assert!(e.ended_at_ms.is_some(), "{e:?}");
+    }
+    // Intercepted connections count what went to the upstream: the allowed requests
+    // went there and back, the refused ones (and the one whose handshake failed) nowhere.
+    let mut api = api;
+    api.sort_by_key(|e| e.id);
+    for (i, e) in api.iter().enumerate() {
+        if i == 0 || i == 3 {
+            assert!(e.bytes_sent > 0 && e.bytes_received > 0, "{e:?}");
+        } else {
+            assert_eq!((e.bytes_sent, e.bytes_received), (0, 0), "{e:?}");
+        }
+    }
+    for e in brief.iter() {
+        assert_eq!((e.bytes_sent, e.bytes_received), (0, 0), "{e:?}");
+    }
+    // Passed-through connections count every byte, the handshakes the sandbox gave up
+    // on included.
+    for e in plain {
+        assert!(e.bytes_sent > 0 && e.bytes_received > 0, "{e:?}");
+    }
+
+    // Nowhere in the sandbox, nor in the daemon's log.
     let (_, hits) = scan(&c, &id, VALUE).await;
     assert!(hits.is_empty(), "the secret is in {hits:?}");
     c.delete_sandbox(&id).await.unwrap();
+    d.shutdown().await;
+    let logged = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        logged.contains("credential broker injected credentials"),
+        "{logged}"
+    );
+    assert!(!logged.contains(VALUE), "the daemon logged the secret");
 }

@@ -609,7 +609,7 @@ async fn live_policy_changes_none_mode_and_bad_policies() {
     assert_eq!(curl(&c, &id, "http://other.test/").await, "200 rc=0");
     tokio::time::sleep(Duration::from_secs(4)).await;
     let long = sh(&c, &id, "cat /tmp/long.out").await.stdout;
-    assert_eq!(long.trim(), "HTTP/1.0 200 OK", "{long}");
+    assert_eq!(long.trim(), "HTTP/1.1 200 OK", "{long}");
 
     // Back to none: the route goes.
     c.set_network(&id, &policy(NetworkMode::None, vec![]))
