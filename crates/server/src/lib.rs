@@ -227,6 +227,16 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
         .map_err(|e| ServerError::Io(format!("listen on {}", cfg.listen), e))?;
     tracing::info!(listen = %cfg.listen, data_dir = %cfg.data_dir.display(), "sandpit serving");
     let net = manager.net.get().cloned();
+    // Streamed answers (command output, proxied streams) are many small writes: with
+    // Nagle's algorithm each waits for the client's delayed ACK, about 40 ms apiece.
+    let listener = {
+        use axum::serve::ListenerExt;
+        listener.tap_io(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+            }
+        })
+    };
     axum::serve(listener, api::router(state))
         .with_graceful_shutdown(async move {
             use tokio::signal::unix::{SignalKind, signal};
