@@ -78,11 +78,20 @@ impl Store {
     /// a fresh create must never keep tokens someone saw before).
     /// [`StoreError::NotFound`] when the sandbox has no record.
     pub async fn put_access(&self, a: &SandboxAccess) -> Result<(), StoreError> {
+        self.insert_access(
+            a,
+            "DO UPDATE SET envd_token = excluded.envd_token, \
+             traffic_token = excluded.traffic_token, secure = excluded.secure, \
+             public = excluded.public, updated_at_ms = excluded.updated_at_ms",
+        )
+        .await
+    }
+
+    /// Inserts `a`; `on_conflict` says what an existing row of the sandbox gets.
+    async fn insert_access(&self, a: &SandboxAccess, on_conflict: &str) -> Result<(), StoreError> {
         sqlx::query(&format!(
             "INSERT INTO sandbox_access ({ACCESS_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6) \
-             ON CONFLICT (sandbox_id) DO UPDATE SET envd_token = excluded.envd_token, \
-             traffic_token = excluded.traffic_token, secure = excluded.secure, \
-             public = excluded.public, updated_at_ms = excluded.updated_at_ms"
+             ON CONFLICT (sandbox_id) {on_conflict}"
         ))
         .bind(&a.sandbox_id)
         .bind(&a.envd_token)
@@ -105,25 +114,7 @@ impl Store {
     /// Stores `a` unless the sandbox has credentials already, and returns whichever are
     /// stored: two first requests racing both end up with the same tokens.
     pub async fn ensure_access(&self, a: &SandboxAccess) -> Result<SandboxAccess, StoreError> {
-        sqlx::query(&format!(
-            "INSERT INTO sandbox_access ({ACCESS_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6) \
-             ON CONFLICT (sandbox_id) DO NOTHING"
-        ))
-        .bind(&a.sandbox_id)
-        .bind(&a.envd_token)
-        .bind(&a.traffic_token)
-        .bind(a.secure)
-        .bind(a.public)
-        .bind(a.updated_at_ms)
-        .execute(&self.writer)
-        .await
-        .map_err(|e| {
-            if is_missing_sandbox(&e) {
-                StoreError::NotFound(format!("sandbox {}", a.sandbox_id))
-            } else {
-                e.into()
-            }
-        })?;
+        self.insert_access(a, "DO NOTHING").await?;
         // Read back on the writer: the row just written may not be visible to a reader yet.
         let row = sqlx::query(&format!(
             "SELECT {ACCESS_COLUMNS} FROM sandbox_access WHERE sandbox_id = $1"
