@@ -22,7 +22,11 @@ fn e2b_state(s: SandboxState) -> Option<&'static str> {
 }
 
 /// The sandbox of `owner` as E2B sees it: stopped and failed ones no longer exist.
-async fn live(state: &AppState, owner: &Owner, id: &str) -> Result<SandboxRecord, E2bError> {
+pub(super) async fn live(
+    state: &AppState,
+    owner: &Owner,
+    id: &str,
+) -> Result<SandboxRecord, E2bError> {
     let rec = state.manager.get(&owner.0, id).await?;
     if e2b_state(rec.state).is_none() {
         return Err(ApiError::sandbox_not_found(id).into());

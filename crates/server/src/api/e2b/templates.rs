@@ -9,7 +9,6 @@ use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use http::{HeaderMap, HeaderValue, StatusCode};
 use sandpit_api::Template;
-use sandpit_store::SandboxState;
 
 /// `POST /sandboxes/{id}/snapshots`: a full snapshot of the sandbox's files. Memory is not
 /// captured (`memory: true` is refused rather than quietly dropped).
@@ -24,13 +23,7 @@ pub async fn snapshot(
             "sandpit snapshots hold files, not memory: leave memory unset or false",
         ));
     }
-    let rec = state.manager.get(&owner.0, &id).await?;
-    if matches!(
-        rec.state,
-        SandboxState::Stopping | SandboxState::Stopped | SandboxState::Error
-    ) {
-        return Err(crate::error::ApiError::sandbox_not_found(&id).into());
-    }
+    let rec = super::sandboxes::live(&state, &owner, &id).await?;
     let snap = state
         .manager
         .snapshot(
