@@ -120,15 +120,11 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned + Default> FromRequest<S> fo
     type Rejection = E2bError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let bytes = axum::body::Bytes::from_request(req, state)
-            .await
-            .map_err(|e| E2bError::new(e.status(), e.body_text()))?;
+        let bytes = body_bytes(req, state).await?;
         if bytes.iter().all(u8::is_ascii_whitespace) {
             return Ok(Body(T::default()));
         }
-        serde_json::from_slice(&bytes)
-            .map(Body)
-            .map_err(|e| E2bError::bad_request(format!("invalid JSON body: {e}")))
+        parse(&bytes).map(Body)
     }
 }
 
@@ -139,13 +135,23 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequest<S> for Required
     type Rejection = E2bError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let bytes = axum::body::Bytes::from_request(req, state)
-            .await
-            .map_err(|e| E2bError::new(e.status(), e.body_text()))?;
-        serde_json::from_slice(&bytes)
-            .map(Required)
-            .map_err(|e| E2bError::bad_request(format!("invalid JSON body: {e}")))
+        parse(&body_bytes(req, state).await?).map(Required)
     }
+}
+
+/// The request's body, its rejections (too large, unreadable) in E2B's shape.
+async fn body_bytes<S: Send + Sync>(
+    req: Request,
+    state: &S,
+) -> Result<axum::body::Bytes, E2bError> {
+    axum::body::Bytes::from_request(req, state)
+        .await
+        .map_err(|e| E2bError::new(e.status(), e.body_text()))
+}
+
+fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, E2bError> {
+    serde_json::from_slice(bytes)
+        .map_err(|e| E2bError::bad_request(format!("invalid JSON body: {e}")))
 }
 
 async fn authenticate(
