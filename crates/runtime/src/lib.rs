@@ -41,6 +41,19 @@ pub enum RuntimeError {
 }
 
 impl RuntimeError {
+    /// True when the host ran out of something shared (descriptors, memory, processes):
+    /// the request may succeed later, and nothing about the sandbox is wrong.
+    pub fn is_host_exhaustion(&self) -> bool {
+        let source = match self {
+            RuntimeError::Io { source, .. } | RuntimeError::Cgroup { source, .. } => source,
+            _ => return false,
+        };
+        matches!(
+            source.raw_os_error(),
+            Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::EAGAIN)
+        )
+    }
+
     /// Wraps an i/o error with what was being done.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         RuntimeError::Io {
@@ -188,8 +201,13 @@ pub trait Runtime: Send + Sync {
     fn thaw(&self, h: &SandboxHandle) -> Result<(), RuntimeError>;
     /// Current resource usage.
     fn stats(&self, h: &SandboxHandle) -> Result<Stats, RuntimeError>;
-    /// Whether the sandbox's agent is still the process we started.
-    fn is_alive(&self, h: &SandboxHandle) -> bool;
+    /// Whether the sandbox's agent is still the process we started; `Unknown` when the
+    /// host could not tell (callers must not treat that as dead).
+    fn liveness(&self, h: &SandboxHandle) -> Liveness;
+    /// True only when the agent is known to be alive.
+    fn is_alive(&self, h: &SandboxHandle) -> bool {
+        self.liveness(h).is_alive()
+    }
     /// Kills and removes everything the sandbox had; idempotent.
     fn destroy(&self, h: &SandboxHandle) -> Result<(), RuntimeError>;
     /// Removes leftovers (cgroups, directories) of sandboxes whose ids are not in `keep`.
@@ -294,20 +312,68 @@ pub fn pid_start_time(pid: i32) -> Option<u64> {
     rest.split_whitespace().nth(19)?.parse().ok()
 }
 
-/// True if `pid` is alive, not a zombie, and started at `start`.
-pub fn same_process(pid: i32, start: u64) -> bool {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return false;
-    };
+/// What is known of a sandbox's process. Only [`Liveness::Dead`] is evidence: a failed
+/// read of `/proc` (EMFILE under descriptor pressure, say) says nothing about the process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Liveness {
+    /// The process runs (or is frozen) and is the one that was started.
+    Alive,
+    /// It is gone: no such pid, a zombie, or another process under the same pid.
+    Dead,
+    /// It could not be checked; what stopped the check.
+    Unknown(String),
+}
+
+impl Liveness {
+    /// True only for [`Liveness::Alive`].
+    pub fn is_alive(&self) -> bool {
+        matches!(self, Liveness::Alive)
+    }
+
+    /// True only for [`Liveness::Dead`].
+    pub fn is_dead(&self) -> bool {
+        matches!(self, Liveness::Dead)
+    }
+}
+
+/// Whether `pid` is alive, not a zombie, and started at `start`, from `/proc/PID/stat`.
+pub fn process_liveness(pid: i32, start: u64) -> Liveness {
+    if pid <= 0 {
+        return Liveness::Dead;
+    }
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => liveness_of_stat(&stat, start),
+        Err(e) => match e.raw_os_error() {
+            Some(libc::ENOENT) | Some(libc::ESRCH) => Liveness::Dead,
+            _ => Liveness::Unknown(format!("read /proc/{pid}/stat: {e}")),
+        },
+    }
+}
+
+/// Reads a `/proc/PID/stat` line: dead when a zombie or started at another time.
+fn liveness_of_stat(stat: &str, start: u64) -> Liveness {
     let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
-        return false;
+        return Liveness::Unknown("unreadable /proc stat line".into());
     };
     let mut fields = rest.split_whitespace();
-    let state = fields.next().unwrap_or("Z");
-    if state == "Z" || state == "X" {
-        return false;
+    match fields.next() {
+        Some("Z") | Some("X") | Some("x") => return Liveness::Dead,
+        Some(_) => {}
+        None => return Liveness::Unknown("unreadable /proc stat line".into()),
     }
-    pid_start_time(pid) == Some(start)
+    // Field 22 overall; after the state the fields restart at 4.
+    match fields.nth(18).map(str::parse::<u64>) {
+        Some(Ok(s)) if s == start => Liveness::Alive,
+        // The pid was reused by another process.
+        Some(Ok(_)) => Liveness::Dead,
+        _ => Liveness::Unknown("unreadable /proc stat line".into()),
+    }
+}
+
+/// True if `pid` is alive, not a zombie, and started at `start`; false also when that
+/// cannot be checked, so it suits "may I signal this pid", never "is it dead".
+pub fn same_process(pid: i32, start: u64) -> bool {
+    process_liveness(pid, start).is_alive()
 }
 
 /// Validates a sandbox id before it is used in host paths and cgroup names.
@@ -321,5 +387,91 @@ pub fn check_id(id: &str) -> Result<(), RuntimeError> {
         Ok(())
     } else {
         Err(RuntimeError::InvalidSpec(format!("bad sandbox id {id:?}")))
+    }
+}
+
+#[cfg(test)]
+mod liveness_tests {
+    use super::*;
+
+    #[test]
+    fn exhaustion_of_the_host_is_told_apart() {
+        let emfile = RuntimeError::io("bind", std::io::Error::from_raw_os_error(libc::EMFILE));
+        assert!(emfile.is_host_exhaustion());
+        let denied = RuntimeError::io("bind", std::io::Error::from_raw_os_error(libc::EACCES));
+        assert!(!denied.is_host_exhaustion());
+        assert!(!RuntimeError::Setup("x".into()).is_host_exhaustion());
+    }
+
+    fn stat_line(state: &str, start: u64) -> String {
+        // pid (comm with ") (" in it) state, then fields 4..=21, then starttime (22).
+        let middle: Vec<String> = (4..=21).map(|n| n.to_string()).collect();
+        format!("42 (a) (b) {state} {} {start} 99 100", middle.join(" "))
+    }
+
+    #[test]
+    fn a_stat_line_tells_alive_dead_or_reused() {
+        assert_eq!(liveness_of_stat(&stat_line("S", 777), 777), Liveness::Alive);
+        assert_eq!(liveness_of_stat(&stat_line("T", 777), 777), Liveness::Alive);
+        assert_eq!(liveness_of_stat(&stat_line("Z", 777), 777), Liveness::Dead);
+        assert_eq!(liveness_of_stat(&stat_line("S", 778), 777), Liveness::Dead);
+        assert!(matches!(
+            liveness_of_stat("42 (a", 777),
+            Liveness::Unknown(_)
+        ));
+        assert!(matches!(
+            liveness_of_stat("42 (a) S 1", 777),
+            Liveness::Unknown(_)
+        ));
+    }
+
+    #[test]
+    fn this_process_is_alive_and_a_free_pid_is_dead() {
+        let me = std::process::id() as i32;
+        let start = pid_start_time(me).expect("own start time");
+        assert_eq!(process_liveness(me, start), Liveness::Alive);
+        assert_eq!(process_liveness(me, start + 1), Liveness::Dead);
+        assert_eq!(process_liveness(0, 0), Liveness::Dead);
+        // Above the kernel's pid_max (at most 2^22): never a process.
+        assert_eq!(process_liveness(1 << 23, 1), Liveness::Dead);
+    }
+
+    #[test]
+    fn running_out_of_descriptors_is_no_evidence_of_death() {
+        use nix::sys::resource::{Resource, getrlimit, setrlimit};
+        // In a child process, so the test runner's own limit stays as it was.
+        let me = std::process::id() as i32;
+        let start = pid_start_time(me).expect("own start time");
+        // SAFETY: glibc's fork resets the allocator's locks in the child, which touches
+        // nothing else another thread could hold, and leaves with _exit.
+        match unsafe { nix::unistd::fork() }.expect("fork") {
+            nix::unistd::ForkResult::Child => {
+                let code = (|| {
+                    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).ok()?;
+                    // Descriptors 0..=2 and whatever is open fill the table.
+                    setrlimit(Resource::RLIMIT_NOFILE, 3, hard).ok()?;
+                    let mut held = Vec::new();
+                    while let Ok(f) = std::fs::File::open("/dev/null") {
+                        held.push(f);
+                    }
+                    Some(match process_liveness(me, start) {
+                        Liveness::Unknown(_) => 0,
+                        Liveness::Dead => 1,
+                        Liveness::Alive => 2,
+                    })
+                })()
+                .unwrap_or(3);
+                // SAFETY: ends the forked child without running the parent's destructors.
+                unsafe { libc::_exit(code) }
+            }
+            nix::unistd::ForkResult::Parent { child } => {
+                let status = nix::sys::wait::waitpid(child, None).expect("wait");
+                assert_eq!(
+                    status,
+                    nix::sys::wait::WaitStatus::Exited(child, 0),
+                    "with no descriptor left, the check must say Unknown (1 = Dead, 2 = Alive)"
+                );
+            }
+        }
     }
 }

@@ -216,8 +216,8 @@ impl Runtime for ProcessRuntime {
         ))
     }
 
-    fn is_alive(&self, h: &SandboxHandle) -> bool {
-        crate::same_process(h.pid, h.pid_start)
+    fn liveness(&self, h: &SandboxHandle) -> crate::Liveness {
+        crate::process_liveness(h.pid, h.pid_start)
     }
 
     fn destroy(&self, h: &SandboxHandle) -> Result<(), RuntimeError> {

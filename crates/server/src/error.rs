@@ -98,6 +98,10 @@ impl From<sandpit_runtime::RuntimeError> for ApiError {
             E::InvalidSpec(m) => ApiError::bad_request(m),
             E::Unsupported(m) => ApiError::new(StatusCode::NOT_IMPLEMENTED, "unimplemented", m),
             E::Tampered(m) => ApiError::conflict(m),
+            // Refused, not failed: the host is short of descriptors or memory for now.
+            other if other.is_host_exhaustion() => ApiError::unavailable(format!(
+                "the host is out of resources, try again later: {other}"
+            )),
             other => ApiError::internal(other.to_string()),
         }
     }

@@ -431,14 +431,15 @@ pub fn lease_not_found(user: &str) -> ApiError {
     ApiError::not_found(format!("no lease for user {user:?}"))
 }
 
-/// Whether the sandbox's agent is still the process the runtime started.
+/// Whether the sandbox's agent may still be the process the runtime started: only
+/// evidence of its death (not a host too busy to tell) gets a lease a new sandbox.
 async fn alive(m: &Manager, sb: &SandboxRecord) -> bool {
     let Ok((rt, h)) = m.runtime_of(sb) else {
         return false;
     };
-    tokio::task::spawn_blocking(move || rt.is_alive(&h))
+    tokio::task::spawn_blocking(move || !rt.liveness(&h).is_dead())
         .await
-        .unwrap_or(false)
+        .unwrap_or(true)
 }
 
 /// Active milliseconds of a sandbox (0 when nothing was metered).

@@ -7,7 +7,7 @@ use crate::error::ApiError;
 use crate::pools::{POOL_OWNER, PoolKey, PoolView, Pools};
 use sandpit_api::PoolSpec;
 use sandpit_api::{CreateSandboxRequest, Limits};
-use sandpit_runtime::{Runtime, SandboxHandle, SandboxSpec, TemplateSource};
+use sandpit_runtime::{Liveness, Runtime, SandboxHandle, SandboxSpec, TemplateSource};
 use sandpit_store::{Claim, PoolRecord};
 use sandpit_store::{SandboxRecord, SandboxState, Store};
 use std::collections::{BTreeMap, HashMap};
@@ -227,6 +227,26 @@ pub(crate) async fn run_destroy(rt: Arc<dyn Runtime>, h: SandboxHandle) -> Resul
         Ok(Err(e)) => Err(e.to_string()),
         Err(e) => Err(format!("destroy task: {e}")),
     }
+}
+
+/// A sandbox's liveness, asked a few times over half a second while the answer is
+/// `Unknown` (a start under descriptor pressure should not mistake a busy host for death).
+async fn settled_liveness(rt: Arc<dyn Runtime>, h: SandboxHandle) -> Liveness {
+    let mut last = Liveness::Unknown("not checked".into());
+    for attempt in 0..5 {
+        if attempt > 0 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let (rt, h) = (rt.clone(), h.clone());
+        last = match tokio::task::spawn_blocking(move || rt.liveness(&h)).await {
+            Ok(l) => l,
+            Err(e) => Liveness::Unknown(format!("liveness check failed: {e}")),
+        };
+        if !matches!(last, Liveness::Unknown(_)) {
+            break;
+        }
+    }
+    last
 }
 
 fn handle_of(rec: &SandboxRecord) -> Option<SandboxHandle> {
@@ -1034,15 +1054,27 @@ impl Manager {
             .collect();
         // One blocking task for the whole sweep: with a thousand sandboxes, a task each
         // would cost more than the /proc reads themselves.
-        let dead = tokio::task::spawn_blocking(move || {
-            running
-                .into_iter()
-                .filter(|(_, rt, h)| !rt.is_alive(h))
-                .map(|(r, _, _)| r)
-                .collect::<Vec<_>>()
+        let swept = tokio::task::spawn_blocking(move || {
+            let mut dead = Vec::new();
+            let mut unknown = Vec::new();
+            for (r, rt, h) in running {
+                match rt.liveness(&h) {
+                    Liveness::Alive => {}
+                    Liveness::Dead => dead.push(r),
+                    Liveness::Unknown(why) => unknown.push((r.id, why)),
+                }
+            }
+            (dead, unknown)
         })
-        .await
-        .unwrap_or_default();
+        .await;
+        // A sweep that could not run proves nothing either.
+        let Ok((dead, unknown)) = swept else { return };
+        if let Some((id, why)) = unknown.first() {
+            // Under descriptor or memory pressure /proc cannot be read: the sandboxes are
+            // left alone until there is evidence (ENOENT, a zombie, a reused pid).
+            tracing::warn!(count = unknown.len(), first = %id, error = %why,
+                "cannot tell whether sandboxes are alive; leaving them running");
+        }
         for rec in dead {
             self.mark_dead(&rec, "the sandbox's agent exited").await;
         }
@@ -1143,20 +1175,27 @@ impl Manager {
             let usable = match self.runtime_of(&rec) {
                 Ok((rt, h)) => {
                     let (rt2, h2) = (rt.clone(), h.clone());
-                    let alive = tokio::task::spawn_blocking(move || rt2.is_alive(&h2))
-                        .await
-                        .unwrap_or(false);
+                    let liveness = settled_liveness(rt2, h2).await;
                     // A paused sandbox's agent is frozen and cannot answer; it is adopted
                     // on the strength of its process alone.
                     let answers = rec.state == SandboxState::Paused
                         || self.conn_for(&rec.id, &h).healthy().await;
                     let settled =
                         !matches!(rec.state, SandboxState::Creating | SandboxState::Stopping);
-                    if alive && settled && answers {
-                        rt.adopt(&h);
-                        true
-                    } else {
-                        false
+                    match liveness {
+                        Liveness::Alive if settled && answers => {
+                            rt.adopt(&h);
+                            true
+                        }
+                        // No evidence either way: keep it (its resources too); the sweep
+                        // decides once /proc can be read again.
+                        Liveness::Unknown(why) if settled => {
+                            tracing::warn!(id = %rec.id, error = %why,
+                                "cannot tell whether a sandbox survived; keeping it");
+                            rt.adopt(&h);
+                            true
+                        }
+                        _ => false,
                     }
                 }
                 Err(_) => false,

@@ -32,6 +32,22 @@ pub struct Daemon {
     pub port: u16,
 }
 
+/// How a test daemon is started, beyond its flags.
+#[derive(Default)]
+struct Launch {
+    stray_fd: bool,
+    log: Option<std::fs::File>,
+    fd_limit: Option<u64>,
+}
+
+/// A fresh data directory under /var/tmp (removed with the daemon).
+fn temp_data() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("sandpit-test-")
+        .tempdir_in("/var/tmp")
+        .expect("tempdir")
+}
+
 fn free_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     l.local_addr().expect("addr").port()
@@ -45,11 +61,7 @@ impl Daemon {
 
     /// Starts a daemon with extra `serve` flags.
     pub async fn start_with(extra: &[&str]) -> Daemon {
-        let data = tempfile::Builder::new()
-            .prefix("sandpit-test-")
-            .tempdir_in("/var/tmp")
-            .expect("tempdir");
-        Self::launch(data, free_port(), extra).await
+        Self::launch(temp_data(), free_port(), extra).await
     }
 
     /// Starts a daemon on an existing data directory (for restart tests).
@@ -60,54 +72,71 @@ impl Daemon {
     /// Starts a daemon that inherits an open descriptor without close-on-exec on fd 9
     /// (as from a careless launcher), to check that it never reaches a sandbox.
     pub async fn start_with_stray_fd() -> Daemon {
-        let data = tempfile::Builder::new()
-            .prefix("sandpit-test-")
-            .tempdir_in("/var/tmp")
-            .expect("tempdir");
-        Self::launch_with(data, free_port(), &[], true).await
+        let opts = Launch {
+            stray_fd: true,
+            ..Default::default()
+        };
+        Self::launch_inner(temp_data(), free_port(), &[], opts).await
+    }
+
+    /// Starts a daemon whose open-file limit (soft and hard) is `limit`, so that a test
+    /// can run it out of descriptors.
+    pub async fn start_with_fd_limit(limit: u64, extra: &[&str]) -> Daemon {
+        let opts = Launch {
+            fd_limit: Some(limit),
+            ..Default::default()
+        };
+        Self::launch_inner(temp_data(), free_port(), extra, opts).await
     }
 
     /// Starts a daemon on an existing data directory, its log (at debug level) going to
     /// the file `log` instead of the test's stderr, for tests that look through it.
     pub async fn start_in_logged(data: tempfile::TempDir, port: u16, log: &Path) -> Daemon {
         let file = std::fs::File::create(log).expect("create the daemon's log file");
-        Self::launch_inner(data, port, &[], false, Some(file)).await
+        let opts = Launch {
+            log: Some(file),
+            ..Default::default()
+        };
+        Self::launch_inner(data, port, &[], opts).await
     }
 
     async fn launch(data: tempfile::TempDir, port: u16, extra: &[&str]) -> Daemon {
-        Self::launch_with(data, port, extra, false).await
-    }
-
-    async fn launch_with(
-        data: tempfile::TempDir,
-        port: u16,
-        extra: &[&str],
-        stray_fd: bool,
-    ) -> Daemon {
-        Self::launch_inner(data, port, extra, stray_fd, None).await
+        Self::launch_inner(data, port, extra, Launch::default()).await
     }
 
     async fn launch_inner(
         data: tempfile::TempDir,
         port: u16,
         extra: &[&str],
-        stray_fd: bool,
-        log: Option<std::fs::File>,
+        opts: Launch,
     ) -> Daemon {
         let mut cmd = Command::new(sandpit_bin());
-        if stray_fd {
+        if opts.stray_fd || opts.fd_limit.is_some() {
             use std::os::unix::process::CommandExt;
+            let (stray_fd, fd_limit) = (opts.stray_fd, opts.fd_limit);
             // SAFETY: only async-signal-safe calls between fork and exec.
             unsafe {
-                cmd.pre_exec(|| {
-                    let fd = libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY);
-                    if fd < 0 || libc::dup2(fd, 9) < 0 {
-                        return Err(std::io::Error::last_os_error());
+                cmd.pre_exec(move || {
+                    if stray_fd {
+                        let fd = libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY);
+                        if fd < 0 || libc::dup2(fd, 9) < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                    }
+                    if let Some(n) = fd_limit {
+                        let lim = libc::rlimit {
+                            rlim_cur: n,
+                            rlim_max: n,
+                        };
+                        if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
                     }
                     Ok(())
                 });
             }
         }
+        let log = opts.log;
         let child = cmd
             .args([
                 "serve",

@@ -512,12 +512,12 @@ impl Runtime for ContainerRuntime {
         Ok(self.cgroups.stats(&h.id))
     }
 
-    fn is_alive(&self, h: &SandboxHandle) -> bool {
-        let alive = crate::same_process(h.pid, h.pid_start);
-        if !alive {
+    fn liveness(&self, h: &SandboxHandle) -> crate::Liveness {
+        let l = crate::process_liveness(h.pid, h.pid_start);
+        if l.is_dead() {
             reap(h.pid);
         }
-        alive
+        l
     }
 
     fn destroy(&self, h: &SandboxHandle) -> Result<(), RuntimeError> {

@@ -74,8 +74,8 @@ impl Runtime for NetRuntime {
         self.inner.stats(h)
     }
 
-    fn is_alive(&self, h: &SandboxHandle) -> bool {
-        self.inner.is_alive(h)
+    fn liveness(&self, h: &SandboxHandle) -> sandpit_runtime::Liveness {
+        self.inner.liveness(h)
     }
 
     fn destroy(&self, h: &SandboxHandle) -> Result<(), RuntimeError> {
