@@ -31,6 +31,15 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 command -v cargo >/dev/null || { echo "setup: cargo (Rust) is required: https://rustup.rs" >&2; exit 1; }
 if $for_tests; then
+  # The test command checks formatting and lints; rustup installs the two components
+  # where they are missing (a toolchain without rustup must bring them itself).
+  for pair in fmt:rustfmt clippy:clippy; do
+    if ! cargo "${pair%%:*}" --version >/dev/null 2>&1; then
+      command -v rustup >/dev/null && rustup component add "${pair##*:}"
+    fi
+  done
+fi
+if $for_tests; then
   venv=target/test-venv
   reqs=tests/e2b/requirements.txt
   [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"

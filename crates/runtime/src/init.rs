@@ -530,26 +530,36 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
     mkdir_owned(&work, 0o700, 0)?;
     populate_upper(cfg, &upper)?;
     mark("c_layer");
+    // The overlay's options are shown to the sandbox (`mount`, /proc/self/mountinfo) as
+    // they were given: named relative to the sandbox's directory, they tell it nothing
+    // of the host's paths (data directory, sandbox id, template location).
     let template = match userns {
-        Some(ns) if cfg.idmap_lower => idmapped_copy(&cfg.lower, &cfg.dir.join("lower"), ns)?,
-        _ => cfg.lower.clone(),
+        Some(ns) if cfg.idmap_lower => {
+            idmapped_copy(&cfg.lower, &cfg.dir.join("lower"), ns)?;
+            "lower".to_string()
+        }
+        _ => {
+            let link = cfg.dir.join("lower");
+            ctx(std::os::unix::fs::symlink(&cfg.lower, &link), || {
+                format!("link {}", link.display())
+            })?;
+            "lower".to_string()
+        }
     };
     let mut lowers = Vec::with_capacity(cfg.layers.len() + 1);
     for (i, l) in cfg.layers.iter().enumerate() {
         let ns = userns.ok_or("layers need an id-mapped user namespace")?;
-        lowers.push(idmapped_copy(l, &cfg.dir.join(format!("l{i}")), ns)?);
+        idmapped_copy(l, &cfg.dir.join(format!("l{i}")), ns)?;
+        lowers.push(format!("l{i}"));
     }
     lowers.push(template);
-    let lowerdir = lowers
-        .iter()
-        .map(|p| p.display().to_string())
-        .collect::<Vec<_>>()
-        .join(":");
     let ovl = format!(
-        "lowerdir={lowerdir},upperdir={},workdir={}",
-        upper.display(),
-        work.display()
+        "lowerdir={},upperdir=layer/upper,workdir=layer/work",
+        lowers.join(":")
     );
+    ctx(nix::unistd::chdir(&cfg.dir), || {
+        format!("chdir {}", cfg.dir.display())
+    })?;
     // nodev: a device node shipped in a template must not open the host's devices.
     mnt(
         Some("overlay"),

@@ -981,3 +981,43 @@ async fn deleting_a_process_sandbox_kills_its_commands() {
     assert_eq!(left, 0, "commands of a deleted process sandbox still run");
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mounts_seen_inside_name_no_host_path() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let id = d.sandbox(small()).await;
+    sh(&c, &id, "echo kept > /tmp/f").await;
+    let fork = c
+        .fork(
+            &id,
+            &sandpit_api::ForkRequest {
+                count: Some(1),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("fork")
+        .remove(0)
+        .id;
+    let data = d.data.path().to_str().expect("utf-8 data dir").to_string();
+    for sb in [&id, &fork] {
+        let out = sh_root(&c, sb, "cat /proc/self/mountinfo; mount").await;
+        assert_eq!(out.exit_code, 0, "{}", out.stderr);
+        let overlay = out
+            .stdout
+            .lines()
+            .find(|l| l.contains(" - overlay "))
+            .expect("the root overlay is listed");
+        assert!(overlay.contains("upperdir=layer/upper"), "{overlay}");
+        for secret in [data.as_str(), id.as_str(), fork.as_str()] {
+            assert!(
+                !out.stdout.contains(secret),
+                "{secret} is visible in the sandbox's mounts:\n{}",
+                out.stdout
+            );
+        }
+    }
+    assert_eq!(sh(&c, &fork, "cat /tmp/f").await.stdout, "kept\n");
+    d.shutdown().await;
+}
