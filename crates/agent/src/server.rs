@@ -137,10 +137,12 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
 /// Forwards termination to every command, gives them a moment, then returns (and, as
 /// PID 1, takes the whole sandbox down with it).
 async fn terminate(_table: &Arc<ProcessTable>) {
-    // SAFETY: kill(-1) signals every process we may signal; in a pid namespace that is the sandbox.
+    // kill(-1) signals every process we may signal: in a pid namespace, the sandbox's.
     if std::process::id() == 1 {
+        // SAFETY: kill with integer arguments touches no memory of ours.
         unsafe { libc::kill(-1, libc::SIGTERM) };
         tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        // SAFETY: as above.
         unsafe { libc::kill(-1, libc::SIGKILL) };
     }
 }

@@ -1,4 +1,5 @@
 //! Request and response bodies of the REST API under `/v1`, shared by server and client.
+#![forbid(unsafe_code)]
 
 pub mod leases;
 pub mod network;

@@ -13,7 +13,7 @@
 //! client.delete_sandbox(&sb.id).await?;
 //! # Ok(()) }
 //! ```
-
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod error;

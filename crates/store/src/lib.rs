@@ -1,6 +1,6 @@
 //! Persistent state of the sandpit daemon (API keys, sandboxes, templates) behind a small
 //! repository API. SQLite is the embedded backend; SQL is kept portable for a later PostgreSQL one.
-
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod access;

@@ -314,11 +314,9 @@ async fn custom_rootfs_templates_run_their_own_binaries() {
             .as_bytes(),
     )
     .unwrap();
-    // SAFETY: mknod with a valid path; the test runs as root.
-    assert_eq!(
-        unsafe { libc::mknod(zero.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 5)) },
-        0
-    );
+    // SAFETY: mknod with a valid NUL-terminated path; the test runs as root.
+    let made = unsafe { libc::mknod(zero.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 5)) };
+    assert_eq!(made, 0);
     let out = std::process::Command::new(sandpit_bin())
         .args(["template", "add", "tiny", "--rootfs"])
         .arg(rootfs.path())
