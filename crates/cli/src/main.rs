@@ -2,7 +2,6 @@
 //! `template add`), and — under other names — the in-sandbox agent and init helper.
 
 mod admin;
-mod bench;
 mod cp;
 mod exec;
 mod leases;
@@ -200,8 +199,14 @@ enum Command {
     /// Take, list, check and delete snapshots of sandboxes' files.
     #[command(subcommand)]
     Snapshot(SnapshotCommand),
-    /// Measure sandbox start latency and density.
-    Bench(bench::BenchArgs),
+    /// Measure sandbox start latency and density (runs `sandpit-bench`, installed beside
+    /// this binary; `sandpit bench --help` lists its options).
+    #[command(disable_help_flag = true)]
+    Bench {
+        /// Options for `sandpit-bench`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
+    },
     /// Per-user leases: one warm sandbox per user name, created or resumed on acquire.
     #[command(subcommand)]
     Lease(leases::LeaseCommand),
@@ -543,6 +548,38 @@ impl Ctx {
     }
 }
 
+/// Hands `sandpit bench` to the `sandpit-bench` binary beside this one (else on PATH),
+/// with the global options, and returns its exit code.
+fn run_bench(ctx: &Ctx, args: Vec<std::ffi::OsString>) -> anyhow::Result<u8> {
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(|d| d.join("sandpit-bench")))
+        .filter(|p| p.is_file());
+    let exe = beside.unwrap_or_else(|| PathBuf::from("sandpit-bench"));
+    let mut cmd = std::process::Command::new(&exe);
+    cmd.arg("--url")
+        .arg(&ctx.url)
+        .arg("--data-dir")
+        .arg(&ctx.data_dir);
+    // Through the environment, so that the key does not show in the process list.
+    if let Some(key) = ctx.key() {
+        cmd.env("SANDPIT_API_KEY", key);
+    }
+    if ctx.json {
+        cmd.arg("--json");
+    }
+    let status = cmd.args(args).status().with_context(|| {
+        format!(
+            "cannot run {} (build it with `cargo build -p sandpit-bench`)",
+            exe.display()
+        )
+    })?;
+    Ok(status
+        .code()
+        .and_then(|c| u8::try_from(c).ok())
+        .unwrap_or(1))
+}
+
 /// `/var/lib/sandpit` for root, else `$HOME/.local/share/sandpit` (or `./.sandpit` without a home).
 fn default_data_dir() -> PathBuf {
     if nix::unistd::geteuid().is_root() {
@@ -576,7 +613,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Pool(cmd) => pools::run(&ctx, cmd).await.map(|()| 0),
         Command::Volume(cmd) => volumes::run(&ctx, cmd).await,
         Command::Template(cmd) => templates::run(&ctx, cmd).await.map(|()| 0),
-        Command::Bench(args) => bench::run(&ctx, args).await.map(|()| 0),
+        Command::Bench { args } => run_bench(&ctx, args),
         Command::Pause { id, hibernate } => {
             lifecycle::pause(&ctx, &id, hibernate).await.map(|()| 0)
         }

@@ -1,4 +1,4 @@
-//! `sandpit bench`: start latency (cold, from a warm pool, many at once, sustained), exec
+//! `sandpit-bench` (also run as `sandpit bench`): start latency (cold, from a warm pool, many at once, sustained), exec
 //! round trip, file throughput and density of a daemon, with the baselines they should be
 //! judged against (fork+exec, unshare, bwrap, crun, runsc) measured in the same run on the
 //! same machine. It prints figures and writes them as JSON with a latency chart beside; it
@@ -9,6 +9,9 @@
 //! signal lets the current step finish, a second one abandons it; either way the cleanup
 //! runs, and it also finds sandboxes whose creation was cut short by their label). The warm
 //! pool it creates is deleted the same way.
+//!
+//! It is a binary of its own so that the sandpit binary, which every sandbox maps as its
+//! agent, carries none of its code (nor the plotting library).
 
 mod baselines;
 mod chart;
@@ -155,9 +158,79 @@ const COLD_LIMITS: LimitsSpec = LimitsSpec {
 };
 const MIB: f64 = (1u64 << 20) as f64;
 
-/// Runs the benchmark against the daemon at the global `--url`.
-pub async fn run(ctx: &crate::Ctx, args: BenchArgs) -> anyhow::Result<()> {
-    let json_out = args.json || ctx.json;
+/// `sandpit-bench [--url URL] [--api-key KEY] [--data-dir DIR] [options]`.
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "sandpit-bench",
+    version,
+    about = "Measure a sandpit daemon against its baselines."
+)]
+struct Cli {
+    /// URL of the daemon.
+    #[arg(long, env = "SANDPIT_URL", default_value = sandpit_api::DEFAULT_URL)]
+    url: String,
+    /// API key (default: the local daemon's <data-dir>/admin.key, when readable).
+    #[arg(long, env = "SANDPIT_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// The daemon's state directory, where its admin key is [default: /var/lib/sandpit as
+    /// root, else ~/.local/share/sandpit].
+    #[arg(long, env = "SANDPIT_DATA_DIR")]
+    data_dir: Option<PathBuf>,
+    #[command(flatten)]
+    args: BenchArgs,
+}
+
+/// The daemon under test and how to reach it.
+struct Target {
+    url: String,
+    key: Option<String>,
+}
+
+impl Target {
+    fn client(&self) -> anyhow::Result<Client> {
+        Client::new(&self.url, self.key.clone())
+            .with_context(|| format!("cannot use daemon URL {}", self.url))
+    }
+}
+
+/// The same default as the `sandpit` command's.
+fn default_data_dir() -> PathBuf {
+    if nix::unistd::geteuid().is_root() {
+        return PathBuf::from("/var/lib/sandpit");
+    }
+    match std::env::var_os("HOME").filter(|h| !h.is_empty()) {
+        Some(home) => PathBuf::from(home).join(".local/share/sandpit"),
+        None => PathBuf::from(".sandpit"),
+    }
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    use clap::Parser;
+    let cli = Cli::parse();
+    let key = match cli.api_key.as_deref().map(str::trim) {
+        Some(k) if !k.is_empty() => Some(k.to_string()),
+        _ => {
+            let dir = cli.data_dir.clone().unwrap_or_else(default_data_dir);
+            std::fs::read_to_string(dir.join("admin.key"))
+                .ok()
+                .map(|k| k.trim().to_string())
+                .filter(|k| !k.is_empty())
+        }
+    };
+    let target = Target { url: cli.url, key };
+    match run(&target, cli.args).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("sandpit-bench: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs the benchmark against the daemon at `ctx`.
+async fn run(ctx: &Target, args: BenchArgs) -> anyhow::Result<()> {
+    let json_out = args.json;
     let client = ctx.client()?;
     let info = client
         .info()
@@ -214,7 +287,7 @@ pub async fn run(ctx: &crate::Ctx, args: BenchArgs) -> anyhow::Result<()> {
         pool_size: args.pool_size.max(1),
         pool_name: format!("sandpit-bench-{run_id}"),
         pool_created: AtomicBool::new(false),
-        e2b: ctx.key().map(|key| E2bSdk {
+        e2b: ctx.key.clone().map(|key| E2bSdk {
             url: ctx.url.clone(),
             key,
             python: args.e2b_python.clone().unwrap_or_else(|| {
