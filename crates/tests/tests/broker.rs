@@ -1117,3 +1117,59 @@ async fn https_to_another_address_with_a_valid_certificate_gets_no_credential() 
     }
     d.shutdown().await;
 }
+
+/// A connection counts against the sandbox's limit from its accept, while the proxy still
+/// waits for its first bytes: one over the limit is closed at once and audited once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_waiting_for_its_first_bytes_holds_a_slot() {
+    let up = Upstream::start(&[("allowed.test", "@2")]);
+    let (d, _log) = dest_daemon(
+        &up,
+        "peek_timeout_ms = 5000\nmax_connections_per_sandbox = 3",
+    )
+    .await;
+    let c = d.client();
+    let id = dest_sandbox(&d, serde_json::json!({"mode": "open"})).await;
+    // Three connections that send nothing (the proxy waits for them), then a fourth
+    // with a whole request.
+    let script = format!(
+        r#"
+import socket, time
+idle = [socket.create_connection(("{ip}", 80), timeout=5) for _ in range(3)]
+time.sleep(1)
+s = socket.create_connection(("{ip}", 80), timeout=5)
+s.sendall(b"GET /fourth HTTP/1.1\r\nHost: {ip}\r\nConnection: close\r\n\r\n")
+try:
+    got = s.recv(100)
+except OSError:
+    got = b""
+print(got.split(b"\r\n")[0].decode() or "closed")
+"#,
+        ip = up.ip(2)
+    );
+    let out = sh(&c, &id, &format!("python3 -c '{script}'")).await;
+    assert_eq!(out.stdout.trim(), "closed", "{}", out.stderr);
+    assert!(
+        up.requests().iter().all(|r| r["path"] != "/fourth"),
+        "{:?}",
+        up.requests()
+    );
+    let mut refused = Vec::new();
+    for _ in 0..50 {
+        let (_, items) = audit_of(&d, &id).await;
+        refused = items
+            .into_iter()
+            .filter(|e| e.rule == "too many open connections for this sandbox")
+            .collect();
+        if !refused.is_empty() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert_eq!(refused[0].verdict, sandpit_api::network::Verdict::Deny);
+    // The idle ones are gone with the script: their slots are free again.
+    let (body, tail) = curl(&c, &id, &format!("http://{}/after", up.ip(2))).await;
+    assert_eq!(tail, "200 0", "{body}");
+    d.shutdown().await;
+}
