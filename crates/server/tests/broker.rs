@@ -11,7 +11,7 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
 use sandpit_api::secrets::{CreateSecretRequest, InjectSpec};
 use sandpit_server::broker::{Broker, BrokerConfig};
-use sandpit_server::net::intercept::{Carried, Interceptor, Outbound};
+use sandpit_server::net::intercept::{Carried, Destination, Interceptor, Outbound};
 use sandpit_store::{SandboxRecord, SandboxState, Store};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -213,11 +213,26 @@ struct Client {
     served: tokio::task::JoinHandle<std::io::Result<Carried>>,
 }
 
-/// Opens a connection from a "sandbox" that trusts `ca_pem`, served by the broker.
+/// Opens a connection from a "sandbox" that trusts `ca_pem`, served by the broker, to an
+/// upstream the proxy found to be an address of the connection's host.
 async fn connect(
     broker: &Broker,
     conn: Outbound,
     upstream: SocketAddr,
+    ca_pem: &str,
+) -> Result<Client, String> {
+    let dest = Destination {
+        addr: upstream,
+        resolved: true,
+    };
+    connect_to(broker, conn, dest, ca_pem).await
+}
+
+/// [`connect`] to a destination as given.
+async fn connect_to(
+    broker: &Broker,
+    conn: Outbound,
+    upstream: Destination,
     ca_pem: &str,
 ) -> Result<Client, String> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -648,4 +663,66 @@ async fn an_upgraded_connection_carries_its_bytes_both_ways() {
         up_bytes > 100_000 && down_bytes > 100_000,
         "{up_bytes} {down_bytes}"
     );
+}
+
+#[tokio::test]
+async fn no_credential_goes_to_an_address_the_host_does_not_resolve_to() {
+    // The upstream's certificate is valid for the host and issued by a CA the broker
+    // trusts: only the destination check stands between the credential and it.
+    let up = upstream(&["api.test"]).await;
+    let store = Store::open_in_memory().await.unwrap();
+    sandbox(&store, "sbx1", "hal").await;
+    let broker = broker_with(&store, Some(up.ca_file.path())).await;
+    broker
+        .create_secret("hal", &secret("gh", VALUE, bearer()))
+        .await
+        .unwrap();
+    let mut tok = secret("tok", TOKEN_VALUE, InjectSpec::Placeholder);
+    tok.allow_http = true;
+    tok.path_prefixes = vec![];
+    broker.create_secret("hal", &tok).await.unwrap();
+    broker
+        .attach("sbx1", "hal", &["gh".into(), "tok".into()])
+        .await
+        .unwrap();
+    let ca = broker.ca_pem("sbx1").unwrap();
+    let elsewhere = Destination {
+        addr: up.addr,
+        resolved: false,
+    };
+    let mut c = connect_to(&broker, outbound("sbx1", "api.test", true), elsewhere, &ca)
+        .await
+        .unwrap();
+    for headers in [vec![], vec![("x-api-key", "SANDPIT_SECRET_tok")]] {
+        let (status, _, body) = c.send(Method::GET, "/repos/a", &headers).await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+        let r = refusal(&body);
+        assert_eq!(r["code"], "credential_refused", "{r}");
+        assert_eq!(r["reason"], "destination", "{r}");
+        assert_no_secret("refusal", &body);
+    }
+    assert!(up.seen.lock().unwrap().is_empty());
+    assert_eq!(c.close().await, (0, 0));
+
+    // Plain HTTP, and a request with nothing to put in: carried untouched.
+    let plain = upstream_with(&["api.test"], false).await;
+    broker.attach("sbx1", "hal", &["tok".into()]).await.unwrap();
+    let elsewhere = Destination {
+        addr: plain.addr,
+        resolved: false,
+    };
+    let mut c = connect_to(&broker, outbound("sbx1", "api.test", false), elsewhere, "")
+        .await
+        .unwrap();
+    let (status, _, body) = c
+        .send(Method::GET, "/x", &[("x-api-key", "SANDPIT_SECRET_tok")])
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    assert_eq!(refusal(&body)["reason"], "destination");
+    let (status, _, body) = c.send(Method::GET, "/x", &[("x-api-key", "mine")]).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let seen = plain.seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert_eq!(seen[0].headers.get("x-api-key").unwrap(), "mine");
+    c.close().await;
 }

@@ -167,7 +167,8 @@ impl Upstream {
     }
 
     /// Every HTTP(S) request the servers answered so far, in order: `host`, `path`,
-    /// `method`, `authorization` (null when the request had none).
+    /// `method`, `authorization` (null when the request had none), `local` (the server's
+    /// address the request came to).
     pub fn requests(&self) -> Vec<serde_json::Value> {
         std::fs::read_to_string(self.dir.path().join("requests.jsonl"))
             .unwrap_or_default()

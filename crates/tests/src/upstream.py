@@ -1,7 +1,8 @@
 """Test servers of a network namespace the tests make: DNS (UDP 53), HTTP (80), HTTPS (443,
 any name, a certificate of a test CA), and a server-first TCP banner (7000). Only ever bound inside that
 namespace. Usage: upstream.py CONFIG_JSON ("dns": {name: address}, "dns_ip", "cert", "key",
-"requests": a file that gets one JSON line per HTTP request answered)."""
+"requests": a file that gets one JSON line per HTTP request answered, with the address it
+came to as "local")."""
 
 import json
 import socket
@@ -67,6 +68,7 @@ def record(h):
             "method": h.command,
             "path": h.path,
             "authorization": h.headers.get("Authorization"),
+            "local": h.connection.getsockname()[0],
         }
     )
     with log_lock, open(cfg["requests"], "a") as f:

@@ -902,3 +902,274 @@ async fn full_path_through_the_egress_proxy() {
     );
     assert!(!logged.contains(VALUE), "the daemon logged the secret");
 }
+
+/// A daemon for `up` (its DNS, its test CA trusted for upstreams, `network` added to the
+/// `[network]` section) with a key, and the secret `dest`: bound to `allowed.test`, plain
+/// HTTP allowed, put in as `Authorization: Bearer`.
+async fn dest_daemon(up: &Upstream, network: &str) -> (Daemon, tempfile::TempDir) {
+    use std::os::unix::fs::PermissionsExt;
+    let data = tempfile::Builder::new()
+        .prefix("sandpit-test-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let key = data.path().join("broker.key");
+    std::fs::write(&key, format!("{KEY_HEX}\n")).unwrap();
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::fs::write(
+        data.path().join("config.toml"),
+        format!(
+            "{}[broker]\nkey_file = {:?}\nextra_ca_file = {:?}\n",
+            up.config(network),
+            key.display().to_string(),
+            up.ca_file().display().to_string()
+        ),
+    )
+    .unwrap();
+    let log_dir = tempfile::tempdir().unwrap();
+    let d = Daemon::start_in_logged(data, free_port(), &log_dir.path().join("daemon.log")).await;
+    let mut s = secret("dest");
+    s.hosts = vec!["allowed.test".into()];
+    s.path_prefixes = vec![];
+    s.allow_http = true;
+    d.client().create_secret(&s, None).await.unwrap();
+    (d, log_dir)
+}
+
+/// A sandbox with the secret `dest` and egress policy `network`; its id.
+async fn dest_sandbox(d: &Daemon, network: serde_json::Value) -> String {
+    let mut req = serde_json::to_value(small(&["dest"])).unwrap();
+    req["network"] = network;
+    let (status, text) = raw(
+        d,
+        reqwest::Method::POST,
+        "/v1/sandboxes",
+        Some(&req.to_string()),
+    )
+    .await;
+    assert_eq!(status, 201, "{text}");
+    serde_json::from_str::<serde_json::Value>(&text).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// Asserts that curl's answer is the broker's refusal for the destination.
+fn assert_destination_refused(what: &str, body: &str, tail: &str) {
+    assert_eq!(tail, "403 0", "{what}: {body}");
+    let r: serde_json::Value =
+        serde_json::from_str(body).unwrap_or_else(|_| panic!("{what}: not JSON: {body}"));
+    assert_eq!(r["code"], "credential_refused", "{what}: {r}");
+    assert_eq!(r["reason"], "destination", "{what}: {r}");
+    assert_eq!(r["secret"], "dest", "{what}: {r}");
+}
+
+/// Asserts that no request the upstream servers answered carried the secret, and none came
+/// to `other` at all.
+fn assert_nothing_reached(up: &Upstream, other: &str) {
+    let requests = up.requests();
+    assert!(requests.iter().all(|r| r["local"] != other), "{requests:?}");
+    assert!(
+        up.seen_authorization().iter().all(|a| !a.contains(VALUE)),
+        "{requests:?}"
+    );
+}
+
+/// The normal path still gets the credential: the sandbox resolves the bound host through
+/// the daemon's resolver and connects to that address (`scheme`: http or https).
+async fn assert_injected_on_the_normal_path(up: &Upstream, c: &Client, id: &str, scheme: &str) {
+    let before = up.requests().len();
+    let (body, tail) = curl(c, id, &format!("{scheme}://allowed.test/normal")).await;
+    assert_eq!(tail, "200 0", "{body}");
+    let echoed: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(echoed["local"], up.ip(2), "{echoed}");
+    let requests = up.requests();
+    assert_eq!(requests.len(), before + 1, "{requests:?}");
+    let last = &requests[before];
+    assert_eq!(last["local"], up.ip(2), "{last}");
+    assert_eq!(last["authorization"], format!("Bearer {VALUE}"), "{last}");
+}
+
+/// Open mode lets the sandbox reach any address; naming the bound host in a Host header
+/// to another one must not take the credential there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_mode_a_claimed_host_does_not_take_the_credential_to_another_address() {
+    let up = Upstream::start(&[("allowed.test", "@2")]);
+    let (d, _log) = dest_daemon(&up, "").await;
+    let c = d.client();
+    let id = dest_sandbox(&d, serde_json::json!({"mode": "open"})).await;
+    let other = up.ip2(3);
+    let (body, tail) = curl(
+        &c,
+        &id,
+        &format!("-H 'Host: allowed.test' http://{other}/steal"),
+    )
+    .await;
+    assert_destination_refused("plain HTTP, open mode", &body, &tail);
+    assert_nothing_reached(&up, &other);
+    assert_injected_on_the_normal_path(&up, &c, &id, "http").await;
+    d.shutdown().await;
+}
+
+/// An allowlist whose CIDR rule covers another address allows the connection whatever
+/// name it claims; the credential still goes only where the bound host resolves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cidr_rule_does_not_let_a_claimed_host_take_the_credential_elsewhere() {
+    let up = Upstream::start(&[("allowed.test", "@2")]);
+    let (d, _log) = dest_daemon(&up, "").await;
+    let c = d.client();
+    let id = dest_sandbox(
+        &d,
+        serde_json::json!({
+            "mode": "allowlist",
+            "rules": [
+                {"action": "allow", "domain": "allowed.test", "ports": [80, 443]},
+                {"action": "allow", "cidr": format!("{}/28", up.ip2(0)), "ports": [80, 443]},
+            ],
+        }),
+    )
+    .await;
+    let other = up.ip2(3);
+    let (body, tail) = curl(
+        &c,
+        &id,
+        &format!("-H 'Host: allowed.test' http://{other}/steal"),
+    )
+    .await;
+    assert_destination_refused("plain HTTP, CIDR rule", &body, &tail);
+    assert_nothing_reached(&up, &other);
+    // The address is allowed: a request of its own (no bound name) is carried.
+    let (body, tail) = curl(&c, &id, &format!("http://{other}/own")).await;
+    assert_eq!(tail, "200 0", "{body}");
+    assert_injected_on_the_normal_path(&up, &c, &id, "http").await;
+    d.shutdown().await;
+}
+
+/// Over HTTPS the bound name in the SNI, sent to another address whose server holds a
+/// certificate valid for that name (issued by a CA the daemon trusts for upstreams): the
+/// certificate check would pass, the destination check must not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_to_another_address_with_a_valid_certificate_gets_no_credential() {
+    let up = Upstream::start(&[("allowed.test", "@2")]);
+    let (d, _log) = dest_daemon(&up, "").await;
+    let c = d.client();
+    let other = up.ip2(3);
+    // The other address's server does prove the name with a certificate of the CA the
+    // daemon trusts (checked from the host, straight into the test's namespace).
+    let direct = std::process::Command::new("curl")
+        .args([
+            "-sS",
+            "--max-time",
+            "10",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+        ])
+        .arg("--cacert")
+        .arg(up.ca_file())
+        .args([
+            "--resolve",
+            &format!("allowed.test:443:{other}"),
+            "https://allowed.test/direct",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&direct.stdout),
+        "200",
+        "{}",
+        String::from_utf8_lossy(&direct.stderr)
+    );
+    let open = dest_sandbox(&d, serde_json::json!({"mode": "open"})).await;
+    let cidr = dest_sandbox(
+        &d,
+        serde_json::json!({
+            "mode": "allowlist",
+            "rules": [
+                {"action": "allow", "domain": "allowed.test", "ports": [443]},
+                {"action": "allow", "cidr": format!("{}/28", up.ip2(0)), "ports": [443]},
+            ],
+        }),
+    )
+    .await;
+    for (what, id) in [("open mode", &open), ("CIDR rule", &cidr)] {
+        let (body, tail) = curl(
+            &c,
+            id,
+            &format!("--resolve allowed.test:443:{other} https://allowed.test/steal"),
+        )
+        .await;
+        assert_destination_refused(what, &body, &tail);
+        let reached: Vec<_> = up
+            .requests()
+            .into_iter()
+            .filter(|r| r["local"] == other && r["path"] != "/direct")
+            .collect();
+        assert!(reached.is_empty(), "{what}: {reached:?}");
+        assert!(
+            up.seen_authorization().iter().all(|a| !a.contains(VALUE)),
+            "{what}: {:?}",
+            up.requests()
+        );
+    }
+    for id in [&open, &cidr] {
+        assert_injected_on_the_normal_path(&up, &c, id, "https").await;
+    }
+    d.shutdown().await;
+}
+
+/// A connection counts against the sandbox's limit from its accept, while the proxy still
+/// waits for its first bytes: one over the limit is closed at once and audited once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_waiting_for_its_first_bytes_holds_a_slot() {
+    let up = Upstream::start(&[("allowed.test", "@2")]);
+    let (d, _log) = dest_daemon(
+        &up,
+        "peek_timeout_ms = 5000\nmax_connections_per_sandbox = 3",
+    )
+    .await;
+    let c = d.client();
+    let id = dest_sandbox(&d, serde_json::json!({"mode": "open"})).await;
+    // Three connections that send nothing (the proxy waits for them), then a fourth
+    // with a whole request.
+    let script = format!(
+        r#"
+import socket, time
+idle = [socket.create_connection(("{ip}", 80), timeout=5) for _ in range(3)]
+time.sleep(1)
+s = socket.create_connection(("{ip}", 80), timeout=5)
+s.sendall(b"GET /fourth HTTP/1.1\r\nHost: {ip}\r\nConnection: close\r\n\r\n")
+try:
+    got = s.recv(100)
+except OSError:
+    got = b""
+print(got.split(b"\r\n")[0].decode() or "closed")
+"#,
+        ip = up.ip(2)
+    );
+    let out = sh(&c, &id, &format!("python3 -c '{script}'")).await;
+    assert_eq!(out.stdout.trim(), "closed", "{}", out.stderr);
+    assert!(
+        up.requests().iter().all(|r| r["path"] != "/fourth"),
+        "{:?}",
+        up.requests()
+    );
+    let mut refused = Vec::new();
+    for _ in 0..50 {
+        let (_, items) = audit_of(&d, &id).await;
+        refused = items
+            .into_iter()
+            .filter(|e| e.rule == "too many open connections for this sandbox")
+            .collect();
+        if !refused.is_empty() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert_eq!(refused[0].verdict, sandpit_api::network::Verdict::Deny);
+    // The idle ones are gone with the script: their slots are free again.
+    let (body, tail) = curl(&c, &id, &format!("http://{}/after", up.ip(2))).await;
+    assert_eq!(tail, "200 0", "{body}");
+    d.shutdown().await;
+}

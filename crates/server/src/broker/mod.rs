@@ -2,7 +2,9 @@
 //! config or environment), attached to sandboxes by name, and put into a sandbox's
 //! matching outbound HTTP requests by the egress proxy's interceptor, so that the sandbox
 //! never holds them. Each sandbox trusts a CA of its own, installed at boot, which the
-//! broker uses to terminate the TLS connections it intercepts.
+//! broker uses to terminate the TLS connections it intercepts. A credential goes only
+//! into a connection to an address its host resolves to (see [`Destination`]); a request
+//! that would carry one anywhere else is refused.
 
 pub mod ca;
 pub mod crypto;
@@ -10,7 +12,7 @@ mod proxy;
 pub mod rules;
 
 use crate::error::ApiError;
-use crate::net::intercept::{BoxedIo, Carried, Interceptor, Outbound};
+use crate::net::intercept::{BoxedIo, Carried, Destination, Interceptor, Outbound};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use rules::Secret;
@@ -18,7 +20,6 @@ use sandpit_api::secrets::CreateSecretRequest;
 use sandpit_store::{SecretRecord, Store};
 use serde::Deserialize;
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -529,7 +530,7 @@ impl Interceptor for Broker {
         &self,
         conn: Outbound,
         client: BoxedIo,
-        upstream: SocketAddr,
+        upstream: Destination,
     ) -> BoxFuture<'static, std::io::Result<Carried>> {
         proxy::serve(self.inner.clone(), conn, client, upstream).boxed()
     }

@@ -1,11 +1,13 @@
 //! One intercepted connection: TLS toward the sandbox with a leaf of its own CA, HTTP/1.1
 //! requests checked one at a time against the sandbox's secrets, credentials put in, and
 //! the request carried over a verified TLS connection to the upstream the egress proxy
-//! allowed. A refused request never reaches the upstream.
+//! allowed. A refused request never reaches the upstream. The upstream's certificate is
+//! not what decides whether a credential may go there (a CA the daemon trusts may have
+//! issued one for the name to anyone): the destination must be an address of the host.
 
 use super::Inner;
 use super::rules::{self, Action, Reason, Refusal, RequestView, Secret};
-use crate::net::intercept::{BoxedIo, Carried, Outbound};
+use crate::net::intercept::{BoxedIo, Carried, Destination, Outbound};
 use bytes::{Bytes, BytesMut};
 use http::header::{CONTENT_ENCODING, HOST, UPGRADE};
 use http::{HeaderValue, Request, Response, StatusCode};
@@ -50,6 +52,8 @@ struct ConnCtx {
     host: String,
     tls: bool,
     upstream: SocketAddr,
+    /// Whether `upstream` is an address `host` resolves to; no credential goes otherwise.
+    resolved: bool,
     counters: Arc<Counters>,
     /// The upstream connection, kept between requests of a keep-alive connection.
     sender: tokio::sync::Mutex<Option<SendRequest<Incoming>>>,
@@ -66,7 +70,7 @@ pub(super) async fn serve(
     inner: Arc<Inner>,
     conn: Outbound,
     client: BoxedIo,
-    upstream: SocketAddr,
+    upstream: Destination,
 ) -> io::Result<Carried> {
     let host = rules::normal_host(&conn.host);
     let counters = Arc::new(Counters::default());
@@ -91,7 +95,8 @@ pub(super) async fn serve(
         sandbox_id: conn.sandbox_id,
         host,
         tls: conn.tls,
-        upstream,
+        upstream: upstream.addr,
+        resolved: upstream.resolved,
         counters: counters.clone(),
         sender: tokio::sync::Mutex::new(None),
         upgrades: std::sync::Mutex::default(),
@@ -192,6 +197,7 @@ impl ConnCtx {
         let view = RequestView {
             host: &self.host,
             tls: self.tls,
+            resolved: self.resolved,
             method: req.method().as_str(),
             path: path.starts_with('/').then_some(path),
             now_ms: crate::manager::now_ms(),

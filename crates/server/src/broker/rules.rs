@@ -155,6 +155,9 @@ pub struct RequestView<'a> {
     pub host: &'a str,
     /// Whether the connection is TLS.
     pub tls: bool,
+    /// Whether the connection goes to an address `host` resolves to (see
+    /// [`crate::net::intercept::Destination`]).
+    pub resolved: bool,
     pub method: &'a str,
     /// The path of the request target; `None` when it has none (`*`, authority form).
     pub path: Option<&'a str>,
@@ -170,6 +173,9 @@ pub enum Reason {
     Expired,
     Method,
     Path,
+    /// The connection goes to an address the host does not resolve to (the sandbox named
+    /// the host to another address), so no credential may go with it.
+    Destination,
     /// The secret cannot be used at all (its value does not decrypt).
     Unavailable,
 }
@@ -195,6 +201,15 @@ pub enum Action {
     Replace { secret: usize, token: String },
 }
 
+impl Action {
+    /// The index of the secret this action puts in.
+    pub fn secret(&self) -> usize {
+        match self {
+            Action::SetHeader { secret, .. } | Action::Replace { secret, .. } => *secret,
+        }
+    }
+}
+
 /// Decides one request to `req.host` of a sandbox with `attached` secrets: the actions
 /// to take (none: forward it untouched), or why it is refused.
 ///
@@ -202,7 +217,9 @@ pub enum Action {
 /// rules it meets, and is refused when it meets none of them. A placeholder-form secret
 /// applies when its placeholder is in a header value (`headers`): the request is refused
 /// unless it meets that secret's rules. Over plain HTTP, header-form secrets that are
-/// HTTPS-only are left out rather than refused.
+/// HTTPS-only are left out rather than refused. A request that would get a credential on
+/// a connection to an address the host does not resolve to is refused (`Destination`)
+/// rather than sent on without it, so that the sandbox learns why.
 pub fn decide(
     attached: &[&Secret],
     req: &RequestView<'_>,
@@ -250,6 +267,19 @@ pub fn decide(
             return Err(r);
         }
         actions.push(Action::Replace { secret: i, token });
+    }
+    if !req.resolved
+        && let Some(a) = actions.first()
+    {
+        let name = &attached[a.secret()].name;
+        return Err(Refusal {
+            secret: name.clone(),
+            reason: Reason::Destination,
+            message: format!(
+                "the connection is not to an address {} resolves to; secret {name} goes only there",
+                req.host
+            ),
+        });
     }
     Ok(actions)
 }
@@ -514,6 +544,7 @@ mod tests {
         RequestView {
             host,
             tls: true,
+            resolved: true,
             method,
             path: Some(path),
             now_ms: 500,
@@ -650,6 +681,28 @@ mod tests {
         http.tls = false;
         let scheme = decide(&all, &http, &with).unwrap_err();
         assert_eq!(scheme.reason, Reason::Scheme);
+    }
+
+    #[test]
+    fn no_credential_goes_to_an_address_the_host_does_not_resolve_to() {
+        let gh = secret("gh", header(), &[]);
+        let tok = secret("tok", InjectSpec::Placeholder, &[]);
+        let mut elsewhere = req("api.example.com", "GET", "/repos/x");
+        elsewhere.resolved = false;
+        let r = decide(&[&gh, &tok], &elsewhere, &NO_HEADERS).unwrap_err();
+        assert_eq!((r.reason, r.secret.as_str()), (Reason::Destination, "gh"));
+        let with: [&[u8]; 1] = [b"token SANDPIT_SECRET_tok"];
+        let r = decide(&[&tok], &elsewhere, &with).unwrap_err();
+        assert_eq!((r.reason, r.secret.as_str()), (Reason::Destination, "tok"));
+        // Nothing to put in: the request goes on untouched.
+        assert_eq!(decide(&[&tok], &elsewhere, &NO_HEADERS).unwrap(), vec![]);
+        // A rule broken anyway keeps its own reason.
+        elsewhere.method = "DELETE";
+        let r = decide(&[&gh], &elsewhere, &NO_HEADERS).unwrap_err();
+        assert_eq!(r.reason, Reason::Method);
+        // The same requests to an address of the host get their credentials.
+        let home = req("api.example.com", "GET", "/repos/x");
+        assert_eq!(decide(&[&gh, &tok], &home, &with).unwrap().len(), 2);
     }
 
     #[test]

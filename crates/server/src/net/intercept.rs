@@ -26,6 +26,18 @@ pub struct Outbound {
     pub tls: bool,
 }
 
+/// Where the proxy would carry a connection the policy allowed.
+#[derive(Debug, Clone, Copy)]
+pub struct Destination {
+    /// The address the sandbox connected to.
+    pub addr: SocketAddr,
+    /// Whether `addr` is an address [`Outbound::host`] resolves to: the daemon's resolver
+    /// gave it to this sandbox for that name, or the proxy's own lookup of the name
+    /// returned it. The policy may allow an address whatever name the client claims (open
+    /// mode, a CIDR rule), so without this the name says nothing about who gets the bytes.
+    pub resolved: bool,
+}
+
 /// Bytes carried by one connection: (client to upstream, upstream to client).
 pub type Carried = (u64, u64);
 
@@ -35,11 +47,11 @@ pub trait Interceptor: Send + Sync + 'static {
     fn wants(&self, conn: &Outbound) -> bool;
 
     /// Serves one connection. `client` replays any bytes the proxy already read from it;
-    /// `upstream` is the address the proxy allowed for this connection.
+    /// `upstream` is where the proxy allowed this connection to go.
     fn serve(
         &self,
         conn: Outbound,
         client: BoxedIo,
-        upstream: SocketAddr,
+        upstream: Destination,
     ) -> BoxFuture<'static, std::io::Result<Carried>>;
 }

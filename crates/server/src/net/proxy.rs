@@ -5,9 +5,14 @@
 //! a well-known SNI sent to an arbitrary address, or an address DNS should never have
 //! given out, is refused. Allowed connections are spliced (or handed to the interceptor
 //! when it wants them), with their bytes counted for the audit and metering.
+//!
+//! The interceptor (the credential broker) is told whether the destination is an address
+//! its name resolves to, whatever the policy said: a policy that allows the address alone
+//! (open mode, a CIDR rule) lets a client claim any name to any address, and a credential
+//! bound to that name must not go along.
 
 use super::Net;
-use super::intercept::Outbound;
+use super::intercept::{Destination, Outbound};
 use super::policy::{Attempt, normalize_name};
 use super::sniff::{MAX_PEEK, Sniffed, sniff};
 use std::io;
@@ -95,6 +100,23 @@ async fn handle(net: Arc<Net>, mut client: TcpStream, peer: SocketAddr) {
         return;
     };
     let (ip, port) = (*dst.ip(), dst.port());
+    // Taken before the peek: a connection the proxy waits on holds a socket and a task as
+    // much as a spliced one, and a sandbox must not keep thousands of them that way.
+    let Some(_slot) = net.connection_slot(&sandbox) else {
+        let attempt = super::audit::Attempt {
+            sandbox_id: sandbox.clone(),
+            owner: entry.owner.clone(),
+            protocol: "tcp",
+            dest_name: net.resolved_name(&sandbox, ip),
+            dest_ip: Some(ip.to_string()),
+            dest_port: port,
+            sni: None,
+            http_host: None,
+        };
+        net.audit
+            .record(attempt, false, "too many open connections for this sandbox");
+        return;
+    };
     let mut first = Vec::with_capacity(1024);
     let sniffed = peek(&mut client, &mut first, net.peek_timeout).await;
     let (sni, http_host, tls) = match &sniffed {
@@ -129,8 +151,8 @@ async fn handle(net: Arc<Net>, mut client: TcpStream, peer: SocketAddr) {
         port,
     )
     .await;
-    let rule = match verdict {
-        Ok(rule) => rule,
+    let allowed = match verdict {
+        Ok(allowed) => allowed,
         Err(rule) => {
             net.audit.record(attempt, false, &rule);
             if matches!(sniffed, Sniffed::Http(_)) {
@@ -148,13 +170,8 @@ async fn handle(net: Arc<Net>, mut client: TcpStream, peer: SocketAddr) {
             return;
         }
     };
-    let Some(_slot) = net.connection_slot(&sandbox) else {
-        net.audit
-            .record(attempt, false, "too many open connections for this sandbox");
-        return;
-    };
     let owner = entry.owner.clone();
-    let entry_rec = net.audit.record(attempt, true, &rule);
+    let entry_rec = net.audit.record(attempt, true, &allowed.rule);
     let upstream = SocketAddr::V4(dst);
     let outbound = Outbound {
         sandbox_id: sandbox.clone(),
@@ -165,7 +182,21 @@ async fn handle(net: Arc<Net>, mut client: TcpStream, peer: SocketAddr) {
     if let Some(i) = net.interceptor()
         && i.wants(&outbound)
     {
+        // Checked only now, for the few connections the interceptor takes: a lookup for
+        // every connection of an open sandbox would be wasted.
+        let resolved = allowed.name_resolves
+            || resolves_to(&net, &sandbox, &outbound.host, ip)
+                .await
+                .is_ok();
+        if !resolved {
+            tracing::info!(sandbox = %sandbox, host = %outbound.host, %ip,
+                "a connection names a host that does not resolve to its address; no credential goes with it");
+        }
         let client = Box::new(Prefixed::new(first, client));
+        let upstream = Destination {
+            addr: upstream,
+            resolved,
+        };
         let (sent, received, error) = match i.serve(outbound, client, upstream).await {
             Ok((s, r)) => (s, r, None),
             Err(e) => (0, 0, Some(e.to_string())),
@@ -192,7 +223,36 @@ async fn handle(net: Arc<Net>, mut client: TcpStream, peer: SocketAddr) {
     net.audit.close(&owner, entry_rec, sent, received, error);
 }
 
-/// The policy's verdict on one connection: the deciding rule, allowed or refused.
+/// An allowed connection.
+struct Allowed {
+    /// The deciding rule.
+    rule: String,
+    /// Whether the name the client claimed is known to resolve to the address (also true
+    /// when it claimed none: a name then comes from the resolver's own answers).
+    name_resolves: bool,
+}
+
+/// Whether `ip` is an address `name` resolves to: the resolver gave it to the sandbox for
+/// that name, or a lookup of the name now returns it. An address literal is only itself.
+async fn resolves_to(net: &Net, sandbox: &str, name: &str, ip: Ipv4Addr) -> Result<(), String> {
+    if let Ok(literal) = name.parse::<Ipv4Addr>() {
+        return if literal == ip {
+            Ok(())
+        } else {
+            Err(format!("{name} is not {ip}"))
+        };
+    }
+    if net.was_resolved(sandbox, name, ip) {
+        return Ok(());
+    }
+    match net.resolver.resolve_v4(name).await {
+        Ok(addrs) if addrs.contains(&ip) => Ok(()),
+        Ok(_) => Err(format!("{name} does not resolve to {ip}")),
+        Err(e) => Err(format!("{name} could not be resolved: {e}")),
+    }
+}
+
+/// The policy's verdict on one connection: allowed, or refused by the rule given.
 async fn decide(
     net: &Net,
     sandbox: &str,
@@ -201,7 +261,7 @@ async fn decide(
     claimed: bool,
     ip: Ipv4Addr,
     port: u16,
-) -> Result<String, String> {
+) -> Result<Allowed, String> {
     if let Some(why) = net.blocked(ip, Some(port)) {
         return Err(format!("blocked: {why}"));
     }
@@ -214,26 +274,29 @@ async fn decide(
         return Err(d.rule);
     }
     let Some(name) = name.filter(|_| claimed) else {
-        return Ok(d.rule);
+        return Ok(Allowed {
+            rule: d.rule,
+            name_resolves: true,
+        });
     };
-    // Allowed whatever the name: nothing to check.
+    // Allowed whatever the name: the policy need not check it (the interceptor still may).
     let unnamed = policy.decide(&Attempt {
         name: None,
         ip: Some(ip),
         port: Some(port),
     });
     if unnamed.allow {
-        return Ok(d.rule);
+        return Ok(Allowed {
+            rule: d.rule,
+            name_resolves: false,
+        });
     }
     // The name decided: the address must be one it resolves to.
-    if net.was_resolved(sandbox, name, ip) {
-        return Ok(d.rule);
-    }
-    match net.resolver.resolve_v4(name).await {
-        Ok(addrs) if addrs.contains(&ip) => Ok(d.rule),
-        Ok(_) => Err(format!("{name} does not resolve to {ip}")),
-        Err(e) => Err(format!("{name} could not be resolved: {e}")),
-    }
+    resolves_to(net, sandbox, name, ip).await?;
+    Ok(Allowed {
+        rule: d.rule,
+        name_resolves: true,
+    })
 }
 
 /// Copies both ways until both sides are done (or one fails), counting bytes: (from the
