@@ -42,91 +42,102 @@ pub(super) enum Goal {
     AtLeast,
 }
 
-/// A figure the fast-start work aims for. `*` in a key stands for one dotted segment (the
-/// number of idle sandboxes). Informational: printed beside the figure, never asserted.
-pub(super) struct Target {
-    pub key: &'static str,
-    pub value: f64,
-    pub goal: Goal,
-    pub unit: &'static str,
+/// Whether a line of SPECIFICATION.md is held today or aimed for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kind {
+    Promise,
+    Target,
 }
 
-pub(super) const TARGETS: &[Target] = &[
-    Target {
-        key: "net.create_open_minus_none.p50_ms",
-        value: 1.0,
-        goal: Goal::AtMost,
-        unit: "ms",
-    },
-    Target {
-        key: "pool_first_exec.p50_ms",
-        value: 2.0,
-        goal: Goal::AtMost,
-        unit: "ms",
-    },
-    Target {
-        key: "pool_first_exec.p95_ms",
-        value: 5.0,
-        goal: Goal::AtMost,
-        unit: "ms",
-    },
-    Target {
-        key: "cold_first_exec.p50_ms",
-        value: 8.0,
-        goal: Goal::AtMost,
-        unit: "ms",
-    },
-    Target {
-        key: "concurrent_first_exec.p95_ms",
-        value: 60.0,
-        goal: Goal::AtMost,
-        unit: "ms",
-    },
-    Target {
-        key: "sustained.cycles_per_s",
-        value: 300.0,
-        goal: Goal::AtLeast,
-        unit: "/s",
-    },
-    Target {
-        key: "exec_rtt.p50_ms",
-        value: 1.5,
-        goal: Goal::AtMost,
-        unit: "ms",
-    },
-    Target {
-        key: "idle.*.per_sandbox_mb",
-        value: 3.0,
-        goal: Goal::AtMost,
-        unit: "MB",
-    },
-    Target {
-        key: "idle.*.agent_rss_median_mb",
-        value: 2.0,
-        goal: Goal::AtMost,
-        unit: "MB",
-    },
-    Target {
-        key: "daemon.rss_idle_mb",
-        value: 30.0,
-        goal: Goal::AtMost,
-        unit: "MB",
-    },
-];
+/// One line of SPECIFICATION.md's table: a figure, which way it must point and how far.
+/// `*` in a key stands for a number (of idle sandboxes). Informational: printed beside the figure, never asserted.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Target {
+    pub key: String,
+    pub value: f64,
+    pub goal: Goal,
+    pub unit: String,
+    pub kind: Kind,
+}
 
-/// The target of a figure, if it has one.
-pub(super) fn target_of(key: &str) -> Option<&'static Target> {
-    TARGETS.iter().find(|t| {
-        let (mut want, mut have) = (t.key.split('.'), key.split('.'));
-        loop {
-            match (want.next(), have.next()) {
-                (None, None) => return true,
-                (Some("*"), Some(_)) => {}
-                (Some(w), Some(h)) if w == h => {}
-                _ => return false,
-            }
+/// The promises, included at build time so that there is no second copy of them in code.
+const SPECIFICATION: &str = include_str!("../../../SPECIFICATION.md");
+
+/// Parses the rows between the `figures:begin` and `figures:end` markers.
+pub(super) fn parse_targets(spec: &str) -> Result<Vec<Target>, String> {
+    let begin = spec
+        .find("<!-- figures:begin")
+        .ok_or("no figures:begin marker")?;
+    let end = spec
+        .find("<!-- figures:end")
+        .ok_or("no figures:end marker")?;
+    let mut out = Vec::new();
+    for line in spec[begin..end].lines().skip(1) {
+        let cells: Vec<&str> = line
+            .trim()
+            .trim_matches('|')
+            .split('|')
+            .map(str::trim)
+            .collect();
+        if cells.len() < 5 || cells[0] == "figure" || cells[0].starts_with("---") {
+            continue;
         }
-    })
+        let bad = |what: &str| format!("{what} in the SPECIFICATION.md row {line:?}");
+        let goal = match cells[1] {
+            "<=" => Goal::AtMost,
+            ">=" => Goal::AtLeast,
+            _ => return Err(bad("a goal other than <= or >=")),
+        };
+        let kind = match cells[4] {
+            "promise" => Kind::Promise,
+            "target" => Kind::Target,
+            _ => return Err(bad("a kind other than promise or target")),
+        };
+        out.push(Target {
+            key: cells[0].trim_matches('`').to_string(),
+            value: cells[2]
+                .parse()
+                .map_err(|_| bad("a value that is no number"))?,
+            goal,
+            unit: cells[3].to_string(),
+            kind,
+        });
+    }
+    if out.is_empty() {
+        return Err("no figures between the markers".into());
+    }
+    Ok(out)
+}
+
+/// SPECIFICATION.md's lines (a unit test keeps the file parseable).
+pub(super) fn targets() -> &'static [Target] {
+    static PARSED: std::sync::OnceLock<Vec<Target>> = std::sync::OnceLock::new();
+    PARSED.get_or_init(|| parse_targets(SPECIFICATION).unwrap_or_default())
+}
+
+/// Whether `key` matches `pattern`, whose `*` stands for a number (of idle sandboxes).
+fn key_matches(pattern: &str, key: &str) -> bool {
+    match pattern.split_once('*') {
+        None => pattern == key,
+        Some((head, tail)) => {
+            let Some(rest) = key.strip_prefix(head) else {
+                return false;
+            };
+            let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+            digits > 0 && key_matches(tail, &rest[digits..])
+        }
+    }
+}
+
+/// The lines of a figure (a promise, a target, or both).
+pub(super) fn targets_of(key: &str) -> impl Iterator<Item = &'static Target> + '_ {
+    targets().iter().filter(move |t| key_matches(&t.key, key))
+}
+
+/// The target line of a figure, if it has one.
+#[cfg(test)]
+pub(super) fn target_of(key: &str) -> Option<&'static Target> {
+    targets_of(key).find(|t| t.kind == Kind::Target)
 }
 
 /// Figures under stable dotted names (null when not measured), why some are missing, and
@@ -209,16 +220,17 @@ impl Report {
             .iter()
             .map(|(k, v)| (k.clone(), v.map(round).map_or(Value::Null, Value::from)))
             .collect();
-        let targets: serde_json::Map<String, Value> = TARGETS
-            .iter()
-            .map(|t| {
-                let goal = match t.goal {
-                    Goal::AtMost => "at_most",
-                    Goal::AtLeast => "at_least",
-                };
-                (t.key.to_string(), json!({ goal: t.value }))
-            })
-            .collect();
+        let line = |t: &Target| {
+            let goal = match t.goal {
+                Goal::AtMost => "at_most",
+                Goal::AtLeast => "at_least",
+            };
+            (t.key.clone(), json!({ goal: t.value }))
+        };
+        let of_kind = |k: Kind| -> serde_json::Map<String, Value> {
+            targets().iter().filter(|t| t.kind == k).map(line).collect()
+        };
+        let (promises, targets) = (of_kind(Kind::Promise), of_kind(Kind::Target));
         let samples: serde_json::Map<String, Value> = self
             .samples
             .iter()
@@ -238,6 +250,7 @@ impl Report {
             "idle": h.idle,
             "units": "ms = milliseconds, MB = MiB (2^20 bytes), mb_per_s = MiB per second, s = seconds, per_s = per second",
             "figures": figures,
+            "promises": promises,
             "targets": targets,
             "notes": self.notes,
             "samples_ms": samples,
@@ -283,34 +296,46 @@ impl Report {
         }
     }
 
-    /// "p50 <= 2 ms (met)" for each of `keys` that has a target.
+    /// "p50 <= 2 ms (met)" for each line of SPECIFICATION.md that `keys` have; a promise
+    /// is marked as such, a target is not.
     fn targets(&self, keys: &[&str]) -> String {
         let mut out = Vec::new();
-        for key in keys {
-            let Some(t) = target_of(key) else { continue };
-            let what = key
-                .rsplit('.')
-                .next()
-                .map(|l| l.trim_end_matches("_ms").trim_end_matches("_mb"))
-                .unwrap_or_default();
-            let (op, met) = match t.goal {
-                Goal::AtMost => ("<=", self.get(key).map(|v| v <= t.value)),
-                Goal::AtLeast => (">=", self.get(key).map(|v| v >= t.value)),
-            };
-            let unreliable = self
-                .notes
-                .get(*key)
-                .is_some_and(|n| n.contains("UNRELIABLE"));
-            let verdict = match self.get(key) {
-                Some(_) if unreliable => "unreliable",
-                _ => match met {
-                    Some(true) => "met",
-                    Some(false) => "missed",
-                    None => "n/a",
-                },
-            };
-            let unit = if t.unit == "/s" { "/s" } else { t.unit };
-            out.push(format!("{what} {op} {} {unit} ({verdict})", t.value));
+        for key in keys.iter().filter(|k| !k.is_empty()) {
+            for t in targets_of(key) {
+                let what = if key.starts_with("ratio.") {
+                    "ratio"
+                } else {
+                    key.rsplit('.')
+                        .next()
+                        .map(|l| l.trim_end_matches("_ms").trim_end_matches("_mb"))
+                        .unwrap_or_default()
+                };
+                let (op, met) = match t.goal {
+                    Goal::AtMost => ("<=", self.get(key).map(|v| v <= t.value)),
+                    Goal::AtLeast => (">=", self.get(key).map(|v| v >= t.value)),
+                };
+                let unreliable = self
+                    .notes
+                    .get(*key)
+                    .is_some_and(|n| n.contains("UNRELIABLE"));
+                let verdict = match self.get(key) {
+                    Some(_) if unreliable => "unreliable",
+                    _ => match met {
+                        Some(true) => "met",
+                        Some(false) => "missed",
+                        None => "n/a",
+                    },
+                };
+                let kind = if t.kind == Kind::Promise {
+                    "promise "
+                } else {
+                    ""
+                };
+                out.push(format!(
+                    "{kind}{what} {op} {} {} ({verdict})",
+                    t.value, t.unit
+                ));
+            }
         }
         out.join(", ")
     }
@@ -376,7 +401,7 @@ impl Report {
                 &self.fmt(&p99),
                 &baseline,
                 &self.ratio(rkey),
-                &self.targets(&[&p50, &p95]),
+                &self.targets(&[&p50, &p95, rkey]),
             ]);
         };
         // A further baseline under the row above.
@@ -389,7 +414,7 @@ impl Report {
                     "",
                     &format!("{blabel} {}", self.fmt(bkey)),
                     &self.ratio(rkey),
-                    "",
+                    &self.targets(&[rkey]),
                 ]);
             }
         };
@@ -416,7 +441,7 @@ impl Report {
                 "",
                 &baseline,
                 &self.ratio(rkey),
-                &self.targets(&[key]),
+                &self.targets(&[key, rkey]),
             ]);
         };
         let none = ("", "", "");
@@ -876,6 +901,55 @@ mod tests {
         assert_eq!((one.p50, one.p95, one.p99), (3.0, 3.0, 3.0));
         // Order of the input does not matter.
         assert_eq!(Dist::of(&[3.0, 1.0, 2.0]).unwrap().p50, 2.0);
+    }
+
+    #[test]
+    fn the_specification_parses_and_names_known_figures() {
+        let all = parse_targets(SPECIFICATION).expect("SPECIFICATION.md parses");
+        assert!(all.iter().any(|t| t.kind == Kind::Promise));
+        assert!(all.iter().any(|t| t.kind == Kind::Target));
+        // Every promise is a ratio to a baseline or the daemon's own size.
+        for t in all.iter().filter(|t| t.kind == Kind::Promise) {
+            assert!(
+                t.key.starts_with("ratio.") || t.key.starts_with("daemon."),
+                "{}",
+                t.key
+            );
+        }
+        assert_eq!(targets().len(), all.len());
+    }
+
+    #[test]
+    fn a_malformed_row_is_an_error() {
+        let spec = |row: &str| {
+            format!("<!-- figures:begin -->\n| figure | goal |\n{row}\n<!-- figures:end -->")
+        };
+        assert!(parse_targets(&spec("| `a.b` | <= | 1 | ms | target | |")).is_ok());
+        assert!(parse_targets(&spec("| `a.b` | == | 1 | ms | target | |")).is_err());
+        assert!(parse_targets(&spec("| `a.b` | <= | one | ms | target | |")).is_err());
+        assert!(parse_targets(&spec("| `a.b` | <= | 1 | ms | wish | |")).is_err());
+        assert!(parse_targets("no markers").is_err());
+    }
+
+    #[test]
+    fn a_star_stands_for_one_part() {
+        assert!(key_matches(
+            "idle.*.per_sandbox_mb",
+            "idle.100.per_sandbox_mb"
+        ));
+        assert!(!key_matches(
+            "idle.*.per_sandbox_mb",
+            "idle.1.2.per_sandbox_mb"
+        ));
+        assert!(key_matches(
+            "ratio.idle_*_vs_bwrap",
+            "ratio.idle_1000_vs_bwrap"
+        ));
+        assert!(!key_matches(
+            "ratio.idle_*_vs_bwrap",
+            "ratio.idle_1000_agent_rss_vs_bwrap.x"
+        ));
+        assert!(!key_matches("a.b", "a.bc"));
     }
 
     #[test]
