@@ -210,9 +210,11 @@ async fn a_dns_flood_is_bounded_and_summarized() {
         assert_eq!(r.stdout.trim(), "alive", "{r:?}");
         assert_eq!(bob.get_sandbox(&other).await.unwrap().state, "running");
         assert_eq!(c.get_sandbox(&flooder).await.unwrap().state, "running");
+        // Retried like a stub resolver would: the flood can outpace the daemon's reads of
+        // the shared socket, and the kernel then drops datagrams of every sender alike.
         if rounds == 2 {
             assert_eq!(
-                lookup(&bob, &other, "legit.test", 2).await,
+                lookup(&bob, &other, "legit.test", 4).await,
                 "rcode 0 answers 1",
                 "the other owner's lookup during the flood"
             );
