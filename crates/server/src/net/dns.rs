@@ -4,6 +4,12 @@
 //! the configured upstream, and addresses no sandbox may reach are dropped from the
 //! answer (DNS rebinding). The addresses handed out are remembered per sandbox, so that
 //! the proxy can tell which name a connection's address came from.
+//!
+//! No sandbox can make the resolver work without bound: its questions are limited in
+//! rate and in number in flight (beyond that they are dropped before any work is spawned,
+//! and summed up in the audit once a second), its TCP connections in number, and the
+//! sockets toward the upstreams form one bounded pool. Each sandbox has its own answer
+//! cache, so that none can tell by timing what another one resolved.
 
 use super::policy::Attempt;
 use super::{Entry, Net, NetworkConfig};
