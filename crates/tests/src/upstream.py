@@ -2,7 +2,8 @@
 any name, a certificate of a test CA), and a server-first TCP banner (7000). Only ever bound inside that
 namespace. Usage: upstream.py CONFIG_JSON ("dns": {name: address}, "dns_ip", "cert", "key",
 "requests": a file that gets one JSON line per HTTP request answered, with the address it
-came to as "local")."""
+came to as "local"). Questions for names under `blackhole.test` are swallowed: a zone
+whose name server never answers."""
 
 import json
 import socket
@@ -31,6 +32,8 @@ def dns_reply(q):
     qtype = struct.unpack("!H", q[i + 1 : i + 3])[0]
     name = ".".join(labels).lower()
     question = q[12:qend]
+    if name == "blackhole.test" or name.endswith(".blackhole.test"):
+        return None
     addr = names.get(name)
     rd = flags & 0x0100
     if addr is None:

@@ -50,6 +50,25 @@ pub struct NetworkConfig {
     pub default_mode: NetworkMode,
     /// DNS servers the resolver asks (`ip` or `ip:port`). Unset: `/etc/resolv.conf`'s.
     pub dns_upstream: Vec<String>,
+    /// DNS questions of one sandbox the resolver works on at once; more are dropped.
+    pub dns_max_in_flight_per_sandbox: usize,
+    /// DNS questions of all sandboxes the resolver works on at once; more are dropped.
+    pub dns_max_in_flight: usize,
+    /// DNS questions a sandbox may send per second on average (a token bucket); more
+    /// are dropped.
+    pub dns_queries_per_second: u32,
+    /// DNS questions a sandbox may send at once above that rate (the bucket's size).
+    pub dns_query_burst: u32,
+    /// Sockets the resolver has open toward the upstreams at once (UDP and TCP).
+    pub dns_upstream_sockets: usize,
+    /// Open DNS-over-TCP connections per sandbox; more are closed at once.
+    pub dns_tcp_connections_per_sandbox: usize,
+    /// Open DNS-over-TCP connections of all sandboxes; more are closed at once.
+    pub dns_tcp_connections: usize,
+    /// Cached DNS answers per sandbox (each sandbox has a cache of its own).
+    pub dns_cache_per_sandbox: usize,
+    /// Cached DNS answers of all sandboxes.
+    pub dns_cache_total: usize,
     /// Exceptions to the ranges no sandbox may reach (private ranges, link-local, the
     /// host...), for every sandbox.
     pub operator_allow: Vec<OperatorAllowSpec>,
@@ -72,6 +91,15 @@ impl Default for NetworkConfig {
             pool_size: 4,
             default_mode: NetworkMode::None,
             dns_upstream: Vec::new(),
+            dns_max_in_flight_per_sandbox: 64,
+            dns_max_in_flight: 1024,
+            dns_queries_per_second: 200,
+            dns_query_burst: 400,
+            dns_upstream_sockets: 256,
+            dns_tcp_connections_per_sandbox: 16,
+            dns_tcp_connections: 256,
+            dns_cache_per_sandbox: 1024,
+            dns_cache_total: 16384,
             operator_allow: Vec::new(),
             peek_timeout_ms: 500,
             connect_timeout_ms: 10_000,
@@ -280,6 +308,7 @@ impl Net {
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(cfg_err)?
         };
+        let dns_limits = dns::Limits::from_config(cfg).map_err(cfg_err)?;
         if upstreams.is_empty() {
             tracing::warn!(
                 "no DNS upstream (none configured, none in /etc/resolv.conf): sandboxes cannot resolve names"
@@ -368,7 +397,7 @@ impl Net {
             host: RwLock::default(),
             host_nl: Mutex::new(host_nl),
             operator,
-            resolver: dns::Resolver::new(upstreams),
+            resolver: dns::Resolver::new(upstreams, dns_limits),
             seen: Mutex::default(),
             audit: audit::Audit::start(store.clone(), last_audit_id),
             conns: Mutex::default(),
@@ -572,6 +601,7 @@ impl Net {
             if let Ok(mut s) = self.seen.lock() {
                 s.retain(|id, _| ids.contains(id));
             }
+            self.resolver.retain(|id| ids.contains(id));
         }
         if self.cfg.audit_retention_days > 0 {
             let before = crate::manager::now_ms()
@@ -854,6 +884,7 @@ impl Net {
     /// once the sandbox's processes are gone.
     fn detach(&self, id: &str) {
         let slot = self.slots.lock().ok().and_then(|mut s| s.remove(id));
+        self.resolver.forget(id);
         if let Some(slot) = slot {
             if let Ok(mut m) = self.by_ip.write()
                 && m.get(&slot.address).is_some_and(|holder| holder == id)
