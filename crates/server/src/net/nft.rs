@@ -19,6 +19,11 @@ pub struct Rules {
     pub proxy_port: u16,
     pub dns_udp_port: u16,
     pub dns_tcp_port: u16,
+    /// DNS packets a second (and burst) each sandbox may send before the kernel drops
+    /// them: a flood then never reaches the resolver's one socket, where it would crowd
+    /// out every other sandbox's questions.
+    pub dns_packets_per_second: u32,
+    pub dns_packet_burst: u32,
 }
 
 impl Rules {
@@ -32,17 +37,23 @@ impl Rules {
             proxy_port,
             dns_udp_port,
             dns_tcp_port,
+            dns_packets_per_second,
+            dns_packet_burst,
         } = self;
         let iif = format!("iifname \"{if_prefix}*\"");
         format!(
             "table inet {table} {{}}
 delete table inet {table}
 table inet {table} {{
+    set dns_rate {{
+        type ipv4_addr; size 65535; flags dynamic; timeout 10s;
+    }}
     chain sb_early {{
         type filter hook prerouting priority raw; policy accept;
         {iif} meta nfproto ipv6 drop
         {iif} ip saddr != {subnet} drop
         {iif} ip daddr {{ 224.0.0.0/4, 255.255.255.255 }} drop
+        {iif} udp dport 53 update @dns_rate {{ ip saddr limit rate over {dns_packets_per_second}/second burst {dns_packet_burst} packets }} drop
     }}
     chain sb_nat {{
         type nat hook prerouting priority dstnat; policy accept;
@@ -158,6 +169,8 @@ mod tests {
             proxy_port: 4000,
             dns_udp_port: 4001,
             dns_tcp_port: 4002,
+            dns_packets_per_second: 400,
+            dns_packet_burst: 800,
         };
         let s = r.script();
         assert!(s.starts_with("table inet sandpit_abc {}\ndelete table inet sandpit_abc\n"));
@@ -165,5 +178,8 @@ mod tests {
         assert!(s.contains("iifname \"spabc*\" udp dport 53 redirect to :4001"));
         assert!(s.contains("iifname \"spabc*\" ip saddr != 10.200.0.0/16 drop"));
         assert!(s.contains("oifname \"spabc*\" drop"));
+        assert!(s.contains(
+            "iifname \"spabc*\" udp dport 53 update @dns_rate { ip saddr limit rate over 400/second burst 800 packets } drop"
+        ));
     }
 }
