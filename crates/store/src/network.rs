@@ -356,24 +356,43 @@ impl Store {
 
     /// Deletes the oldest audit rows beyond the newest `keep`; returns how many went.
     pub async fn prune_audit_rows(&self, keep: u64) -> Result<u64, StoreError> {
-        if keep == 0 {
-            let r = sqlx::query("DELETE FROM network_audit")
-                .execute(&self.writer)
-                .await?;
-            return Ok(r.rows_affected());
+        let offset = i64::try_from(keep.saturating_sub(1)).unwrap_or(i64::MAX);
+        let first_kept: Option<i64> = if keep == 0 {
+            Some(i64::MAX)
+        } else {
+            sqlx::query_as::<_, (i64,)>(
+                "SELECT id FROM network_audit ORDER BY id DESC LIMIT 1 OFFSET $1",
+            )
+            .bind(offset)
+            .fetch_optional(&self.pool)
+            .await?
+            .map(|(id,)| id)
+        };
+        let Some(first_kept) = first_kept else {
+            return Ok(0);
+        };
+        // Ids grow with time, so the rows below are the oldest. In chunks, each its own
+        // statement, so that other writes get the writer in between.
+        let mut total = 0;
+        loop {
+            let r = sqlx::query(
+                "DELETE FROM network_audit WHERE id IN \
+                 (SELECT id FROM network_audit WHERE id < $1 ORDER BY id LIMIT $2)",
+            )
+            .bind(first_kept)
+            .bind(PRUNE_CHUNK)
+            .execute(&self.writer)
+            .await?;
+            total += r.rows_affected();
+            if r.rows_affected() < PRUNE_CHUNK as u64 {
+                return Ok(total);
+            }
         }
-        let offset = i64::try_from(keep - 1).unwrap_or(i64::MAX);
-        // Ids grow with time, so the rows below the keep-th newest id are the oldest.
-        let r = sqlx::query(
-            "DELETE FROM network_audit WHERE id < \
-             (SELECT id FROM network_audit ORDER BY id DESC LIMIT 1 OFFSET $1)",
-        )
-        .bind(offset)
-        .execute(&self.writer)
-        .await?;
-        Ok(r.rows_affected())
     }
 }
+
+/// Rows one statement of [`Store::prune_audit_rows`] deletes at most.
+const PRUNE_CHUNK: i64 = 2000;
 
 #[cfg(test)]
 mod tests {
@@ -512,6 +531,22 @@ mod tests {
         );
         assert_eq!(s.prune_audit_rows(0).await.unwrap(), 4);
         assert_eq!(s.count_audit().await.unwrap(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_prune_beyond_one_chunk_deletes_them_all() {
+        let s = Store::open_in_memory().await.unwrap();
+        let n = 2 * PRUNE_CHUNK + 10;
+        let batch: Vec<AuditWrite> = (1..=n)
+            .map(|i| AuditWrite::Insert(rec(i, "a", "o1", "deny")))
+            .collect();
+        s.write_audit(&batch).await.unwrap();
+        assert_eq!(s.prune_audit_rows(5).await.unwrap(), (n - 5) as u64);
+        let (all, _) = s.list_audit(&AuditFilter::default()).await.unwrap();
+        assert_eq!(
+            all.iter().map(|a| a.id).collect::<Vec<_>>(),
+            ((n - 4)..=n).rev().collect::<Vec<_>>()
+        );
     }
 
     #[tokio::test]
