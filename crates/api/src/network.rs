@@ -135,6 +135,18 @@ pub struct NetworkAuditEntry {
     pub ended_at_ms: Option<i64>,
     /// Why an allowed connection failed, if it did.
     pub error: Option<String>,
+    /// How many attempts this entry stands for: identical ones (DNS questions, refused
+    /// connections) within a minute are counted here rather than listed again, and a
+    /// summary of entries the audit's rate limit dropped gives their number. 1 when absent.
+    #[serde(default = "one")]
+    pub count: u64,
+    /// When the last of the attempts counted came (unix ms), once there is more than one.
+    #[serde(default)]
+    pub last_at_ms: Option<i64>,
+}
+
+fn one() -> u64 {
+    1
 }
 
 /// One page of `GET /v1/network/audit`, newest first.
@@ -143,4 +155,24 @@ pub struct NetworkAuditList {
     pub items: Vec<NetworkAuditEntry>,
     /// Pass as `cursor` to get the next (older) page.
     pub next_cursor: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_audit_entry_without_a_count_counts_one() {
+        // As sent by a daemon from before entries were aggregated.
+        let old = r#"{"id":3,"at_ms":10,"sandbox_id":"s","protocol":"dns","dest_name":"a.test",
+            "dest_ip":null,"dest_port":53,"sni":null,"http_host":null,"verdict":"deny",
+            "rule":"default deny","bytes_sent":0,"bytes_received":0,"ended_at_ms":null,
+            "error":null}"#;
+        let e: NetworkAuditEntry = serde_json::from_str(old).unwrap();
+        assert_eq!((e.count, e.last_at_ms), (1, None));
+        let back = serde_json::to_value(&e).unwrap();
+        assert_eq!(back["count"], 1);
+        let again: NetworkAuditEntry = serde_json::from_value(back).unwrap();
+        assert_eq!(again, e);
+    }
 }

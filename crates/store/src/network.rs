@@ -41,6 +41,10 @@ pub struct AuditRecord {
     pub ended_at_ms: Option<i64>,
     /// Why an allowed connection failed.
     pub error: Option<String>,
+    /// How many identical attempts the row stands for (1: itself alone).
+    pub count: i64,
+    /// When the last of them was decided (unix ms), once there is more than one.
+    pub last_at_ms: Option<i64>,
 }
 
 /// One write of the audit writer; a batch goes in one transaction.
@@ -63,6 +67,18 @@ pub enum AuditWrite {
         /// Why it failed, if it did.
         error: Option<String>,
     },
+    /// An aggregated row's count so far (absolute, so a repeated write is harmless), when
+    /// the last of its attempts came, and a new rule text when it changes with the count.
+    Count {
+        /// Entry id.
+        id: i64,
+        /// Attempts the row stands for.
+        count: i64,
+        /// Unix ms of the last.
+        last_at_ms: i64,
+        /// Replaces the rule (a drop summary says how many it stands for).
+        rule: Option<String>,
+    },
     /// Bytes a sandbox sent out, added to its metered egress.
     Egress {
         /// Sandbox id.
@@ -79,9 +95,9 @@ pub struct AuditFilter {
     pub owner: Option<String>,
     /// Only this sandbox's.
     pub sandbox_id: Option<String>,
-    /// At or after (unix ms).
+    /// Seen at or after (unix ms): an aggregated row's last attempt counts.
     pub since_ms: Option<i64>,
-    /// Before (unix ms).
+    /// First seen before (unix ms).
     pub until_ms: Option<i64>,
     /// `allow` or `deny`.
     pub verdict: Option<String>,
@@ -92,7 +108,7 @@ pub struct AuditFilter {
 }
 
 const AUDIT_COLUMNS: &str = "id, at_ms, sandbox_id, owner, protocol, dest_name, dest_ip, \
-     dest_port, sni, http_host, verdict, rule, bytes_sent, bytes_received, ended_at_ms, error";
+     dest_port, sni, http_host, verdict, rule, bytes_sent, bytes_received, ended_at_ms, error, count, last_at_ms";
 
 fn audit_from_row(r: &SqliteRow) -> Result<AuditRecord, StoreError> {
     Ok(AuditRecord {
@@ -112,6 +128,8 @@ fn audit_from_row(r: &SqliteRow) -> Result<AuditRecord, StoreError> {
         bytes_received: r.try_get("bytes_received")?,
         ended_at_ms: r.try_get("ended_at_ms")?,
         error: r.try_get("error")?,
+        count: r.try_get("count")?,
+        last_at_ms: r.try_get("last_at_ms")?,
     })
 }
 
@@ -199,7 +217,8 @@ impl Store {
                 AuditWrite::Insert(a) => {
                     sqlx::query(&format!(
                         "INSERT INTO network_audit ({AUDIT_COLUMNS}) VALUES \
-                         ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) \
+                         ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, \
+                         $17, $18) \
                          ON CONFLICT (id) DO NOTHING"
                     ))
                     .bind(a.id)
@@ -218,6 +237,8 @@ impl Store {
                     .bind(a.bytes_received)
                     .bind(a.ended_at_ms)
                     .bind(&a.error)
+                    .bind(a.count)
+                    .bind(a.last_at_ms)
                     .execute(&mut *tx)
                     .await?;
                 }
@@ -236,6 +257,23 @@ impl Store {
                     .bind(bytes_received)
                     .bind(ended_at_ms)
                     .bind(error)
+                    .bind(id)
+                    .execute(&mut *tx)
+                    .await?;
+                }
+                AuditWrite::Count {
+                    id,
+                    count,
+                    last_at_ms,
+                    rule,
+                } => {
+                    sqlx::query(
+                        "UPDATE network_audit SET count = $1, last_at_ms = $2, \
+                         rule = COALESCE($3, rule) WHERE id = $4",
+                    )
+                    .bind(count)
+                    .bind(last_at_ms)
+                    .bind(rule)
                     .bind(id)
                     .execute(&mut *tx)
                     .await?;
@@ -272,7 +310,7 @@ impl Store {
             qb.push(" AND sandbox_id = ").push_bind(s.clone());
         }
         if let Some(t) = f.since_ms {
-            qb.push(" AND at_ms >= ").push_bind(t);
+            qb.push(" AND COALESCE(last_at_ms, at_ms) >= ").push_bind(t);
         }
         if let Some(t) = f.until_ms {
             qb.push(" AND at_ms < ").push_bind(t);
@@ -307,7 +345,54 @@ impl Store {
             .await?;
         Ok(r.rows_affected())
     }
+
+    /// How many audit rows there are.
+    pub async fn count_audit(&self) -> Result<u64, StoreError> {
+        let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM network_audit")
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
+
+    /// Deletes the oldest audit rows beyond the newest `keep`; returns how many went.
+    pub async fn prune_audit_rows(&self, keep: u64) -> Result<u64, StoreError> {
+        let offset = i64::try_from(keep.saturating_sub(1)).unwrap_or(i64::MAX);
+        let first_kept: Option<i64> = if keep == 0 {
+            Some(i64::MAX)
+        } else {
+            sqlx::query_as::<_, (i64,)>(
+                "SELECT id FROM network_audit ORDER BY id DESC LIMIT 1 OFFSET $1",
+            )
+            .bind(offset)
+            .fetch_optional(&self.pool)
+            .await?
+            .map(|(id,)| id)
+        };
+        let Some(first_kept) = first_kept else {
+            return Ok(0);
+        };
+        // Ids grow with time, so the rows below are the oldest. In chunks, each its own
+        // statement, so that other writes get the writer in between.
+        let mut total = 0;
+        loop {
+            let r = sqlx::query(
+                "DELETE FROM network_audit WHERE id IN \
+                 (SELECT id FROM network_audit WHERE id < $1 ORDER BY id LIMIT $2)",
+            )
+            .bind(first_kept)
+            .bind(PRUNE_CHUNK)
+            .execute(&self.writer)
+            .await?;
+            total += r.rows_affected();
+            if r.rows_affected() < PRUNE_CHUNK as u64 {
+                return Ok(total);
+            }
+        }
+    }
 }
+
+/// Rows one statement of [`Store::prune_audit_rows`] deletes at most.
+const PRUNE_CHUNK: i64 = 2000;
 
 #[cfg(test)]
 mod tests {
@@ -331,6 +416,8 @@ mod tests {
             bytes_received: 0,
             ended_at_ms: None,
             error: None,
+            count: 1,
+            last_at_ms: None,
         }
     }
 
@@ -388,6 +475,101 @@ mod tests {
         assert_eq!(s.prune_audit(35).await.unwrap(), 3);
         let (all, _) = s.list_audit(&AuditFilter::default()).await.unwrap();
         assert_eq!(all.len(), 3);
+    }
+
+    #[tokio::test]
+    async fn aggregated_rows_keep_their_count_and_last_time() {
+        let s = Store::open_in_memory().await.unwrap();
+        let mut batch: Vec<AuditWrite> = (1..=3)
+            .map(|i| AuditWrite::Insert(rec(i, "a", "o1", "deny")))
+            .collect();
+        batch.push(AuditWrite::Count {
+            id: 1,
+            count: 7,
+            last_at_ms: 500,
+            rule: None,
+        });
+        batch.push(AuditWrite::Count {
+            id: 2,
+            count: 40,
+            last_at_ms: 60,
+            rule: Some("40 entries dropped (rate limit)".into()),
+        });
+        s.write_audit(&batch).await.unwrap();
+        let (all, _) = s.list_audit(&AuditFilter::default()).await.unwrap();
+        let by_id = |id: i64| all.iter().find(|a| a.id == id).unwrap().clone();
+        assert_eq!((by_id(1).count, by_id(1).last_at_ms), (7, Some(500)));
+        assert_eq!(by_id(1).rule, "default deny");
+        assert_eq!(by_id(2).count, 40);
+        assert_eq!(by_id(2).rule, "40 entries dropped (rate limit)");
+        assert_eq!((by_id(3).count, by_id(3).last_at_ms), (1, None));
+        // A row first seen before `since` but seen again after it is listed.
+        let (page, _) = s
+            .list_audit(&AuditFilter {
+                since_ms: Some(100),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!(page.iter().map(|a| a.id).collect::<Vec<_>>(), vec![1]);
+    }
+
+    #[tokio::test]
+    async fn the_oldest_rows_go_beyond_a_row_cap() {
+        let s = Store::open_in_memory().await.unwrap();
+        let batch: Vec<AuditWrite> = (1..=10)
+            .map(|i| AuditWrite::Insert(rec(i, "a", "o1", "deny")))
+            .collect();
+        s.write_audit(&batch).await.unwrap();
+        assert_eq!(s.count_audit().await.unwrap(), 10);
+        assert_eq!(s.prune_audit_rows(20).await.unwrap(), 0);
+        assert_eq!(s.prune_audit_rows(4).await.unwrap(), 6);
+        let (all, _) = s.list_audit(&AuditFilter::default()).await.unwrap();
+        assert_eq!(
+            all.iter().map(|a| a.id).collect::<Vec<_>>(),
+            vec![10, 9, 8, 7]
+        );
+        assert_eq!(s.prune_audit_rows(0).await.unwrap(), 4);
+        assert_eq!(s.count_audit().await.unwrap(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_prune_beyond_one_chunk_deletes_them_all() {
+        let s = Store::open_in_memory().await.unwrap();
+        let n = 2 * PRUNE_CHUNK + 10;
+        let batch: Vec<AuditWrite> = (1..=n)
+            .map(|i| AuditWrite::Insert(rec(i, "a", "o1", "deny")))
+            .collect();
+        s.write_audit(&batch).await.unwrap();
+        assert_eq!(s.prune_audit_rows(5).await.unwrap(), (n - 5) as u64);
+        let (all, _) = s.list_audit(&AuditFilter::default()).await.unwrap();
+        assert_eq!(
+            all.iter().map(|a| a.id).collect::<Vec<_>>(),
+            ((n - 4)..=n).rev().collect::<Vec<_>>()
+        );
+    }
+
+    #[tokio::test]
+    async fn rows_written_before_counts_existed_count_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("old.db");
+        let s = Store::open(&path).await.unwrap();
+        // As if made by a build without migration 10, with one entry in it.
+        for q in [
+            "DELETE FROM schema_version WHERE version = 10",
+            "ALTER TABLE network_audit DROP COLUMN count",
+            "ALTER TABLE network_audit DROP COLUMN last_at_ms",
+            "INSERT INTO network_audit (id, at_ms, sandbox_id, owner, protocol, dest_port, \
+             verdict, rule, bytes_sent, bytes_received) \
+             VALUES (1, 5, 'a', 'o1', 'dns', 53, 'deny', 'default deny', 0, 0)",
+        ] {
+            sqlx::query(q).execute(&s.writer).await.unwrap();
+        }
+        s.close().await;
+        let s = Store::open(&path).await.unwrap();
+        let (all, _) = s.list_audit(&AuditFilter::default()).await.unwrap();
+        assert_eq!(all.len(), 1);
+        assert_eq!((all[0].count, all[0].last_at_ms), (1, None));
     }
 
     #[tokio::test]

@@ -289,10 +289,19 @@ pub(crate) const MIGRATIONS: &[(i64, &[&str])] = &[
         )",
         ],
     ),
+    (
+        10,
+        &[
+            // Identical audit entries within a minute are one row: how many it stands for
+            // and when the last came (NULL while there is one).
+            "ALTER TABLE network_audit ADD COLUMN count BIGINT NOT NULL DEFAULT 1",
+            "ALTER TABLE network_audit ADD COLUMN last_at_ms BIGINT",
+        ],
+    ),
 ];
 
 /// Highest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 9;
+pub const SCHEMA_VERSION: i64 = 10;
 
 /// Brings the database up to [`SCHEMA_VERSION`]; a no-op when it is already there.
 pub(crate) async fn apply(pool: &SqlitePool) -> Result<(), StoreError> {

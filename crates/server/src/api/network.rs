@@ -102,9 +102,9 @@ pub async fn set_policy(
 pub struct AuditQuery {
     /// Only this sandbox's entries.
     pub sandbox: Option<String>,
-    /// At or after this time (unix ms).
+    /// Seen at or after this time (unix ms): a row counting repeats matches by its last.
     pub since: Option<i64>,
-    /// Before this time (unix ms).
+    /// First seen before this time (unix ms).
     pub until: Option<i64>,
     /// `allow` or `deny`.
     pub verdict: Option<String>,

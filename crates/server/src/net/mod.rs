@@ -81,6 +81,11 @@ pub struct NetworkConfig {
     pub max_connections_per_sandbox: usize,
     /// Audit entries older than this are deleted; 0 keeps them.
     pub audit_retention_days: u64,
+    /// New audit rows one sandbox may add per minute (DNS takes at most half); more are
+    /// counted in a summary row. Identical attempts within the minute are one row.
+    pub audit_rows_per_sandbox_per_minute: u64,
+    /// Audit rows kept in all; beyond, the oldest are deleted (0: no cap).
+    pub audit_max_rows: u64,
 }
 
 impl Default for NetworkConfig {
@@ -105,6 +110,8 @@ impl Default for NetworkConfig {
             connect_timeout_ms: 10_000,
             max_connections_per_sandbox: 512,
             audit_retention_days: 30,
+            audit_rows_per_sandbox_per_minute: 1200,
+            audit_max_rows: 1_000_000,
         }
     }
 }
@@ -403,7 +410,14 @@ impl Net {
             operator,
             resolver: dns::Resolver::new(upstreams, dns_limits),
             seen: Mutex::default(),
-            audit: audit::Audit::start(store.clone(), last_audit_id),
+            audit: audit::Audit::start(
+                store.clone(),
+                last_audit_id,
+                audit::Limits {
+                    rows_per_sandbox_per_minute: cfg.audit_rows_per_sandbox_per_minute,
+                    max_rows: cfg.audit_max_rows,
+                },
+            ),
             conns: Mutex::default(),
             interceptor: RwLock::new(None),
             listeners: Mutex::new(Some(Listeners {
