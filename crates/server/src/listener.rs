@@ -173,10 +173,15 @@ where
         .http2()
         .timer(TokioTimer::new())
         .enable_connect_protocol();
-    let builder = Arc::new(builder);
-    let limits = Arc::new(Limits::new(s.max_connections, s.max_connections_per_ip));
     // Every connection task holds a sender; the channel closes when the last one ends.
     let (open_tx, mut open_rx) = tokio::sync::mpsc::channel::<Infallible>(1);
+    let shared = Arc::new(Shared {
+        builder,
+        timeouts: s.timeouts,
+        stop: stop.clone(),
+        _open: open_tx,
+    });
+    let limits = Arc::new(Limits::new(s.max_connections, s.max_connections_per_ip));
     let mut backoff: Option<Duration> = None;
     let mut refused = Refused::default();
     loop {
@@ -229,35 +234,32 @@ where
             app: app.clone(),
             conn: conn.clone(),
         };
-        tokio::spawn(serve_conn(
-            builder.clone(),
-            io,
-            svc,
-            conn,
-            peer,
-            s.timeouts,
-            stop.clone(),
-            open_tx.clone(),
-        ));
+        tokio::spawn(serve_conn(shared.clone(), io, svc, conn, peer));
     }
     drop(listener);
-    drop(open_tx);
+    drop(shared);
     // Every task has ended when all senders are gone.
     let _ = open_rx.recv().await;
 }
 
-#[allow(clippy::too_many_arguments)]
+/// What every connection task shares.
+struct Shared {
+    builder: Builder<TokioExecutor>,
+    timeouts: Timeouts,
+    stop: CancellationToken,
+    /// Held while any task lives, so that the accept loop can wait for the last.
+    _open: tokio::sync::mpsc::Sender<Infallible>,
+}
+
 async fn serve_conn(
-    builder: Arc<Builder<TokioExecutor>>,
+    shared: Arc<Shared>,
     io: TokioIo<Io>,
     svc: Service,
     conn: Arc<Conn>,
     peer: SocketAddr,
-    t: Timeouts,
-    stop: CancellationToken,
-    _open: tokio::sync::mpsc::Sender<Infallible>,
 ) {
-    let mut served = pin!(builder.serve_connection_with_upgrades(io, svc));
+    let (t, stop) = (shared.timeouts, &shared.stop);
+    let mut served = pin!(shared.builder.serve_connection_with_upgrades(io, svc));
     let mut draining = false;
     loop {
         let deadline = conn.deadline(t);
@@ -498,9 +500,6 @@ impl Conn {
         if req.version() == Version::HTTP_2 {
             self.h2.store(true, Ordering::SeqCst);
         }
-        if req.method() == Method::CONNECT {
-            self.exempt.store(true, Ordering::SeqCst);
-        }
         InFlight(self.clone())
     }
 
@@ -607,13 +606,19 @@ impl hyper::service::Service<Request<Incoming>> for Service {
     fn call(&self, req: Request<Incoming>) -> Self::Future {
         use tower::ServiceExt;
         let guard = self.conn.begin(&req);
+        let connect = req.method() == Method::CONNECT;
         let app = self.app.clone();
         Box::pin(async move {
             let resp = match app.oneshot(req).await {
                 Ok(r) => r,
                 Err(e) => match e {},
             };
-            if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+            // The connection (HTTP/1) or stream (HTTP/2 extended CONNECT) now carries
+            // something else, for as long as that lasts. A refused CONNECT stays plain
+            // HTTP, timeouts and all.
+            if resp.status() == StatusCode::SWITCHING_PROTOCOLS
+                || (connect && resp.status().is_success())
+            {
                 guard.exempt();
             }
             Ok(resp.map(|body| Tracked {
@@ -802,6 +807,33 @@ mod tests {
         s.write_all(b"GET / HTTP/1.1\r\nHo").await.unwrap();
         let took = closed_after(&mut s, Duration::from_secs(5)).await;
         assert!(took < T.idle - Duration::from_millis(200), "{took:?}");
+    }
+
+    #[tokio::test]
+    async fn a_refused_connect_does_not_escape_the_timeouts() {
+        // HTTP/2 extended CONNECT (how WebSockets ride HTTP/2) to a route that has none.
+        let srv = server(100, 100).await;
+        let tcp = connect_from(srv.addr, Ipv4Addr::LOCALHOST).await;
+        let (mut send, conn) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
+                .await
+                .unwrap();
+        let conn = tokio::spawn(conn);
+        let mut req = Request::builder()
+            .method(Method::CONNECT)
+            .uri("http://x/")
+            .body(http_body_util::Empty::<Bytes>::new())
+            .unwrap();
+        req.extensions_mut()
+            .insert(hyper::ext::Protocol::from_static("websocket"));
+        let resp = send.send_request(req).await.unwrap();
+        assert!(!resp.status().is_success(), "{}", resp.status());
+        drop(resp);
+        tokio::time::timeout(T.idle + Duration::from_secs(3), conn)
+            .await
+            .expect("the connection was closed when idle")
+            .unwrap()
+            .ok();
     }
 
     #[tokio::test]
