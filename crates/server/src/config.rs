@@ -145,7 +145,7 @@ size = 1
                 cfg.http.max_connections,
                 cfg.http.max_connections_per_ip
             ),
-            (2, 5, 100, 50)
+            (2, 5, Some(100), 50)
         );
         // Unset keys keep their defaults.
         let cfg = parse("[http]\nmax_connections_per_ip = 7\n").unwrap();

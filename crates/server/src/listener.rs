@@ -52,9 +52,9 @@ pub struct HttpConfig {
     pub header_read_timeout_secs: u64,
     /// Seconds a connection may sit with no request in flight (default 60).
     pub idle_timeout_secs: u64,
-    /// Open connections at most, all clients together (default 8192; lowered to half the
-    /// daemon's descriptor limit when that is smaller).
-    pub max_connections: usize,
+    /// Open connections at most, all clients together. Unset: 8192, or half the daemon's
+    /// descriptor limit when that is smaller; a value set here is used as it is.
+    pub max_connections: Option<usize>,
     /// Open connections at most from one IPv4 address or IPv6 /64 (default 512).
     pub max_connections_per_ip: usize,
 }
@@ -64,7 +64,7 @@ impl Default for HttpConfig {
         HttpConfig {
             header_read_timeout_secs: 10,
             idle_timeout_secs: 60,
-            max_connections: 8192,
+            max_connections: None,
             max_connections_per_ip: 512,
         }
     }
@@ -87,7 +87,7 @@ impl HttpConfig {
             }
         }
         for (name, n) in [
-            ("http.max_connections", self.max_connections),
+            ("http.max_connections", self.max_connections.unwrap_or(1)),
             ("http.max_connections_per_ip", self.max_connections_per_ip),
         ] {
             if n == 0 {
@@ -103,29 +103,41 @@ impl HttpConfig {
                 header: Duration::from_secs(self.header_read_timeout_secs),
                 idle: Duration::from_secs(self.idle_timeout_secs),
             },
-            max_connections: within_fd_limit(self.max_connections),
+            max_connections: total_cap(self.max_connections, fd_limit()),
             max_connections_per_ip: self.max_connections_per_ip,
         }
     }
 }
 
-/// Half the descriptor limit at most: the rest is for sandboxes, agents and the store.
-fn within_fd_limit(max: usize) -> usize {
+/// The default total cap.
+const MAX_CONNECTIONS: usize = 8192;
+
+fn fd_limit() -> Option<u64> {
     use nix::sys::resource::{Resource, getrlimit};
-    let Ok((soft, _)) = getrlimit(Resource::RLIMIT_NOFILE) else {
-        return max;
-    };
-    let half = usize::try_from(soft / 2).unwrap_or(usize::MAX).max(1);
-    if max > half {
-        tracing::warn!(
-            configured = max,
-            used = half,
-            fd_limit = soft,
-            "http.max_connections is above half the open file limit; lowered"
-        );
-        return half;
+    getrlimit(Resource::RLIMIT_NOFILE)
+        .ok()
+        .map(|(soft, _)| soft)
+}
+
+/// The total cap: by default at most half the descriptor limit, the rest being for
+/// sandboxes, agents and the store; a configured value is kept, with a warning if it
+/// leaves the daemon too few descriptors.
+fn total_cap(configured: Option<usize>, fd_limit: Option<u64>) -> usize {
+    let half = fd_limit.map(|n| usize::try_from(n / 2).unwrap_or(usize::MAX).max(1));
+    match (configured, half) {
+        (None, Some(half)) => MAX_CONNECTIONS.min(half),
+        (None, None) => MAX_CONNECTIONS,
+        (Some(n), Some(half)) if n > half => {
+            tracing::warn!(
+                max_connections = n,
+                fd_limit = fd_limit.unwrap_or(0),
+                "http.max_connections is above half the open file limit: clients can run \
+                 the daemon out of descriptors"
+            );
+            n
+        }
+        (Some(n), _) => n,
     }
-    max
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -1030,12 +1042,27 @@ mod tests {
     }
 
     #[test]
+    fn the_default_total_cap_leaves_descriptors_for_the_rest() {
+        assert_eq!(total_cap(None, Some(1_048_576)), MAX_CONNECTIONS);
+        assert_eq!(total_cap(None, Some(1024)), 512);
+        assert_eq!(total_cap(None, None), MAX_CONNECTIONS);
+        // What the operator set stays.
+        assert_eq!(total_cap(Some(4000), Some(256)), 4000);
+        assert_eq!(total_cap(Some(100), Some(20_000)), 100);
+    }
+
+    #[test]
     fn config_defaults_and_checks() {
         let d = HttpConfig::default();
         assert_eq!((d.header_read_timeout_secs, d.idle_timeout_secs), (10, 60));
         assert!(d.check().is_ok());
         let zero = HttpConfig {
             max_connections_per_ip: 0,
+            ..d.clone()
+        };
+        assert!(zero.check().is_err());
+        let zero = HttpConfig {
+            max_connections: Some(0),
             ..d.clone()
         };
         assert!(zero.check().is_err());
