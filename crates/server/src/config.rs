@@ -35,6 +35,9 @@ pub struct FileConfig {
     /// Sandbox networking (`[network]`).
     #[serde(default)]
     pub network: crate::net::NetworkConfig,
+    /// Limits of the HTTP listener (`[http]`: timeouts, connection caps).
+    #[serde(default)]
+    pub http: crate::listener::HttpConfig,
 }
 
 impl FileConfig {
@@ -50,6 +53,9 @@ impl FileConfig {
         let cfg: FileConfig = toml::from_str(&text)
             .map_err(|e| ServerError::Config(format!("{}: {e}", path.display())))?;
         cfg.proxy
+            .check()
+            .map_err(|e| ServerError::Config(format!("{}: {e}", path.display())))?;
+        cfg.http
             .check()
             .map_err(|e| ServerError::Config(format!("{}: {e}", path.display())))?;
         let mut names = std::collections::BTreeSet::new();
@@ -121,6 +127,33 @@ size = 1
                 .domain(),
             "x.test:8080"
         );
+    }
+
+    #[test]
+    fn http_section() {
+        let cfg = parse("").unwrap();
+        assert_eq!(cfg.http, crate::listener::HttpConfig::default());
+        let cfg = parse(
+            "[http]\nheader_read_timeout_secs = 2\nidle_timeout_secs = 5\n\
+             max_connections = 100\nmax_connections_per_ip = 50\n",
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                cfg.http.header_read_timeout_secs,
+                cfg.http.idle_timeout_secs,
+                cfg.http.max_connections,
+                cfg.http.max_connections_per_ip
+            ),
+            (2, 5, Some(100), 50)
+        );
+        // Unset keys keep their defaults.
+        let cfg = parse("[http]\nmax_connections_per_ip = 7\n").unwrap();
+        assert_eq!(cfg.http.idle_timeout_secs, 60);
+        assert!(parse("[http]\nidle_timeout = 5\n").is_err());
+        assert!(parse("[http]\nheader_read_timeout_secs = 0\n").is_err());
+        assert!(parse("[http]\nmax_connections = 0\n").is_err());
+        assert!(parse("[http]\nmax_connections = -1\n").is_err());
     }
 
     #[test]

@@ -7,6 +7,7 @@ pub mod config;
 pub mod error;
 pub mod leases;
 pub mod lifecycle;
+pub mod listener;
 pub mod manager;
 pub mod net;
 pub mod pools;
@@ -100,8 +101,11 @@ fn raise_fd_limit() {
     }
 }
 
-/// Builds the daemon's state: store, runtimes, manager (after reconciling).
-pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState), ServerError> {
+/// Builds the daemon's state: store, runtimes, manager (after reconciling), and returns it
+/// with the listener's settings from the config file.
+pub async fn prepare(
+    cfg: &ServeConfig,
+) -> Result<(Arc<Manager>, api::AppState, listener::HttpConfig), ServerError> {
     if cfg.insecure_no_auth && !cfg.listen.ip().is_loopback() {
         return Err(ServerError::Config(
             "--insecure-no-auth is only allowed on a loopback address".into(),
@@ -205,13 +209,13 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<(Arc<Manager>, api::AppState),
         })),
         e2b: Arc::new(file.e2b.clone()),
     };
-    Ok((manager, state))
+    Ok((manager, state, file.http))
 }
 
 /// Runs the daemon until SIGTERM or SIGINT. Sandboxes keep running across a restart and
 /// are re-adopted by the next start.
 pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
-    let (manager, state) = prepare(&cfg).await?;
+    let (manager, state, http) = prepare(&cfg).await?;
     tokio::spawn(manager.clone().run_pools());
     manager.broker.spawn_refresh();
     usage::start(&manager);
@@ -227,35 +231,23 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
         .map_err(|e| ServerError::Io(format!("listen on {}", cfg.listen), e))?;
     tracing::info!(listen = %cfg.listen, data_dir = %cfg.data_dir.display(), "sandpit serving");
     let net = manager.net.get().cloned();
-    // Streamed answers (command output, proxied streams) are many small writes: with
-    // Nagle's algorithm each waits for the client's delayed ACK, about 40 ms apiece.
-    let listener = {
-        use axum::serve::ListenerExt;
-        listener.tap_io(|tcp| {
-            if let Err(e) = tcp.set_nodelay(true) {
-                tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+    let shutdown = async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        match (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            (Ok(mut t), Ok(mut i)) => {
+                tokio::select! { _ = t.recv() => {}, _ = i.recv() => {} }
             }
-        })
+            _ => std::future::pending::<()>().await,
+        }
+        // Live streams would hold the graceful shutdown open forever.
+        if let Some(n) = net {
+            n.audit.close_streams();
+        }
     };
-    axum::serve(listener, api::router(state))
-        .with_graceful_shutdown(async move {
-            use tokio::signal::unix::{SignalKind, signal};
-            match (
-                signal(SignalKind::terminate()),
-                signal(SignalKind::interrupt()),
-            ) {
-                (Ok(mut t), Ok(mut i)) => {
-                    tokio::select! { _ = t.recv() => {}, _ = i.recv() => {} }
-                }
-                _ => std::future::pending::<()>().await,
-            }
-            // Live streams would hold the graceful shutdown open forever.
-            if let Some(n) = net {
-                n.audit.close_streams();
-            }
-        })
-        .await
-        .map_err(|e| ServerError::Io("serve".into(), e))?;
+    listener::serve(listener, api::router(state), &http, shutdown).await;
     manager.stop_pools(Duration::from_secs(30)).await;
     manager.drain_teardowns(Duration::from_secs(30)).await;
     manager.usage.flush(Duration::from_secs(10)).await;
