@@ -22,7 +22,18 @@ fn small() -> LimitsSpec {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn running_out_of_descriptors_stops_no_sandbox() {
     const LIMIT: u64 = 256;
-    let d = Daemon::start_with_fd_limit(LIMIT, &[]).await;
+    // The listener's connection caps would stop the connections below long before the
+    // descriptors run out: set above the limit, they let this test reach the liveness
+    // sweep's second line of defence.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(
+        &cfg,
+        "[http]\nmax_connections = 4096\nmax_connections_per_ip = 4096\nheader_read_timeout_secs = 120\n",
+    )
+    .expect("write the config");
+    let cfg = cfg.to_str().expect("utf-8 path");
+    let d = Daemon::start_with_fd_limit(LIMIT, &["--config", cfg]).await;
     let pid = d.child.as_ref().expect("daemon child").id();
     let c = d.client();
     let a = d.sandbox(small()).await;
