@@ -12,6 +12,7 @@
 //!
 //! It is a binary of its own so that the sandpit binary, which every sandbox maps as its
 //! agent, carries none of its code (nor the plotting library).
+#![forbid(unsafe_code)]
 
 mod baselines;
 mod chart;

@@ -4,6 +4,7 @@
 //!
 //! Every archive member and every name in a live upper is untrusted: nothing here follows a
 //! symlink, and every path is resolved beneath its root with `openat2`.
+#![forbid(unsafe_code)]
 
 mod archive;
 mod copy;
