@@ -352,10 +352,11 @@ impl Net {
             proxy_port: local_port(&proxy).map_err(io("proxy port"))?,
             dns_udp_port: local_port(&dns_udp).map_err(io("DNS port"))?,
             dns_tcp_port: local_port(&dns_tcp).map_err(io("DNS port"))?,
-            // Twice the resolver's own limits: the resolver decides (and audits the
-            // drops); the kernel only stops what it could never answer anyway.
-            dns_packets_per_second: cfg.dns_queries_per_second.saturating_mul(2),
-            dns_packet_burst: cfg.dns_query_burst.saturating_mul(2),
+            // Ten times the resolver's own limits: the resolver decides (and audits its
+            // drops); the kernel only stops a flood far beyond them before it crowds the
+            // resolver's socket. What the kernel drops is not audited.
+            dns_packets_per_second: cfg.dns_queries_per_second.saturating_mul(10),
+            dns_packet_burst: cfg.dns_query_burst.saturating_mul(10),
         };
         nft::apply(&rules).map_err(cfg_err)?;
         let table_name = rules.table.clone();
