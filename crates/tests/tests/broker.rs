@@ -1594,3 +1594,42 @@ async fn one_sandboxs_lookup_verifies_no_other_sandboxs_destination() {
     assert_injected_on_the_normal_path(&up, &c, &b, "http").await;
     d.shutdown().await;
 }
+
+/// An address the bound host resolved to once stays one of its addresses only for as long
+/// as that answer holds (at least a minute): looking up another name of the same address
+/// again and again must not keep the old answer alive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_names_lookups_do_not_keep_an_old_address_of_the_host() {
+    let up = Upstream::start(&[("allowed.test", "@2"), ("evil.test", "@@3")]);
+    let (d, _log) = dest_daemon(&up, "").await;
+    let c = d.client();
+    let other = up.ip2(3);
+    let id = dest_sandbox(&d, serde_json::json!({"mode": "open"})).await;
+    up.set_dns("allowed.test", "@@3", 1);
+    let out = sh(&c, &id, "getent hosts allowed.test").await;
+    assert!(out.stdout.contains(&other), "{}", out.stdout);
+    up.set_dns("allowed.test", "@2", 1);
+    // The daemon remembers an answer for at least 60 s; evil.test (the same address) is
+    // looked up all along, past that.
+    let start = std::time::Instant::now();
+    while start.elapsed() < std::time::Duration::from_secs(66) {
+        let out = sh(&c, &id, "getent hosts evil.test").await;
+        assert!(out.stdout.contains(&other), "{}", out.stdout);
+        tokio::time::sleep(std::time::Duration::from_secs(10)).await;
+    }
+    let (body, tail) = curl(
+        &c,
+        &id,
+        &format!("-H 'Host: allowed.test' http://{other}/stale"),
+    )
+    .await;
+    let reached: Vec<_> = up
+        .requests()
+        .into_iter()
+        .filter(|r| r["path"] == "/stale")
+        .collect();
+    assert!(reached.is_empty(), "{reached:?}");
+    assert_destination_refused("an old address", &body, &tail);
+    assert_injected_on_the_normal_path(&up, &c, &id, "http").await;
+    d.shutdown().await;
+}
