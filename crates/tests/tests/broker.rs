@@ -1386,14 +1386,22 @@ async fn no_request_form_takes_a_credential_to_another_address() {
                 "Host: allowed.test\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n",
             ),
         ),
-        (
-            "Host: allowed.test, then Host: evil.test",
-            get("/steal", "Host: allowed.test\r\nHost: evil.test\r\n"),
-        ),
     ] {
         attacks.push(attack(name, &other, 80, None, &[(&bytes, false)]));
         expect_destination.push(name.to_string());
     }
+    // Refused before the destination matters: a request may name one host only.
+    let two_hosts = "Host: allowed.test, then Host: evil.test";
+    attacks.push(attack(
+        two_hosts,
+        &other,
+        80,
+        None,
+        &[(
+            &get("/steal", "Host: allowed.test\r\nHost: evil.test\r\n"),
+            false,
+        )],
+    ));
     // Forms the proxy does not read as the bound host: they may go to the other address,
     // but as the sandbox wrote them, with nothing put in.
     for (name, bytes) in [
@@ -1440,6 +1448,9 @@ async fn no_request_form_takes_a_credential_to_another_address() {
     for (name, text) in &seen {
         if expect_destination.contains(name) {
             assert!(refused_for(text, "destination"), "{name}: {text}");
+        }
+        if name == two_hosts {
+            assert!(refused_for(text, "host"), "{name}: {text}");
         }
     }
     assert!(
@@ -1631,5 +1642,63 @@ async fn another_names_lookups_do_not_keep_an_old_address_of_the_host() {
     assert!(reached.is_empty(), "{reached:?}");
     assert_destination_refused("an old address", &body, &tail);
     assert_injected_on_the_normal_path(&up, &c, &id, "http").await;
+    d.shutdown().await;
+}
+
+/// On a connection to the bound host's own address, a request whose Host names another
+/// host (a second Host header, or one after a "port" that is no port) gets no credential:
+/// a front end that serves many hosts at that address (a CDN) may route by what the broker
+/// did not check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_naming_another_host_gets_no_credential_at_the_hosts_address() {
+    let up = Upstream::start(&[("allowed.test", "@2"), ("evil.test", "@@3")]);
+    let (d, _log) = dest_daemon(&up, "").await;
+    let c = d.client();
+    let id = two_secret_sandbox(&d).await;
+    let home = up.ip(2);
+    let out = sh(&c, &id, "getent hosts allowed.test").await;
+    assert!(out.stdout.contains(&home), "{}", out.stdout);
+    let req = |hosts: &str| -> Vec<u8> {
+        format!("GET /vhost HTTP/1.1\r\n{hosts}X-Api-Key: SANDPIT_SECRET_ph\r\nConnection: close\r\n\r\n")
+            .into_bytes()
+    };
+    let mut attacks = Vec::new();
+    for (name, hosts) in [
+        (
+            "Host: allowed.test, then Host: evil.test",
+            "Host: allowed.test\r\nHost: evil.test\r\n",
+        ),
+        (
+            "Host: allowed.test:80@evil.test",
+            "Host: allowed.test:80@evil.test\r\n",
+        ),
+        (
+            "Host: allowed.test:evil.test",
+            "Host: allowed.test:evil.test\r\n",
+        ),
+    ] {
+        attacks.push(attack(name, &home, 80, None, &[(&req(hosts), true)]));
+        attacks.push(attack(
+            &format!("TLS, {name}"),
+            &home,
+            443,
+            Some(Some("allowed.test")),
+            &[(&req(hosts), true)],
+        ));
+    }
+    let seen = run_attacks(&c, &id, &attacks).await;
+    for (name, text) in &seen {
+        eprintln!("{name}: {}", text.replace("\r\n", " | "));
+    }
+    let reached: Vec<_> = up
+        .requests()
+        .into_iter()
+        .filter(|r| r["path"] == "/vhost" && r.to_string().contains(VALUE))
+        .collect();
+    assert!(reached.is_empty(), "{reached:#?}");
+    for (name, text) in &seen {
+        assert!(refused_for(text, "host"), "{name}: {text}");
+    }
+    assert_injected_on_the_normal_path(&up, &c, &id, "https").await;
     d.shutdown().await;
 }
