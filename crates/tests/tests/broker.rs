@@ -1176,11 +1176,12 @@ print(got.split(b"\r\n")[0].decode() or "closed")
 
 /// Run inside a sandbox (`python3 - ATTACKS_JSON`): each attack opens one connection to
 /// `ip`:`port` (over TLS with `sni` when `tls`, the certificate not checked: the sandbox
-/// is the attacker), sends each of its `steps` (hex) and reads after each one response
-/// (`"read": "one"`) or everything until the server closes (`"all"`). Prints one JSON
+/// is the attacker; or, with `hello`, only a ClientHello for that name is sent), sends each
+/// of its `steps` (hex) and reads after each one response (`"read": "one"`) or everything
+/// until the server closes (`"all"`), closes, and waits `pause` seconds. Prints one JSON
 /// line per attack: its `name` and the `text` that came back.
 const ATTACKER: &str = r#"
-import json, socket, ssl, sys
+import json, socket, ssl, sys, time
 
 def read_one(s, buf):
     while b"\r\n\r\n" not in buf:
@@ -1221,6 +1222,14 @@ for a in json.loads(sys.argv[1]):
             ctx.check_hostname = False
             ctx.verify_mode = ssl.CERT_NONE
             s = ctx.wrap_socket(s, server_hostname=a.get("sni"))
+        if a.get("hello"):
+            into, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+            obj = ssl.create_default_context().wrap_bio(into, out, server_hostname=a["hello"])
+            try:
+                obj.do_handshake()
+            except ssl.SSLWantReadError:
+                pass
+            s.sendall(out.read())
         left = b""
         for step in a["steps"]:
             s.sendall(bytes.fromhex(step["send"]))
@@ -1233,6 +1242,7 @@ for a in json.loads(sys.argv[1]):
     except Exception as e:
         error = repr(e)
     print(json.dumps({"name": a["name"], "text": text.decode("latin-1"), "error": error}), flush=True)
+    time.sleep(a.get("pause", 0))
 "#;
 
 /// One connection of [`ATTACKER`]: `steps` are (bytes to send, read everything until the
@@ -1686,6 +1696,40 @@ async fn a_request_naming_another_host_gets_no_credential_at_the_hosts_address()
             &[(&req(hosts), true)],
         ));
     }
+    // A first request that rightly gets the credential, then one naming another host on
+    // the same connection: one after the other, and pipelined.
+    let first = b"GET /first HTTP/1.1\r\nHost: allowed.test\r\n\r\n".to_vec();
+    let second = req("Host: evil.test\r\n");
+    let both = [first.clone(), second.clone()].concat();
+    let later = [
+        "keep-alive",
+        "TLS, keep-alive",
+        "pipelined",
+        "TLS, pipelined",
+    ];
+    for (name, port, tls, steps) in [
+        (
+            later[0],
+            80,
+            None,
+            vec![(&first[..], false), (&second[..], true)],
+        ),
+        (
+            later[1],
+            443,
+            Some(Some("allowed.test")),
+            vec![(&first[..], false), (&second[..], true)],
+        ),
+        (later[2], 80, None, vec![(&both[..], true)]),
+        (
+            later[3],
+            443,
+            Some(Some("allowed.test")),
+            vec![(&both[..], true)],
+        ),
+    ] {
+        attacks.push(attack(name, &home, port, tls, &steps));
+    }
     let seen = run_attacks(&c, &id, &attacks).await;
     for (name, text) in &seen {
         eprintln!("{name}: {}", text.replace("\r\n", " | "));
@@ -1697,8 +1741,141 @@ async fn a_request_naming_another_host_gets_no_credential_at_the_hosts_address()
         .collect();
     assert!(reached.is_empty(), "{reached:#?}");
     for (name, text) in &seen {
-        assert!(refused_for(text, "host"), "{name}: {text}");
+        if later.contains(&name.as_str()) {
+            let (one, two) = text.split_at(text.find("HTTP/1.1 403").unwrap_or(0));
+            assert!(one.starts_with("HTTP/1.1 200"), "{name}: {text}");
+            assert!(refused_for(two, "host"), "{name}: {text}");
+        } else {
+            assert!(refused_for(text, "host"), "{name}: {text}");
+        }
     }
+    let firsts = up
+        .requests()
+        .into_iter()
+        .filter(|r| r["path"] == "/first")
+        .count();
+    assert_eq!(firsts, later.len(), "{:?}", up.requests());
     assert_injected_on_the_normal_path(&up, &c, &id, "https").await;
+    d.shutdown().await;
+}
+
+/// Every way a proxied connection ends gives its sandbox's slot back: refused by the
+/// policy (an address, a name elsewhere), idle past the peek, closed at once, a TLS hello
+/// and gone, refused by the broker, carried with a credential. Each is done more times
+/// than the limit, one after another; the credential's requests, last, still get through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_way_a_connection_ends_gives_its_slot_back() {
+    let up = Upstream::start(&[("allowed.test", "@2")]);
+    let (d, _log) = dest_daemon(
+        &up,
+        "peek_timeout_ms = 300\nmax_connections_per_sandbox = 2",
+    )
+    .await;
+    let c = d.client();
+    let id = dest_sandbox(
+        &d,
+        serde_json::json!({
+            "mode": "allowlist",
+            "rules": [{"action": "allow", "domain": "allowed.test", "ports": [80, 443]}],
+        }),
+    )
+    .await;
+    let (home, other) = (up.ip(2), up.ip2(3));
+    let out = sh(&c, &id, "getent hosts allowed.test").await;
+    assert!(out.stdout.contains(&home), "{}", out.stdout);
+    let req = |method: &str, host: &str, path: &str| -> Vec<u8> {
+        format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n")
+            .into_bytes()
+    };
+    let kinds: Vec<(&str, serde_json::Value)> = vec![
+        (
+            "policy: an address",
+            attack("", &other, 80, None, &[(&req("GET", &other, "/x"), true)]),
+        ),
+        (
+            "policy: a name elsewhere",
+            attack(
+                "",
+                &other,
+                80,
+                None,
+                &[(&req("GET", "allowed.test", "/x"), true)],
+            ),
+        ),
+        (
+            "idle past the peek",
+            attack("", &other, 80, None, &[(b"", true)]),
+        ),
+        ("closed at once", attack("", &home, 80, None, &[])),
+        ("TLS hello, then gone", {
+            let mut a = attack("", &home, 443, None, &[]);
+            a["hello"] = "allowed.test".into();
+            a
+        }),
+        (
+            "broker: method refused",
+            attack(
+                "",
+                &home,
+                80,
+                None,
+                &[(&req("DELETE", "allowed.test", "/x"), true)],
+            ),
+        ),
+        (
+            "credential put in",
+            attack(
+                "",
+                &home,
+                80,
+                None,
+                &[(&req("GET", "allowed.test", "/slot"), true)],
+            ),
+        ),
+        (
+            "TLS, credential put in",
+            attack(
+                "",
+                &home,
+                443,
+                Some(Some("allowed.test")),
+                &[(&req("GET", "allowed.test", "/slot"), true)],
+            ),
+        ),
+    ];
+    let mut attacks = Vec::new();
+    for (name, a) in &kinds {
+        for n in 0..3 {
+            let mut a = a.clone();
+            a["name"] = format!("{name} #{n}").into();
+            a["pause"] = 0.2.into();
+            attacks.push(a);
+        }
+    }
+    let seen = run_attacks(&c, &id, &attacks).await;
+    for (name, text) in &seen {
+        eprintln!("{name}: {}", text.lines().next().unwrap_or(""));
+        if name.starts_with("policy") {
+            assert!(text.starts_with("HTTP/1.1 403"), "{name}: {text}");
+        }
+        if name.starts_with("broker") {
+            assert!(refused_for(text, "method"), "{name}: {text}");
+        }
+        if name.contains("credential put in") {
+            assert!(text.starts_with("HTTP/1.1 200"), "{name}: {text}");
+        }
+    }
+    let injected = up
+        .seen_authorization()
+        .iter()
+        .filter(|a| a.contains(VALUE))
+        .count();
+    assert_eq!(injected, 6, "{:?}", up.requests());
+    let (_, items) = audit_of(&d, &id).await;
+    let over: Vec<_> = items
+        .iter()
+        .filter(|e| e.rule == "too many open connections for this sandbox")
+        .collect();
+    assert!(over.is_empty(), "{over:?}");
     d.shutdown().await;
 }
