@@ -122,6 +122,7 @@ impl Upstream {
             "cert": cert,
             "key": key,
             "requests": dir.path().join("requests.jsonl"),
+            "dns_file": dir.path().join("dns.json"),
         });
         let mut child = Command::new("ip")
             .args(["netns", "exec", &ns, "python3", "-c", SCRIPT])
@@ -155,6 +156,27 @@ impl Upstream {
         format!("198.51.100.{}", self.slice * 16 + n)
     }
 
+    /// From now on the DNS server answers `name` with `addr` (an address, or `@N`/`@@N`
+    /// as in [`Upstream::start`]) and this TTL in seconds: a name that moves, as DNS
+    /// rebinding or a changed record.
+    pub fn set_dns(&self, name: &str, addr: &str, ttl: u32) {
+        let addr = match (addr.strip_prefix("@@"), addr.strip_prefix('@')) {
+            (Some(n), _) => self.ip2(n.parse().expect("@@N")),
+            (None, Some(n)) => self.ip(n.parse().expect("@N")),
+            _ => addr.to_string(),
+        };
+        let path = self.dir.path().join("dns.json");
+        let mut all: serde_json::Map<String, serde_json::Value> = std::fs::read_to_string(&path)
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+            .unwrap_or_default();
+        all.insert(name.to_lowercase(), serde_json::json!([addr, ttl]));
+        // Written whole, then renamed: the server never reads half a file.
+        let tmp = self.dir.path().join("dns.json.tmp");
+        std::fs::write(&tmp, serde_json::Value::Object(all).to_string()).expect("write dns.json");
+        std::fs::rename(&tmp, &path).expect("rename dns.json");
+    }
+
     /// The DNS server's address.
     pub fn dns(&self) -> String {
         self.ip(1)
@@ -168,7 +190,7 @@ impl Upstream {
 
     /// Every HTTP(S) request the servers answered so far, in order: `host`, `path`,
     /// `method`, `authorization` (null when the request had none), `local` (the server's
-    /// address the request came to).
+    /// address the request came to), `headers` (every header, as `[name, value]` pairs).
     pub fn requests(&self) -> Vec<serde_json::Value> {
         std::fs::read_to_string(self.dir.path().join("requests.jsonl"))
             .unwrap_or_default()

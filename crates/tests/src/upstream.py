@@ -2,8 +2,9 @@
 any name, a certificate of a test CA), and a server-first TCP banner (7000). Only ever bound inside that
 namespace. Usage: upstream.py CONFIG_JSON ("dns": {name: address}, "dns_ip", "cert", "key",
 "requests": a file that gets one JSON line per HTTP request answered, with the address it
-came to as "local"). Questions for names under `blackhole.test` are swallowed: a zone
-whose name server never answers."""
+came to as "local"; "dns_file": {name: [address, ttl]} read at every query, over "dns").
+Questions for names under `blackhole.test` are swallowed: a zone whose name server never
+answers."""
 
 import json
 import socket
@@ -34,14 +35,21 @@ def dns_reply(q):
     question = q[12:qend]
     if name == "blackhole.test" or name.endswith(".blackhole.test"):
         return None
-    addr = names.get(name)
+    addr, ttl = names.get(name), 30
+    try:
+        with open(cfg["dns_file"]) as f:
+            changed = json.load(f)
+    except (OSError, ValueError):
+        changed = {}
+    if name in changed:
+        addr, ttl = changed[name]
     rd = flags & 0x0100
     if addr is None:
         return struct.pack("!HHHHHH", tid, 0x8183 | rd, 1, 0, 0, 0) + question
     answers = b""
     count = 0
     if qtype == 1:
-        answers = b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 30, 4) + socket.inet_aton(addr)
+        answers = b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, ttl, 4) + socket.inet_aton(addr)
         count = 1
     return struct.pack("!HHHHHH", tid, 0x8180 | rd, 1, count, 0, 0) + question + answers
 
@@ -72,6 +80,7 @@ def record(h):
             "path": h.path,
             "authorization": h.headers.get("Authorization"),
             "local": h.connection.getsockname()[0],
+            "headers": [[k, v] for k, v in h.headers.items()],
         }
     )
     with log_lock, open(cfg["requests"], "a") as f:

