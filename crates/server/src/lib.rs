@@ -17,6 +17,11 @@ pub mod templates;
 pub mod usage;
 pub mod volumes;
 
+#[cfg(test)]
+mod manager_tests;
+#[cfg(test)]
+pub(crate) mod testing;
+
 use manager::{Manager, ManagerConfig};
 use sandpit_runtime::Runtime;
 use std::collections::BTreeMap;
