@@ -800,11 +800,22 @@ impl Manager {
         let conn = self.conn_for(&rec.id, handle);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         let mut delay = Duration::from_micros(200);
+        let mut tries = 0u32;
+        let deleted = || ApiError::conflict("sandbox was deleted while it was being created");
         while !conn.healthy().await {
             if tokio::time::Instant::now() > deadline {
                 return Err(ApiError::unavailable(
                     "the sandbox agent did not become ready",
                 ));
+            }
+            tries += 1;
+            // Past the first quick tries (an agent starts in milliseconds), a delete
+            // meanwhile is answered at once rather than at the deadline.
+            if tries >= 4 {
+                match self.store.get_sandbox(&rec.id).await? {
+                    Some(r) if r.state == SandboxState::Creating => {}
+                    _ => return Err(deleted()),
+                }
             }
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(Duration::from_millis(20));
@@ -817,7 +828,7 @@ impl Manager {
                 None,
             )
             .await?
-            .ok_or_else(|| ApiError::conflict("sandbox was deleted while it was being created"))
+            .ok_or_else(deleted)
     }
 
     /// A sandbox's read-only layers at start: its own, then its template's.

@@ -164,6 +164,37 @@ async fn a_delete_during_create_tears_down_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_while_the_agent_is_silent_ends_the_create_soon() {
+    let bed = Bed::new().await;
+    let (m, fake) = (bed.m.clone(), bed.fake.clone());
+    let hold = fake.hold(Step::Start);
+    let creating = tokio::spawn({
+        let m = m.clone();
+        async move { m.create("alice", req()).await }
+    });
+    hold.entered(1).await;
+    let [rec]: [SandboxRecord; 1] = m.store.live_sandboxes().await.unwrap().try_into().unwrap();
+    fake.silence(&rec.id);
+    hold.release();
+    // The create now waits for an agent that never answers; the delete comes in.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let rec = record(&m, &rec.id).await.expect("still there");
+    let started = std::time::Instant::now();
+    m.destroy(&rec).await.unwrap();
+    let err = creating.await.unwrap().unwrap_err();
+    assert_eq!(err.status, StatusCode::CONFLICT, "{}", err.message);
+    // One health check's bound (2 s) at most, not the agent's 10 s deadline.
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the create noticed the delete only after {:?}",
+        started.elapsed()
+    );
+    m.drain_teardowns(Duration::from_secs(5)).await;
+    assert_eq!(fake.destroys(&rec.id), 1);
+    assert_eq!(record(&m, &rec.id).await, None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deletes_racing_the_liveness_sweep_tear_down_once() {
     let bed = Bed::new().await;
     let (m, fake) = (&bed.m, &bed.fake);

@@ -251,6 +251,14 @@ impl FakeRuntime {
         };
     }
 
+    /// The sandbox's agent will accept connections but answer nothing (as one that is
+    /// still starting, or wedged) until thawed; for a sandbox created but not started.
+    pub(crate) fn silence(&self, id: &str) {
+        if let Some(sb) = self.inner().sandboxes.get_mut(id) {
+            sb.frozen.send_replace(true);
+        }
+    }
+
     /// The sandbox's agent exits on its own (its resources stay until destroyed).
     pub(crate) fn die(&self, id: &str) {
         let mut inner = self.inner();
