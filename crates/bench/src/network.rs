@@ -182,7 +182,7 @@ fn parse_client(out: &str) -> anyhow::Result<(Vec<f64>, u64, f64)> {
 /// Namespaces with a veth pair made as the daemon makes them, without the pool: the cost
 /// a create would pay. Runs on a thread of its own (it enters each namespace).
 fn prepare_baseline(n: usize) -> anyhow::Result<(Vec<f64>, Vec<f64>, Vec<f64>)> {
-    use sandpit_server::net::link;
+    use sandpit_net::link;
     let host_ns = link::current_netns().context("open the host's namespace")?;
     let mut nl = link::Netlink::open().context("netlink")?;
     let gw: Ipv4Addr = format!("{LINK_NET}.129").parse()?;

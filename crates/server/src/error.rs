@@ -91,6 +91,18 @@ impl From<sandpit_store::StoreError> for ApiError {
     }
 }
 
+impl From<sandpit_net::NetError> for ApiError {
+    fn from(e: sandpit_net::NetError) -> Self {
+        use sandpit_net::NetError as E;
+        match e {
+            E::InvalidPolicy(m) => ApiError::bad_request(m),
+            E::SandboxNotFound(id) => ApiError::sandbox_not_found(&id),
+            E::Store(e) => e.into(),
+            other => ApiError::internal(other.to_string()),
+        }
+    }
+}
+
 impl From<sandpit_runtime::RuntimeError> for ApiError {
     fn from(e: sandpit_runtime::RuntimeError) -> Self {
         use sandpit_runtime::RuntimeError as E;

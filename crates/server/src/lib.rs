@@ -9,7 +9,8 @@ pub mod leases;
 pub mod lifecycle;
 pub mod listener;
 pub mod manager;
-pub mod net;
+/// Sandbox networking lives in its own crate; the daemon composes it.
+pub use sandpit_net as net;
 pub mod pools;
 pub mod proxy;
 pub mod snapshots;
@@ -60,6 +61,16 @@ pub enum ServerError {
     Runtime(#[from] sandpit_runtime::RuntimeError),
     #[error("{0}: {1}")]
     Io(String, std::io::Error),
+}
+
+impl From<sandpit_net::NetError> for ServerError {
+    fn from(e: sandpit_net::NetError) -> Self {
+        match e {
+            sandpit_net::NetError::Io(what, source) => ServerError::Io(what, source),
+            sandpit_net::NetError::Store(e) => ServerError::Store(e),
+            other => ServerError::Config(other.to_string()),
+        }
+    }
 }
 
 /// Name of the file in the data dir holding the first admin key (mode 0600).

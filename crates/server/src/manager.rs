@@ -147,12 +147,7 @@ impl Plan {
     }
 }
 
-pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
+pub use sandpit_store::now_ms;
 
 pub(crate) fn new_id() -> String {
     use rand::Rng;
@@ -472,7 +467,7 @@ impl Manager {
         {
             if let Err(e) = crate::net::assign(self.net.get(), &rec, plan.network.clone()).await {
                 let _ = self.destroy(&rec).await;
-                return Err(e);
+                return Err(e.into());
             }
             let rec = self.with_proxy_access(rec, secure, public).await?;
             return self.with_secrets(rec, &secrets).await;
@@ -663,7 +658,7 @@ impl Manager {
         self.store.insert_sandbox(&rec).await?;
         if let Err(e) = crate::net::assign(self.net.get(), &rec, plan.network.clone()).await {
             let _ = self.store.delete_sandbox(&rec.id).await;
-            return Err(e);
+            return Err(e.into());
         }
         let volumes = match self.attach_volumes(&rec.id, owner, &plan.volumes).await {
             Ok(v) => v,

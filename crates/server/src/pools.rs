@@ -9,8 +9,8 @@ use sandpit_store::PoolRecord;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
-/// Owner of sandboxes that idle in a pool; no API key can have it (owners are non-empty).
-pub const POOL_OWNER: &str = "";
+pub use sandpit_store::POOL_OWNER;
+
 /// Sandboxes started at once to refill pools: each start takes a core for a few ms, and
 /// refills must not starve the creates and execs that callers are waiting for.
 pub const REFILL_CONCURRENCY: usize = 2;

@@ -128,8 +128,11 @@ impl Store {
     }
 }
 
+/// Owner of the idle members of warm pools: nobody can see or claim them by owner.
+pub const POOL_OWNER: &str = "";
+
 /// Current wall-clock time in unix milliseconds.
-pub(crate) fn now_ms() -> i64 {
+pub fn now_ms() -> i64 {
     // A clock before 1970 is a broken host; 0 keeps timestamps ordered rather than failing.
     SystemTime::now()
         .duration_since(UNIX_EPOCH)

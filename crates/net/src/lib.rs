@@ -11,6 +11,7 @@
 
 pub mod audit;
 pub mod dns;
+mod error;
 pub mod intercept;
 pub mod link;
 pub mod nft;
@@ -20,8 +21,7 @@ pub mod proxy;
 pub mod runtime;
 pub mod sniff;
 
-use crate::ServerError;
-use crate::error::ApiError;
+pub use error::NetError;
 use link::{InnerLink, Prepared};
 use policy::{Cidr, OperatorAllow, Policy};
 use sandpit_api::network::{NetworkMode, NetworkPolicy, PortSpec};
@@ -237,7 +237,8 @@ pub struct Net {
     operator: Vec<OperatorAllow>,
     pub(crate) resolver: dns::Resolver,
     seen: Mutex<HashMap<String, Seen>>,
-    pub(crate) audit: audit::Audit,
+    /// The record of outbound attempts, which the API lists and streams.
+    pub audit: audit::Audit,
     conns: Mutex<HashMap<String, usize>>,
     interceptor: RwLock<Option<Arc<dyn intercept::Interceptor>>>,
     listeners: Mutex<Option<Listeners>>,
@@ -273,24 +274,24 @@ impl Drop for ConnSlot<'_> {
     }
 }
 
-fn cfg_err(e: impl std::fmt::Display) -> ServerError {
-    ServerError::Config(format!("[network] {e}"))
+fn cfg_err(e: impl std::fmt::Display) -> NetError {
+    NetError::Config(e.to_string())
 }
 
 /// Takes an exclusive lock on `/run/sandpit/net/<name>.lock`; None when another daemon
 /// holds it.
-fn try_lock(name: &str) -> Result<Option<std::fs::File>, ServerError> {
+fn try_lock(name: &str) -> Result<Option<std::fs::File>, NetError> {
     use std::os::fd::AsRawFd;
     let dir = Path::new("/run/sandpit/net");
     std::fs::create_dir_all(dir)
-        .map_err(|e| ServerError::Io(format!("create {}", dir.display()), e))?;
+        .map_err(|e| NetError::Io(format!("create {}", dir.display()), e))?;
     let path = dir.join(format!("{name}.lock"));
     let f = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
         .open(&path)
-        .map_err(|e| ServerError::Io(format!("open {}", path.display()), e))?;
+        .map_err(|e| NetError::Io(format!("open {}", path.display()), e))?;
     // SAFETY: flock on a descriptor we own.
     let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
     Ok((r == 0).then_some(f))
@@ -321,7 +322,7 @@ impl Net {
         data_dir: &Path,
         store: Store,
         last_audit_id: i64,
-    ) -> Result<Option<Arc<Net>>, ServerError> {
+    ) -> Result<Option<Arc<Net>>, NetError> {
         if cfg.enabled == Some(false) {
             tracing::info!("sandbox networking is off: sandboxes have loopback only");
             return Ok(None);
@@ -341,7 +342,7 @@ impl Net {
         data_dir: &Path,
         store: Store,
         last_audit_id: i64,
-    ) -> Result<Arc<Net>, ServerError> {
+    ) -> Result<Arc<Net>, NetError> {
         if !nft::available() {
             return Err(cfg_err(
                 "the `nft` tool (nftables) is needed to enforce egress policies",
@@ -372,8 +373,8 @@ impl Net {
                 "no DNS upstream (none configured, none in /etc/resolv.conf): sandboxes cannot resolve names"
             );
         }
-        let mut host_nl = link::Netlink::open()
-            .map_err(|e| ServerError::Io("open a netlink socket".into(), e))?;
+        let mut host_nl =
+            link::Netlink::open().map_err(|e| NetError::Io("open a netlink socket".into(), e))?;
         let (persisted, locks) = Self::choose(cfg, data_dir, &mut host_nl)?;
         let subnet = Cidr::parse(&persisted.subnet).map_err(cfg_err)?;
         let gateway = Ipv4Addr::from(u32::from(subnet.network()) + 1);
@@ -381,7 +382,7 @@ impl Net {
         let table = format!("sandpit_{}", persisted.tag);
         let io = |what: &str| {
             let what = what.to_string();
-            move |e: std::io::Error| ServerError::Io(what.clone(), e)
+            move |e: std::io::Error| NetError::Io(what.clone(), e)
         };
         let proxy =
             bind_gateway(gateway, socket2::Type::STREAM).map_err(io("bind the egress proxy"))?;
@@ -434,7 +435,7 @@ impl Net {
             }
             Err(e) => {
                 let _ = nft::delete(&rules.table);
-                return Err(ServerError::Io("prepare a sandbox network".into(), e));
+                return Err(NetError::Io("prepare a sandbox network".into(), e));
             }
         }
         for s in [&proxy, &dns_udp, &dns_tcp] {
@@ -454,7 +455,7 @@ impl Net {
             by_ip: RwLock::default(),
             policies: RwLock::default(),
             none_entry: Arc::new(Entry {
-                owner: crate::pools::POOL_OWNER.to_string(),
+                owner: sandpit_store::POOL_OWNER.to_string(),
                 policy: Arc::new(Policy::none()),
             }),
             host: RwLock::default(),
@@ -493,17 +494,17 @@ impl Net {
         cfg: &NetworkConfig,
         data_dir: &Path,
         nl: &mut link::Netlink,
-    ) -> Result<(Persisted, Vec<std::fs::File>), ServerError> {
+    ) -> Result<(Persisted, Vec<std::fs::File>), NetError> {
         let file = data_dir.join("network.json");
         let old: Option<Persisted> = std::fs::read(&file)
             .ok()
             .and_then(|b| serde_json::from_slice(&b).ok());
         let routes = nl
             .routes_v4()
-            .map_err(|e| ServerError::Io("list routes".into(), e))?;
+            .map_err(|e| NetError::Io("list routes".into(), e))?;
         let links: HashMap<u32, String> = nl
             .links()
-            .map_err(|e| ServerError::Io("list links".into(), e))?
+            .map_err(|e| NetError::Io("list links".into(), e))?
             .into_iter()
             .collect();
         let mut locks = Vec::new();
@@ -584,14 +585,14 @@ impl Net {
         };
         let text = serde_json::to_vec(&p).map_err(|e| cfg_err(e.to_string()))?;
         std::fs::write(&file, text)
-            .map_err(|e| ServerError::Io(format!("write {}", file.display()), e))?;
+            .map_err(|e| NetError::Io(format!("write {}", file.display()), e))?;
         Ok((p, locks))
     }
 
     /// After the manager's reconcile (which re-adopted surviving sandboxes): loads the
     /// stored policies, applies them to the adopted links, and starts the proxy, the
     /// resolver, the pool and the housekeeping.
-    pub async fn run(self: &Arc<Self>) -> Result<(), ServerError> {
+    pub async fn run(self: &Arc<Self>) -> Result<(), NetError> {
         match self.store.network_policies().await {
             Ok(all) => {
                 let mut map = HashMap::new();
@@ -633,7 +634,7 @@ impl Net {
         let Some(l) = self.listeners.lock().ok().and_then(|mut l| l.take()) else {
             return Ok(());
         };
-        let io = |e| ServerError::Io("network listeners".into(), e);
+        let io = |e| NetError::Io("network listeners".into(), e);
         let proxy = tokio::net::TcpListener::from_std(l.proxy).map_err(io)?;
         let dns_udp = tokio::net::UdpSocket::from_std(l.dns_udp).map_err(io)?;
         let dns_tcp = tokio::net::TcpListener::from_std(l.dns_tcp).map_err(io)?;
@@ -674,7 +675,7 @@ impl Net {
             self.resolver.retain(|id| ids.contains(id));
         }
         if self.cfg.audit_retention_days > 0 {
-            let before = crate::manager::now_ms()
+            let before = sandpit_store::now_ms()
                 - i64::try_from(self.cfg.audit_retention_days)
                     .unwrap_or(i64::MAX / 86_400_000)
                     .saturating_mul(86_400_000);
@@ -1074,11 +1075,11 @@ pub fn plan_policy(
     net: Option<&Arc<Net>>,
     runtime: &str,
     requested: Option<&NetworkPolicy>,
-) -> Result<Option<Policy>, ApiError> {
+) -> Result<Option<Policy>, NetError> {
     let Some(net) = net.filter(|_| runtime == "container") else {
         return match requested {
             Some(p) if p.mode != NetworkMode::None || runtime != "container" => {
-                Err(ApiError::bad_request(if runtime == "container" {
+                Err(NetError::InvalidPolicy(if runtime == "container" {
                     "networking is off on this daemon: sandboxes have loopback only (network mode none)".to_string()
                 } else {
                     format!(
@@ -1092,7 +1093,7 @@ pub fn plan_policy(
     let p = requested.cloned().unwrap_or_else(|| net.default_policy());
     Policy::compile(&p)
         .map(Some)
-        .map_err(|e| ApiError::bad_request(format!("network: {e}")))
+        .map_err(|e| NetError::InvalidPolicy(format!("network: {e}")))
 }
 
 /// Stores and applies the policy of a sandbox that has just been recorded (or claimed).
@@ -1100,20 +1101,20 @@ pub async fn assign(
     net: Option<&Arc<Net>>,
     rec: &sandpit_store::SandboxRecord,
     policy: Option<Policy>,
-) -> Result<(), ApiError> {
+) -> Result<(), NetError> {
     let (Some(net), Some(policy)) = (net, policy) else {
         return Ok(());
     };
     let value =
-        serde_json::to_value(&policy.source).map_err(|e| ApiError::internal(e.to_string()))?;
+        serde_json::to_value(&policy.source).map_err(|e| NetError::Internal(e.to_string()))?;
     if !net.store.set_network_policy(&rec.id, &value).await? {
-        return Err(ApiError::sandbox_not_found(&rec.id));
+        return Err(NetError::SandboxNotFound(rec.id.clone()));
     }
     let (net, id, owner) = (net.clone(), rec.id.clone(), rec.owner.clone());
     tokio::task::spawn_blocking(move || net.set_policy(&id, &owner, policy))
         .await
-        .map_err(|e| ApiError::internal(format!("task: {e}")))?
-        .map_err(ApiError::internal)
+        .map_err(|e| NetError::Internal(format!("task: {e}")))?
+        .map_err(NetError::Internal)
 }
 
 #[cfg(test)]

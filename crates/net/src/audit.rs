@@ -329,7 +329,7 @@ pub struct Audit {
 impl Audit {
     /// Starts the writer; ids continue after `last_id`.
     pub fn start(store: Store, last_id: i64, limits: Limits) -> Audit {
-        Self::with_clock(store, last_id, limits, Box::new(crate::manager::now_ms))
+        Self::with_clock(store, last_id, limits, Box::new(sandpit_store::now_ms))
     }
 
     fn with_clock(store: Store, last_id: i64, mut limits: Limits, clock: Clock) -> Audit {
