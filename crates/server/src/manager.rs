@@ -795,18 +795,20 @@ impl Manager {
         let conn = self.conn_for(&rec.id, handle);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         let mut delay = Duration::from_micros(200);
-        let mut tries = 0u32;
         let deleted = || ApiError::conflict("sandbox was deleted while it was being created");
+        // An agent answers within milliseconds; only a slow one gets its record looked at
+        // (every 100 ms), so that a delete meanwhile ends the wait without costing every
+        // start a read of the store.
+        let mut next_check = tokio::time::Instant::now() + Duration::from_millis(100);
         while !conn.healthy().await {
-            if tokio::time::Instant::now() > deadline {
+            let now = tokio::time::Instant::now();
+            if now > deadline {
                 return Err(ApiError::unavailable(
                     "the sandbox agent did not become ready",
                 ));
             }
-            tries += 1;
-            // Past the first quick tries (an agent starts in milliseconds), a delete
-            // meanwhile is answered at once rather than at the deadline.
-            if tries >= 4 {
+            if now >= next_check {
+                next_check = now + Duration::from_millis(100);
                 match self.store.get_sandbox(&rec.id).await? {
                     Some(r) if r.state == SandboxState::Creating => {}
                     _ => return Err(deleted()),
