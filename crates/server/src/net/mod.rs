@@ -79,6 +79,9 @@ pub struct NetworkConfig {
     pub connect_timeout_ms: u64,
     /// Open proxied connections per sandbox, at most.
     pub max_connections_per_sandbox: usize,
+    /// Open proxied connections of all sandboxes together, at most. Unset: 16384, or an
+    /// eighth of the daemon's descriptor limit when that is smaller (each costs two).
+    pub max_connections: Option<usize>,
     /// Audit entries older than this are deleted; 0 keeps them.
     pub audit_retention_days: u64,
     /// New audit rows one sandbox may add per minute (DNS takes at most half); more are
@@ -109,6 +112,7 @@ impl Default for NetworkConfig {
             peek_timeout_ms: 500,
             connect_timeout_ms: 10_000,
             max_connections_per_sandbox: 512,
+            max_connections: None,
             audit_retention_days: 30,
             audit_rows_per_sandbox_per_minute: 1200,
             audit_max_rows: 1_000_000,
@@ -187,7 +191,9 @@ pub struct Net {
     pub(crate) resolver: dns::Resolver,
     seen: Mutex<HashMap<String, Seen>>,
     pub(crate) audit: audit::Audit,
-    conns: Mutex<HashMap<String, usize>>,
+    conns: Mutex<Conns>,
+    /// Open proxied connections of all sandboxes together, at most.
+    max_conns: usize,
     interceptor: RwLock<Option<Arc<dyn intercept::Interceptor>>>,
     listeners: Mutex<Option<Listeners>>,
     pub(crate) peek_timeout: Duration,
@@ -209,16 +215,40 @@ pub struct ConnSlot<'a> {
     id: String,
 }
 
+/// Open proxied connections, per sandbox and in all.
+#[derive(Default)]
+struct Conns {
+    per_sandbox: HashMap<String, usize>,
+    total: usize,
+}
+
 impl Drop for ConnSlot<'_> {
     fn drop(&mut self) {
-        if let Ok(mut c) = self.net.conns.lock()
-            && let Some(n) = c.get_mut(&self.id)
-        {
-            *n -= 1;
-            if *n == 0 {
-                c.remove(&self.id);
+        if let Ok(mut c) = self.net.conns.lock() {
+            c.total = c.total.saturating_sub(1);
+            if let Some(n) = c.per_sandbox.get_mut(&self.id) {
+                *n -= 1;
+                if *n == 0 {
+                    c.per_sandbox.remove(&self.id);
+                }
             }
         }
+    }
+}
+
+/// The default cap on proxied connections of all sandboxes.
+const MAX_CONNECTIONS: usize = 16384;
+
+/// The total cap on proxied connections: by default at most an eighth of the descriptor
+/// limit (a spliced connection holds two), so that sandboxes together cannot run the
+/// daemon out of descriptors; a configured value is kept.
+fn total_conn_cap(configured: Option<usize>, fd_limit: Option<u64>) -> usize {
+    match (configured, fd_limit) {
+        (Some(n), _) => n,
+        (None, Some(limit)) => {
+            MAX_CONNECTIONS.min(usize::try_from(limit / 8).unwrap_or(usize::MAX).max(1))
+        }
+        (None, None) => MAX_CONNECTIONS,
     }
 }
 
@@ -294,6 +324,11 @@ impl Net {
         if !nft::available() {
             return Err(cfg_err(
                 "the `nft` tool (nftables) is needed to enforce egress policies",
+            ));
+        }
+        if cfg.max_connections == Some(0) || cfg.max_connections_per_sandbox == 0 {
+            return Err(cfg_err(
+                "max_connections and max_connections_per_sandbox must be at least 1",
             ));
         }
         if cfg.pool_size > 256 {
@@ -419,6 +454,12 @@ impl Net {
                 },
             ),
             conns: Mutex::default(),
+            max_conns: total_conn_cap(
+                cfg.max_connections,
+                nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+                    .ok()
+                    .map(|(soft, _)| soft),
+            ),
             interceptor: RwLock::new(None),
             listeners: Mutex::new(Some(Listeners {
                 proxy: proxy.into(),
@@ -794,15 +835,23 @@ impl Net {
             })
     }
 
-    /// Counts a new proxied connection of a sandbox; None past its limit.
-    pub fn connection_slot(&self, id: &str) -> Option<ConnSlot<'_>> {
-        let mut c = self.conns.lock().ok()?;
-        let n = c.entry(id.to_string()).or_default();
+    /// Counts a new proxied connection of a sandbox; past its limit, or the limit of all
+    /// sandboxes together, the reason it is refused.
+    pub fn connection_slot(&self, id: &str) -> Result<ConnSlot<'_>, &'static str> {
+        let mut c = self
+            .conns
+            .lock()
+            .map_err(|_| "the connection count is unavailable")?;
+        if c.total >= self.max_conns {
+            return Err("too many open connections of all sandboxes");
+        }
+        let n = c.per_sandbox.entry(id.to_string()).or_default();
         if *n >= self.cfg.max_connections_per_sandbox {
-            return None;
+            return Err("too many open connections for this sandbox");
         }
         *n += 1;
-        Some(ConnSlot {
+        c.total += 1;
+        Ok(ConnSlot {
             net: self,
             id: id.to_string(),
         })
@@ -1081,4 +1130,17 @@ pub async fn assign(
         .await
         .map_err(|e| ApiError::internal(format!("task: {e}")))?
         .map_err(ApiError::internal)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_total_connection_cap_leaves_descriptors_for_the_rest() {
+        assert_eq!(total_conn_cap(None, Some(1_048_576)), MAX_CONNECTIONS);
+        assert_eq!(total_conn_cap(None, Some(2048)), 256);
+        assert_eq!(total_conn_cap(None, None), MAX_CONNECTIONS);
+        assert_eq!(total_conn_cap(Some(5000), Some(2048)), 5000);
+    }
 }
