@@ -52,6 +52,10 @@ pub struct NetworkConfig {
     pub dns_upstream: Vec<String>,
     /// DNS questions of one sandbox the resolver works on at once; more are dropped.
     pub dns_max_in_flight_per_sandbox: usize,
+    /// DNS questions of one owner's sandboxes together the resolver works on at once
+    /// (below the daemon's total and its upstream sockets, so that many sandboxes of one
+    /// owner leave room for the others); more are dropped.
+    pub dns_max_in_flight_per_owner: usize,
     /// DNS questions of all sandboxes the resolver works on at once; more are dropped.
     pub dns_max_in_flight: usize,
     /// DNS questions a sandbox may send per second on average (a token bucket); more
@@ -63,6 +67,8 @@ pub struct NetworkConfig {
     pub dns_upstream_sockets: usize,
     /// Open DNS-over-TCP connections per sandbox; more are closed at once.
     pub dns_tcp_connections_per_sandbox: usize,
+    /// Open DNS-over-TCP connections of one owner's sandboxes together; more are closed.
+    pub dns_tcp_connections_per_owner: usize,
     /// Open DNS-over-TCP connections of all sandboxes; more are closed at once.
     pub dns_tcp_connections: usize,
     /// Cached DNS answers per sandbox (each sandbox has a cache of its own).
@@ -100,11 +106,13 @@ impl Default for NetworkConfig {
             default_mode: NetworkMode::None,
             dns_upstream: Vec::new(),
             dns_max_in_flight_per_sandbox: 64,
+            dns_max_in_flight_per_owner: 128,
             dns_max_in_flight: 1024,
             dns_queries_per_second: 200,
             dns_query_burst: 400,
             dns_upstream_sockets: 256,
             dns_tcp_connections_per_sandbox: 16,
+            dns_tcp_connections_per_owner: 64,
             dns_tcp_connections: 256,
             dns_cache_per_sandbox: 1024,
             dns_cache_total: 16384,
