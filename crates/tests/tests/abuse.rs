@@ -194,7 +194,7 @@ async fn http2_streams_to_a_silent_port_count_against_the_connection_caps() {
     let c = d.client();
     let bob = bob(&d).await;
     let other = create(&bob, false, None).await;
-    let _bobs = DeleteOnDrop(bob.clone(), other.clone());
+    let bobs = DeleteOnDrop(bob.clone(), other.clone());
     let target = create(&c, true, None).await;
     start_holder(&c, &target).await;
     let baseline = open_fds(pid);
@@ -286,6 +286,7 @@ async fn http2_streams_to_a_silent_port_count_against_the_connection_caps() {
     );
     still_working(&c, &target).await;
     still_working(&bob, &other).await;
+    drop(bobs);
     d.shutdown().await;
 }
 
@@ -301,7 +302,7 @@ async fn silent_proxied_requests_under_the_default_caps_leave_descriptors_to_spa
     let c = d.client();
     let bob = bob(&d).await;
     let other = create(&bob, false, None).await;
-    let _bobs = DeleteOnDrop(bob.clone(), other.clone());
+    let bobs = DeleteOnDrop(bob.clone(), other.clone());
     let target = create(&c, true, None).await;
     start_holder(&c, &target).await;
     let baseline = open_fds(pid);
@@ -341,6 +342,7 @@ async fn silent_proxied_requests_under_the_default_caps_leave_descriptors_to_spa
     }
     still_working(&c, &target).await;
     still_working(&bob, &other).await;
+    drop(bobs);
     d.shutdown().await;
 }
 
@@ -407,7 +409,7 @@ async fn egress_connections_of_many_sandboxes_leave_the_daemon_descriptors() {
         })
     };
     let other = create(&bob, false, open()).await;
-    let _bobs = DeleteOnDrop(bob.clone(), other.clone());
+    let bobs = DeleteOnDrop(bob.clone(), other.clone());
     let mut flooders = Vec::new();
     for _ in 0..FLOODERS {
         flooders.push(create(&c, false, open()).await);
@@ -466,5 +468,116 @@ async fn egress_connections_of_many_sandboxes_leave_the_daemon_descriptors() {
         "sandboxes held {max} of the daemon's {LIMIT} descriptors"
     );
     still_working(&bob, &other).await;
+    drop(bobs);
+    d.shutdown().await;
+}
+
+/// Sends questions for fresh names under blackhole.test (a zone whose name server never
+/// answers) at about RATE a second for SECS seconds, then prints how many it sent.
+const DNS_FLOOD: &str = r#"
+import os, socket, struct, sys, time
+gw, rate, secs = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setblocking(False)
+tail = b'\x09blackhole\x04test\x00' + struct.pack('!HH', 1, 1)
+start = time.monotonic()
+sent = 0
+while time.monotonic() < start + secs:
+    q = struct.pack('!HHHHHH', sent & 0xffff, 0x0100, 1, 0, 0, 0) + b'\x10' + os.urandom(8).hex().encode() + tail
+    try:
+        s.sendto(q, (gw, 53))
+        sent += 1
+    except OSError:
+        pass
+    time.sleep(max(0.0, start + sent / rate - time.monotonic()))
+print(sent)
+"#;
+
+/// A question for `name` to the sandbox's resolver, asked up to `tries` times (2 s each):
+/// "rcode R answers N", or the last error.
+async fn lookup(c: &Client, id: &str, name: &str, tries: u32) -> String {
+    let script = format!(
+        "import socket,struct\nq=struct.pack('!HHHHHH',0x4242,0x0100,1,0,0,0)+b''.join(bytes([len(l)])+l.encode() for l in '{name}'.split('.'))+b'\\0'+struct.pack('!HH',1,1)\ngw=[l.split()[1] for l in open('/etc/resolv.conf') if l.startswith('nameserver')][0]\nout='ERR none'\nfor _ in range({tries}):\n s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n s.settimeout(2)\n try:\n  s.sendto(q,(gw,53))\n  r=s.recv(4096)\n  out='rcode %d answers %d'%(r[3]&15,struct.unpack('!H',r[6:8])[0])\n  break\n except Exception as e:\n  out='ERR %s'%e\nprint(out)\n"
+    );
+    sh(c, id, &format!("python3 -c \"{script}\""))
+        .await
+        .stdout
+        .trim()
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dns_floods_of_many_sandboxes_leave_another_owner_resolving() {
+    // Twenty sandboxes of one owner, each within its own limits (64 questions in flight, a
+    // rate under 200/s), ask for names whose server never answers: every question holds
+    // an upstream socket for the 2 s upstream timeout.
+    const FLOODERS: usize = 20;
+    const RATE: u32 = 150;
+    const FLOOD_SECS: u64 = 14;
+    let up = Upstream::start(&[("legit.test", "@2")]);
+    let (_cfg, path) = config_file(&up.config(""));
+    let d = Daemon::start_with(&["--config", &path]).await;
+    let c = d.client();
+    let bob = bob(&d).await;
+    let open = || {
+        Some(NetworkPolicy {
+            mode: NetworkMode::Open,
+            rules: vec![],
+        })
+    };
+    let other = create(&bob, false, open()).await;
+    let bobs = DeleteOnDrop(bob.clone(), other.clone());
+    assert_eq!(
+        lookup(&bob, &other, "legit.test", 3).await,
+        "rcode 0 answers 1"
+    );
+    let mut flooders = Vec::new();
+    for _ in 0..FLOODERS {
+        flooders.push(create(&c, false, open()).await);
+    }
+    let pid = d.child.as_ref().unwrap().id();
+    let baseline = open_fds(pid);
+    let sampler = FdSampler::start(pid);
+    let mut floods = Vec::new();
+    for id in &flooders {
+        let (c, id) = (c.clone(), id.clone());
+        floods.push(tokio::spawn(async move {
+            sh(
+                &c,
+                &id,
+                &format!(
+                    "gw=$(awk '/nameserver/ {{print $2}}' /etc/resolv.conf); python3 - \"$gw\" {RATE} {FLOOD_SECS} <<'EOF'\n{DNS_FLOOD}\nEOF"
+                ),
+            )
+            .await
+            .stdout
+        }));
+    }
+    // While the floods run: the other owner's questions, each tried twice like a stub
+    // resolver would.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let mut answers = Vec::new();
+    for _ in 0..2 {
+        answers.push(lookup(&bob, &other, "legit.test", 2).await);
+    }
+    let running = floods.iter().filter(|f| !f.is_finished()).count();
+    let mut sent = Vec::new();
+    for f in floods {
+        sent.push(f.await.unwrap().trim().to_string());
+    }
+    eprintln!(
+        "{FLOODERS} sandboxes flooding ({sent:?} questions; {running} still running at \
+         the end of the lookups): the other owner's lookups {answers:?}; fds {baseline} \
+         -> max {}",
+        sampler.max()
+    );
+    assert_eq!(running, FLOODERS, "the floods ended before the lookups");
+    for a in &answers {
+        assert_eq!(
+            a, "rcode 0 answers 1",
+            "the other owner's lookups: {answers:?}"
+        );
+    }
+    drop(bobs);
     d.shutdown().await;
 }
