@@ -88,6 +88,9 @@ pub struct NetworkConfig {
     /// Open proxied connections of all sandboxes together, at most. Unset: 16384, or an
     /// eighth of the daemon's descriptor limit when that is smaller (each costs two).
     pub max_connections: Option<usize>,
+    /// Open proxied connections of one owner's sandboxes together, at most. Unset: half
+    /// of `max_connections`, so that many sandboxes of one owner leave the others room.
+    pub max_connections_per_owner: Option<usize>,
     /// Audit entries older than this are deleted; 0 keeps them.
     pub audit_retention_days: u64,
     /// New audit rows one sandbox may add per minute (DNS takes at most half); more are
@@ -121,6 +124,7 @@ impl Default for NetworkConfig {
             connect_timeout_ms: 10_000,
             max_connections_per_sandbox: 512,
             max_connections: None,
+            max_connections_per_owner: None,
             audit_retention_days: 30,
             audit_rows_per_sandbox_per_minute: 1200,
             audit_max_rows: 1_000_000,
@@ -202,6 +206,8 @@ pub struct Net {
     conns: Mutex<Conns>,
     /// Open proxied connections of all sandboxes together, at most.
     max_conns: usize,
+    /// Open proxied connections of one owner's sandboxes together, at most.
+    max_conns_per_owner: usize,
     interceptor: RwLock<Option<Arc<dyn intercept::Interceptor>>>,
     listeners: Mutex<Option<Listeners>>,
     pub(crate) peek_timeout: Duration,
@@ -221,25 +227,33 @@ struct Listeners {
 pub struct ConnSlot<'a> {
     net: &'a Net,
     id: String,
+    owner: String,
 }
 
-/// Open proxied connections, per sandbox and in all.
+/// Open proxied connections, per sandbox, per owner and in all.
 #[derive(Default)]
 struct Conns {
     per_sandbox: HashMap<String, usize>,
+    per_owner: HashMap<String, usize>,
     total: usize,
+}
+
+/// Counts one less for `key`, forgetting it at zero.
+fn count_down(m: &mut HashMap<String, usize>, key: &str) {
+    if let Some(n) = m.get_mut(key) {
+        *n -= 1;
+        if *n == 0 {
+            m.remove(key);
+        }
+    }
 }
 
 impl Drop for ConnSlot<'_> {
     fn drop(&mut self) {
         if let Ok(mut c) = self.net.conns.lock() {
             c.total = c.total.saturating_sub(1);
-            if let Some(n) = c.per_sandbox.get_mut(&self.id) {
-                *n -= 1;
-                if *n == 0 {
-                    c.per_sandbox.remove(&self.id);
-                }
-            }
+            count_down(&mut c.per_sandbox, &self.id);
+            count_down(&mut c.per_owner, &self.owner);
         }
     }
 }
@@ -334,9 +348,13 @@ impl Net {
                 "the `nft` tool (nftables) is needed to enforce egress policies",
             ));
         }
-        if cfg.max_connections == Some(0) || cfg.max_connections_per_sandbox == 0 {
+        if cfg.max_connections == Some(0)
+            || cfg.max_connections_per_owner == Some(0)
+            || cfg.max_connections_per_sandbox == 0
+        {
             return Err(cfg_err(
-                "max_connections and max_connections_per_sandbox must be at least 1",
+                "max_connections, max_connections_per_owner and max_connections_per_sandbox \
+                 must be at least 1",
             ));
         }
         if cfg.pool_size > 256 {
@@ -359,6 +377,12 @@ impl Net {
                 .map_err(cfg_err)?
         };
         let dns_limits = dns::Limits::from_config(cfg).map_err(cfg_err)?;
+        let max_conns = total_conn_cap(
+            cfg.max_connections,
+            nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+                .ok()
+                .map(|(soft, _)| soft),
+        );
         if upstreams.is_empty() {
             tracing::warn!(
                 "no DNS upstream (none configured, none in /etc/resolv.conf): sandboxes cannot resolve names"
@@ -462,12 +486,10 @@ impl Net {
                 },
             ),
             conns: Mutex::default(),
-            max_conns: total_conn_cap(
-                cfg.max_connections,
-                nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
-                    .ok()
-                    .map(|(soft, _)| soft),
-            ),
+            max_conns,
+            max_conns_per_owner: cfg
+                .max_connections_per_owner
+                .unwrap_or((max_conns / 2).max(1)),
             interceptor: RwLock::new(None),
             listeners: Mutex::new(Some(Listeners {
                 proxy: proxy.into(),
@@ -843,9 +865,9 @@ impl Net {
             })
     }
 
-    /// Counts a new proxied connection of a sandbox; past its limit, or the limit of all
-    /// sandboxes together, the reason it is refused.
-    pub fn connection_slot(&self, id: &str) -> Result<ConnSlot<'_>, &'static str> {
+    /// Counts a new proxied connection of sandbox `id` of `owner`; past its limit, its
+    /// owner's or the limit of all sandboxes together, the reason it is refused.
+    pub fn connection_slot(&self, id: &str, owner: &str) -> Result<ConnSlot<'_>, &'static str> {
         let mut c = self
             .conns
             .lock()
@@ -853,15 +875,19 @@ impl Net {
         if c.total >= self.max_conns {
             return Err("too many open connections of all sandboxes");
         }
-        let n = c.per_sandbox.entry(id.to_string()).or_default();
-        if *n >= self.cfg.max_connections_per_sandbox {
+        if c.per_owner.get(owner).copied().unwrap_or(0) >= self.max_conns_per_owner {
+            return Err("too many open connections of this owner's sandboxes");
+        }
+        if c.per_sandbox.get(id).copied().unwrap_or(0) >= self.cfg.max_connections_per_sandbox {
             return Err("too many open connections for this sandbox");
         }
-        *n += 1;
+        *c.per_sandbox.entry(id.to_string()).or_default() += 1;
+        *c.per_owner.entry(owner.to_string()).or_default() += 1;
         c.total += 1;
         Ok(ConnSlot {
             net: self,
             id: id.to_string(),
+            owner: owner.to_string(),
         })
     }
 

@@ -102,7 +102,7 @@ async fn handle(net: Arc<Net>, mut client: TcpStream, peer: SocketAddr) {
     let (ip, port) = (*dst.ip(), dst.port());
     // Taken before the peek: a connection the proxy waits on holds a socket and a task as
     // much as a spliced one, and a sandbox must not keep thousands of them that way.
-    let _slot = match net.connection_slot(&sandbox) {
+    let _slot = match net.connection_slot(&sandbox, &entry.owner) {
         Ok(slot) => slot,
         Err(why) => {
             let attempt = super::audit::Attempt {
