@@ -390,7 +390,8 @@ print(len(held))
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn egress_connections_of_many_sandboxes_leave_the_daemon_descriptors() {
     // Three sandboxes of one owner, each up to its own cap of proxied connections (two
-    // daemon descriptors apiece), against a daemon with 2048 descriptors.
+    // daemon descriptors apiece), against a daemon with 2048 descriptors; meanwhile
+    // another owner's sandbox connects out.
     const LIMIT: u64 = 2048;
     const FLOODERS: usize = 3;
     const CONNS: usize = 480;
@@ -431,10 +432,18 @@ async fn egress_connections_of_many_sandboxes_leave_the_daemon_descriptors() {
         }));
     }
     // While the connections are held: the API answers, and the other owner's sandbox runs
-    // its commands.
+    // its commands and reaches the upstream (a server that greets first).
     tokio::time::sleep(Duration::from_secs(5)).await;
     let during = open_fds(pid);
-    let checked = tokio::time::timeout(Duration::from_secs(8), still_working(&bob, &other)).await;
+    let greeting = format!(
+        "python3 -c \"import socket; s=socket.create_connection(('{}', 7000), timeout=5); print(s.recv(100).decode().split()[0])\"",
+        up.ip(2)
+    );
+    let checked = tokio::time::timeout(Duration::from_secs(8), async {
+        still_working(&bob, &other).await;
+        sh(&bob, &other, &greeting).await
+    })
+    .await;
     for id in &flooders {
         // Lets the floods end early; on a starved daemon this fails, and they end in time.
         let _ = tokio::time::timeout(
@@ -459,9 +468,10 @@ async fn egress_connections_of_many_sandboxes_leave_the_daemon_descriptors() {
         "{FLOODERS} sandboxes x {CONNS} held connections: opened {opened:?}; \
          fds {baseline} -> {during} (max {max} of {LIMIT})"
     );
-    assert!(
-        checked.is_ok(),
-        "the API did not answer while the connections were held"
+    let greeted = checked.expect("the API did not answer while the connections were held");
+    assert_eq!(
+        greeted.stdout, "BANNER\n",
+        "the other owner's sandbox could not connect out: {greeted:?}"
     );
     assert!(
         max <= LIMIT as usize * 3 / 4,
