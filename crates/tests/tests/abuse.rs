@@ -591,3 +591,95 @@ async fn dns_floods_of_many_sandboxes_leave_another_owner_resolving() {
     drop(bobs);
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_owners_audit_flood_prunes_only_its_own_rows() {
+    // A small row cap, and four sandboxes of one owner asking for fresh names their
+    // policy refuses: each adds its 600 DNS rows of the minute, more than the cap in all.
+    const MAX_ROWS: u64 = 2000;
+    const FLOODERS: usize = 4;
+    let (_cfg, path) = config_file(&format!(
+        "[network]\nenabled = true\npool_size = 2\naudit_max_rows = {MAX_ROWS}\n"
+    ));
+    let d = Daemon::start_with(&["--config", &path]).await;
+    let c = d.client();
+    let bob = bob(&d).await;
+    let allowlist = || {
+        Some(NetworkPolicy {
+            mode: NetworkMode::Allowlist,
+            rules: vec![],
+        })
+    };
+    let other = create(&bob, false, allowlist()).await;
+    let bobs = DeleteOnDrop(bob.clone(), other.clone());
+    // The other owner's one entry, made before the flood.
+    assert_eq!(
+        lookup(&bob, &other, "bob-marker.test", 1).await,
+        "rcode 3 answers 0"
+    );
+    let marker = || async {
+        bob.network_audit(&[("sandbox", other.clone())])
+            .await
+            .expect("the other owner's audit")
+            .items
+            .iter()
+            .any(|e| e.dest_name.as_deref() == Some("bob-marker.test"))
+    };
+    let mut seen = false;
+    for _ in 0..50 {
+        seen = marker().await;
+        if seen {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(seen, "the other owner's entry was never listed");
+
+    let mut flooders = Vec::new();
+    for _ in 0..FLOODERS {
+        flooders.push(create(&c, false, allowlist()).await);
+    }
+    let mut floods = Vec::new();
+    for id in &flooders {
+        let (c, id) = (c.clone(), id.clone());
+        floods.push(tokio::spawn(async move {
+            sh(
+                &c,
+                &id,
+                &format!(
+                    "gw=$(awk '/nameserver/ {{print $2}}' /etc/resolv.conf); python3 - \"$gw\" 300 4 <<'EOF'\n{DNS_FLOOD}\nEOF"
+                ),
+            )
+            .await
+            .stdout
+        }));
+    }
+    for f in floods {
+        f.await.unwrap();
+    }
+    // The writer prunes once the rows pass the cap.
+    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
+        .await
+        .unwrap();
+    let (mut rows, mut made) = (0, 0);
+    for _ in 0..100 {
+        rows = db.count_audit().await.unwrap();
+        made = db.max_audit_id().await.unwrap();
+        if made > MAX_ROWS as i64 && rows <= MAX_ROWS {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let kept = marker().await;
+    eprintln!(
+        "{FLOODERS} sandboxes flooding the audit: {made} rows made, {rows} kept (cap \
+         {MAX_ROWS}); the other owner's entry kept: {kept}"
+    );
+    assert!(
+        made > MAX_ROWS as i64 && rows <= MAX_ROWS,
+        "the audit was not pruned: {made} rows made, {rows} kept"
+    );
+    assert!(kept, "one owner's flood pruned another owner's audit entry");
+    drop(bobs);
+    d.shutdown().await;
+}
