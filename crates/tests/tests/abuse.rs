@@ -683,3 +683,59 @@ async fn one_owners_audit_flood_prunes_only_its_own_rows() {
     drop(bobs);
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bursts_of_requests_leave_no_agent_connections_behind() {
+    // Rounds of many concurrent commands, each round to another sandbox: every request
+    // in flight has a connection to its sandbox's agent. Once a round is over, the
+    // daemon must not keep them all open, or rounds over several sandboxes add up.
+    const SANDBOXES: usize = 4;
+    const CONCURRENT: usize = 200;
+    let d = Daemon::start().await;
+    let pid = d.child.as_ref().unwrap().id();
+    let c = d.client();
+    let mut ids = Vec::new();
+    for _ in 0..SANDBOXES {
+        ids.push(d.sandbox(small()).await);
+    }
+    for id in &ids {
+        assert_eq!(sh(&c, id, "echo up").await.stdout, "up\n");
+    }
+    let baseline = open_fds(pid);
+    let sampler = FdSampler::start(pid);
+    for id in &ids {
+        // A client of its own, whose kept-alive connections to the daemon go with it.
+        let c = d.client();
+        let mut round = Vec::new();
+        for _ in 0..CONCURRENT {
+            let (c, id) = (c.clone(), id.clone());
+            round.push(tokio::spawn(async move {
+                let req = sandpit_api::RunCommandRequest {
+                    argv: vec!["sleep".into(), "1".into()],
+                    ..Default::default()
+                };
+                c.run(&id, &req).await.is_ok()
+            }));
+        }
+        let mut ok = 0;
+        for r in round {
+            ok += usize::from(r.await.unwrap());
+        }
+        assert!(ok > 0, "no command of the round ran");
+    }
+    let max = sampler.max();
+    drop(sampler);
+    // Give the daemon a moment, as a client would, before the next burst.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let after = open_fds(pid);
+    eprintln!(
+        "{SANDBOXES} rounds of {CONCURRENT} concurrent commands: fds {baseline} -> max \
+         {max}, {after} a second after the last round"
+    );
+    assert!(
+        after <= baseline + 20 * SANDBOXES,
+        "{} descriptors still open after the rounds (from {baseline})",
+        after - baseline
+    );
+    d.shutdown().await;
+}
