@@ -116,6 +116,12 @@ impl HttpConfig {
 /// The default total cap.
 const MAX_CONNECTIONS: usize = 8192;
 
+/// The most an HTTP/1 connection buffers, and so the longest request head (a longer one
+/// gets 431). hyper's default, ~400 KB, let every slow head of an unauthenticated client
+/// hold that much of the daemon's memory until the header timeout: 500 of them took
+/// 196 MiB. Real heads are a few KB; HTTP/2's header lists are capped at 16 KB.
+const MAX_HTTP1_BUFFER: usize = 64 * 1024;
+
 fn fd_limit() -> Option<u64> {
     use nix::sys::resource::{Resource, getrlimit};
     getrlimit(Resource::RLIMIT_NOFILE)
@@ -184,6 +190,7 @@ where
     builder
         .http1()
         .timer(TokioTimer::new())
+        .max_buf_size(MAX_HTTP1_BUFFER)
         .header_read_timeout(s.timeouts.header + s.timeouts.idle);
     // WebSockets over HTTP/2 use extended CONNECT.
     builder
@@ -947,6 +954,31 @@ mod tests {
             .expect("the idle HTTP/2 connection was closed")
             .unwrap()
             .ok();
+    }
+
+    #[tokio::test]
+    async fn a_head_beyond_the_buffer_is_refused() {
+        let srv = server(100, 100).await;
+        let mut s = connect_from(srv.addr, Ipv4Addr::LOCALHOST).await;
+        let pad = "a".repeat(1000);
+        let mut head = String::from("GET / HTTP/1.1\r\nHost: x\r\n");
+        while head.len() <= MAX_HTTP1_BUFFER {
+            head.push_str(&format!("X-Pad: {pad}\r\n"));
+        }
+        // The daemon may stop reading (and reset) before all of it is written.
+        let _ = s.write_all(head.as_bytes()).await;
+        let text = read_response(&mut s, "\r\n").await;
+        assert!(text.starts_with("HTTP/1.1 431 "), "{text}");
+        // A head of a few KB is fine.
+        let mut s = connect_from(srv.addr, Ipv4Addr::LOCALHOST).await;
+        s.write_all(format!("GET / HTTP/1.1\r\nHost: x\r\nX-Pad: {pad}\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        assert!(
+            read_response(&mut s, "ok")
+                .await
+                .starts_with("HTTP/1.1 200")
+        );
     }
 
     #[tokio::test]
