@@ -739,3 +739,70 @@ async fn bursts_of_requests_leave_no_agent_connections_behind() {
     );
     d.shutdown().await;
 }
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_unfinished_heads_cost_the_daemon_little_memory() {
+    // Unauthenticated connections, each sending a head of 400 KB that never ends (in
+    // 4 KB header lines), held until the header timeout would cut them.
+    const CONNS: usize = 500;
+    const HEAD: usize = 400_000;
+    let d = Daemon::start().await;
+    let pid = d.child.as_ref().unwrap().id();
+    let before = rss_kib(pid);
+    let line = format!("X-Pad: {}\r\n", "a".repeat(4000));
+    let mut head = String::from("GET /v1/health HTTP/1.1\r\nHost: localhost\r\n");
+    while head.len() < HEAD {
+        head.push_str(&line);
+    }
+    let head = Arc::new(head);
+    let mut tasks = Vec::new();
+    for i in 0..CONNS {
+        let head = head.clone();
+        let port = d.port;
+        tasks.push(tokio::spawn(async move {
+            let Ok(mut s) = connect_from(port, Ipv4Addr::new(127, 0, 0, 2)).await else {
+                return None;
+            };
+            // The daemon may refuse the rest of it; what it read is what counts.
+            let _ =
+                tokio::time::timeout(Duration::from_secs(5), s.write_all(head.as_bytes())).await;
+            Some(s)
+        }));
+        if i % 25 == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    let mut held = Vec::new();
+    let mut peak = rss_kib(pid);
+    for t in tasks {
+        held.push(t.await.unwrap());
+        peak = peak.max(rss_kib(pid));
+    }
+    for _ in 0..10 {
+        peak = peak.max(rss_kib(pid));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let open = held.iter().filter(|s| s.is_some()).count();
+    drop(held);
+    eprintln!(
+        "{open} connections with {HEAD}-byte unfinished heads: daemon RSS {before} KiB -> \
+         peak {peak} KiB"
+    );
+    assert!(
+        peak.saturating_sub(before) <= 128 * 1024,
+        "the heads took {} MiB of the daemon's memory",
+        peak.saturating_sub(before) / 1024
+    );
+    // The daemon serves on.
+    d.client().health().await.expect("the daemon answers");
+    d.shutdown().await;
+}
