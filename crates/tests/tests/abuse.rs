@@ -806,3 +806,54 @@ async fn huge_unfinished_heads_cost_the_daemon_little_memory() {
     d.client().health().await.expect("the daemon answers");
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "open: a run buffers up to 64 MiB of stdout and of stderr and answers them as \
+            one JSON string (3x for bytes that are not UTF-8); no budget spans the runs in \
+            flight, so a few owners' requests can take gigabytes of the daemon's memory"]
+async fn a_commands_buffered_output_is_bounded() {
+    // One owner's one run: 64 MiB of bytes that are not UTF-8 on stdout and on stderr.
+    let d = Daemon::start().await;
+    let pid = d.child.as_ref().unwrap().id();
+    let c = d.client();
+    let id = d
+        .sandbox(LimitsSpec {
+            memory_bytes: Some(1 << 30),
+            ..Default::default()
+        })
+        .await;
+    let before = rss_kib(pid);
+    let stop = Arc::new(AtomicBool::new(false));
+    let peak = Arc::new(AtomicUsize::new(0));
+    let sampler = {
+        let (stop, peak) = (stop.clone(), peak.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                peak.fetch_max(rss_kib(pid) as usize, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        })
+    };
+    let req = sandpit_api::RunCommandRequest {
+        argv: vec![
+            "python3".into(),
+            "-c".into(),
+            "import sys\nb = b'\\xff' * (1 << 20)\nfor _ in range(64):\n    sys.stdout.buffer.write(b)\n    sys.stderr.buffer.write(b)\n".into(),
+        ],
+        max_output_bytes: Some(64 << 20),
+        ..Default::default()
+    };
+    let r = c.run(&id, &req).await.unwrap();
+    stop.store(true, Ordering::Relaxed);
+    sampler.join().unwrap();
+    let grew = (peak.load(Ordering::Relaxed) as u64).saturating_sub(before) / 1024;
+    eprintln!(
+        "one run with 2 x 64 MiB of output ({} bytes answered): daemon RSS grew {grew} MiB",
+        r.stdout.len() + r.stderr.len()
+    );
+    assert!(
+        grew <= 256,
+        "one run took {grew} MiB of the daemon's memory"
+    );
+    d.shutdown().await;
+}
