@@ -7,7 +7,8 @@
 //! questions (anything but a connection) take at most half, so connection attempts always
 //! have room. Identical DNS questions and identical refused connections within the minute
 //! are one row with a count. What a lane cannot admit is counted in a summary row ("N
-//! entries dropped (rate limit)"). Beyond `max_rows` rows in all, the oldest go. A closed
+//! entries dropped (rate limit)"). Beyond `max_rows` rows in all, the oldest go, those of
+//! the owners with the most rows first (one owner's flood prunes its own). A closed
 //! connection's byte counts follow as an update, and its bytes sent feed usage metering;
 //! neither is ever dropped.
 

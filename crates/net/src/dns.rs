@@ -8,7 +8,9 @@
 //! No sandbox can make the resolver work without bound: its questions are limited in
 //! rate and in number in flight (beyond that they are dropped before any work is spawned,
 //! and summed up in the audit once a second), its TCP connections in number, and the
-//! sockets toward the upstreams form one bounded pool. Each sandbox has its own answer
+//! sockets toward the upstreams form one bounded pool. An owner's sandboxes together are
+//! limited too, below the daemon's totals: many sandboxes of one owner cannot take every
+//! question in flight (and so every upstream socket) from the other owners. Each sandbox has its own answer
 //! cache, so that none can tell by timing what another one resolved.
 
 use super::policy::Attempt;
@@ -37,6 +39,8 @@ const REPORT_EVERY: Duration = Duration::from_secs(1);
 pub struct Limits {
     /// Questions of one sandbox being worked on at once.
     pub in_flight_per_sandbox: usize,
+    /// Questions of one owner's sandboxes being worked on at once.
+    pub in_flight_per_owner: usize,
     /// Questions of all sandboxes being worked on at once.
     pub in_flight: usize,
     /// Questions a sandbox may send per second, on average.
@@ -47,6 +51,8 @@ pub struct Limits {
     pub upstream_sockets: usize,
     /// Open DNS-over-TCP connections of one sandbox.
     pub tcp_per_sandbox: usize,
+    /// Open DNS-over-TCP connections of one owner's sandboxes.
+    pub tcp_per_owner: usize,
     /// Open DNS-over-TCP connections of all sandboxes.
     pub tcp: usize,
     /// Cached answers of one sandbox.
@@ -60,22 +66,26 @@ impl Limits {
     pub fn from_config(cfg: &NetworkConfig) -> Result<Limits, String> {
         let l = Limits {
             in_flight_per_sandbox: cfg.dns_max_in_flight_per_sandbox,
+            in_flight_per_owner: cfg.dns_max_in_flight_per_owner,
             in_flight: cfg.dns_max_in_flight,
             queries_per_second: cfg.dns_queries_per_second,
             query_burst: cfg.dns_query_burst,
             upstream_sockets: cfg.dns_upstream_sockets,
             tcp_per_sandbox: cfg.dns_tcp_connections_per_sandbox,
+            tcp_per_owner: cfg.dns_tcp_connections_per_owner,
             tcp: cfg.dns_tcp_connections,
             cache_per_sandbox: cfg.dns_cache_per_sandbox,
             cache: cfg.dns_cache_total,
         };
         for (key, v) in [
             ("dns_max_in_flight_per_sandbox", l.in_flight_per_sandbox),
+            ("dns_max_in_flight_per_owner", l.in_flight_per_owner),
             ("dns_max_in_flight", l.in_flight),
             ("dns_queries_per_second", l.queries_per_second as usize),
             ("dns_query_burst", l.query_burst as usize),
             ("dns_upstream_sockets", l.upstream_sockets),
             ("dns_tcp_connections_per_sandbox", l.tcp_per_sandbox),
+            ("dns_tcp_connections_per_owner", l.tcp_per_owner),
             ("dns_tcp_connections", l.tcp),
             ("dns_cache_per_sandbox", l.cache_per_sandbox),
             ("dns_cache_total", l.cache),
@@ -128,10 +138,14 @@ enum Refusal {
     Rate,
     /// The sandbox has as many questions in flight as it may.
     InFlight,
+    /// Its owner's sandboxes together have as many questions in flight as they may.
+    InFlightOwner,
     /// All sandboxes together have as many questions in flight as the daemon takes.
     InFlightTotal,
     /// The sandbox has as many TCP connections open as it may.
     Tcp,
+    /// Its owner's sandboxes together have as many TCP connections open as they may.
+    TcpOwner,
     /// All sandboxes together have as many TCP connections open as the daemon takes.
     TcpTotal,
 }
@@ -141,8 +155,10 @@ enum Refusal {
 struct Drops {
     rate: AtomicU64,
     in_flight: AtomicU64,
+    in_flight_owner: AtomicU64,
     in_flight_total: AtomicU64,
     tcp: AtomicU64,
+    tcp_owner: AtomicU64,
     tcp_total: AtomicU64,
 }
 
@@ -151,8 +167,10 @@ impl Drops {
         let c = match why {
             Refusal::Rate => &self.rate,
             Refusal::InFlight => &self.in_flight,
+            Refusal::InFlightOwner => &self.in_flight_owner,
             Refusal::InFlightTotal => &self.in_flight_total,
             Refusal::Tcp => &self.tcp,
+            Refusal::TcpOwner => &self.tcp_owner,
             Refusal::TcpTotal => &self.tcp_total,
         };
         c.fetch_add(1, Ordering::Relaxed);
@@ -162,14 +180,20 @@ impl Drops {
     /// start again from zero.
     fn take_summary(&self, l: &Limits) -> Option<String> {
         let take = |c: &AtomicU64| c.swap(0, Ordering::Relaxed);
-        let (rate, in_flight, total) = (
+        let (rate, in_flight, owner, total) = (
             take(&self.rate),
             take(&self.in_flight),
+            take(&self.in_flight_owner),
             take(&self.in_flight_total),
         );
-        let (tcp, tcp_total) = (take(&self.tcp), take(&self.tcp_total));
-        let queries = rate + in_flight + total;
-        if queries + tcp + tcp_total == 0 {
+        let (tcp, tcp_owner, tcp_total) = (
+            take(&self.tcp),
+            take(&self.tcp_owner),
+            take(&self.tcp_total),
+        );
+        let queries = rate + in_flight + owner + total;
+        let closed = tcp + tcp_owner + tcp_total;
+        if queries + closed == 0 {
             return None;
         }
         let mut why = Vec::new();
@@ -185,6 +209,12 @@ impl Drops {
                 l.in_flight_per_sandbox
             ));
         }
+        if owner > 0 {
+            why.push(format!(
+                "{owner} over the owner's {} in flight",
+                l.in_flight_per_owner
+            ));
+        }
         if total > 0 {
             why.push(format!(
                 "{total} over the daemon's {} in flight",
@@ -195,17 +225,22 @@ impl Drops {
         if queries > 0 {
             parts.push(format!("dropped {queries} queries ({})", why.join(", ")));
         }
-        if tcp + tcp_total > 0 {
+        if closed > 0 {
             let mut why = Vec::new();
             if tcp > 0 {
                 why.push(format!("{tcp} over {} open", l.tcp_per_sandbox));
+            }
+            if tcp_owner > 0 {
+                why.push(format!(
+                    "{tcp_owner} over the owner's {} open",
+                    l.tcp_per_owner
+                ));
             }
             if tcp_total > 0 {
                 why.push(format!("{tcp_total} over the daemon's {} open", l.tcp));
             }
             parts.push(format!(
-                "closed {} TCP connections ({})",
-                tcp + tcp_total,
+                "closed {closed} TCP connections ({})",
                 why.join(", ")
             ));
         }
@@ -229,40 +264,45 @@ pub struct Quota {
     gone: AtomicBool,
 }
 
-/// A question or connection being worked on, counted against its sandbox's limit and
-/// the daemon's until dropped.
+/// What one owner's sandboxes have in flight together.
+#[derive(Default)]
+struct OwnerQuota {
+    queries: AtomicUsize,
+    tcp: AtomicUsize,
+}
+
+/// A question or connection being worked on, counted against its sandbox's limit, its
+/// owner's and the daemon's until dropped.
 pub struct Held {
     quota: Arc<Quota>,
+    owner: Arc<OwnerQuota>,
     tcp: bool,
     total: Arc<AtomicUsize>,
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
-        let own = if self.tcp {
-            &self.quota.tcp
+        let (own, owner) = if self.tcp {
+            (&self.quota.tcp, &self.owner.tcp)
         } else {
-            &self.quota.queries
+            (&self.quota.queries, &self.owner.queries)
         };
         own.fetch_sub(1, Ordering::AcqRel);
+        owner.fetch_sub(1, Ordering::AcqRel);
         self.total.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
-/// Counts one more against `own` (at most `own_max`) and `total` (at most `total_max`);
-/// the refusal of the one that is full otherwise.
-fn hold(
-    own: (&AtomicUsize, usize, Refusal),
-    total: (&AtomicUsize, usize, Refusal),
-) -> Result<(), Refusal> {
-    if own.0.fetch_add(1, Ordering::AcqRel) >= own.1 {
-        own.0.fetch_sub(1, Ordering::AcqRel);
-        return Err(own.2);
-    }
-    if total.0.fetch_add(1, Ordering::AcqRel) >= total.1 {
-        total.0.fetch_sub(1, Ordering::AcqRel);
-        own.0.fetch_sub(1, Ordering::AcqRel);
-        return Err(total.2);
+/// Counts one more against each counter, within its maximum; the refusal of the first
+/// that is full otherwise (and nothing counted).
+fn hold(counters: &[(&AtomicUsize, usize, Refusal)]) -> Result<(), Refusal> {
+    for (i, (c, max, why)) in counters.iter().enumerate() {
+        if c.fetch_add(1, Ordering::AcqRel) >= *max {
+            for (c, _, _) in &counters[..=i] {
+                c.fetch_sub(1, Ordering::AcqRel);
+            }
+            return Err(*why);
+        }
     }
     Ok(())
 }
@@ -276,6 +316,8 @@ pub struct Resolver {
     /// questions take stay bounded.
     sockets: tokio::sync::Semaphore,
     quotas: Mutex<HashMap<String, Arc<Quota>>>,
+    /// Per owner, what their sandboxes have in flight (an entry per owner seen).
+    owners: Mutex<HashMap<String, Arc<OwnerQuota>>>,
     /// Sandboxes gone since the last report, with their last drops.
     gone: Mutex<Vec<(String, Arc<Quota>)>>,
     in_flight: Arc<AtomicUsize>,
@@ -327,6 +369,7 @@ impl Resolver {
             sockets: tokio::sync::Semaphore::new(limits.upstream_sockets),
             limits,
             quotas: Mutex::default(),
+            owners: Mutex::default(),
             gone: Mutex::default(),
             in_flight: Arc::default(),
             tcp_open: Arc::default(),
@@ -359,9 +402,17 @@ impl Resolver {
         Some(q)
     }
 
+    /// What the owner of `q`'s sandbox has in flight.
+    fn owner_of(&self, q: &Quota) -> Option<Arc<OwnerQuota>> {
+        let owner = q.owner.lock().ok()?.clone();
+        let mut m = self.owners.lock().ok()?;
+        Some(m.entry(owner).or_default().clone())
+    }
+
     /// Lets one more question of `q` in, or says why not (the refusal is counted).
     fn admit(&self, q: &Arc<Quota>) -> Option<Held> {
         let l = &self.limits;
+        let owner = self.owner_of(q)?;
         let r = (|| {
             let within_rate = q
                 .bucket
@@ -371,14 +422,20 @@ impl Resolver {
             if !within_rate {
                 return Err(Refusal::Rate);
             }
-            hold(
+            hold(&[
                 (&q.queries, l.in_flight_per_sandbox, Refusal::InFlight),
+                (
+                    &owner.queries,
+                    l.in_flight_per_owner,
+                    Refusal::InFlightOwner,
+                ),
                 (&self.in_flight, l.in_flight, Refusal::InFlightTotal),
-            )
+            ])
         })();
         match r {
             Ok(()) => Some(Held {
                 quota: q.clone(),
+                owner,
                 tcp: false,
                 total: self.in_flight.clone(),
             }),
@@ -391,12 +448,16 @@ impl Resolver {
 
     /// Lets one more TCP connection of `q` in, or says why not (the refusal is counted).
     fn admit_tcp(&self, q: &Arc<Quota>) -> Option<Held> {
-        match hold(
-            (&q.tcp, self.limits.tcp_per_sandbox, Refusal::Tcp),
-            (&self.tcp_open, self.limits.tcp, Refusal::TcpTotal),
-        ) {
+        let owner = self.owner_of(q)?;
+        let l = &self.limits;
+        match hold(&[
+            (&q.tcp, l.tcp_per_sandbox, Refusal::Tcp),
+            (&owner.tcp, l.tcp_per_owner, Refusal::TcpOwner),
+            (&self.tcp_open, l.tcp, Refusal::TcpTotal),
+        ]) {
             Ok(()) => Some(Held {
                 quota: q.clone(),
+                owner,
                 tcp: true,
                 total: self.tcp_open.clone(),
             }),
@@ -981,6 +1042,46 @@ mod tests {
         );
         // Reported once: the counts start again.
         assert!(r.take_drops().is_empty());
+    }
+
+    #[test]
+    fn an_owners_sandboxes_share_a_limit_below_the_daemons() {
+        let r = Resolver::new(
+            vec![],
+            Limits {
+                in_flight_per_sandbox: 2,
+                in_flight_per_owner: 3,
+                in_flight: 10,
+                tcp_per_sandbox: 2,
+                tcp_per_owner: 2,
+                tcp: 10,
+                ..limits()
+            },
+        );
+        let a = r.quota("a", "alice").unwrap();
+        let b = r.quota("b", "alice").unwrap();
+        let c = r.quota("c", "carol").unwrap();
+        let held: Vec<Held> = [&a, &a, &b].iter().map(|q| r.admit(q).unwrap()).collect();
+        assert!(r.admit(&b).is_none(), "a fourth in flight for alice");
+        let _c = r.admit(&c).unwrap();
+        let _t1 = r.admit_tcp(&a).unwrap();
+        let _t2 = r.admit_tcp(&b).unwrap();
+        assert!(r.admit_tcp(&b).is_none(), "a third connection for alice");
+        assert!(r.admit_tcp(&c).is_some());
+        drop(held);
+        assert!(r.admit(&b).is_some(), "alice's places were given back");
+        let mut drops = r.take_drops();
+        drops.sort();
+        assert_eq!(
+            drops,
+            vec![(
+                "b".into(),
+                "alice".into(),
+                "dns limits: dropped 1 queries (1 over the owner's 3 in flight); closed 1 \
+                 TCP connections (1 over the owner's 2 open)"
+                    .into()
+            )]
+        );
     }
 
     #[test]

@@ -52,6 +52,10 @@ pub struct NetworkConfig {
     pub dns_upstream: Vec<String>,
     /// DNS questions of one sandbox the resolver works on at once; more are dropped.
     pub dns_max_in_flight_per_sandbox: usize,
+    /// DNS questions of one owner's sandboxes together the resolver works on at once
+    /// (below the daemon's total and its upstream sockets, so that many sandboxes of one
+    /// owner leave room for the others); more are dropped.
+    pub dns_max_in_flight_per_owner: usize,
     /// DNS questions of all sandboxes the resolver works on at once; more are dropped.
     pub dns_max_in_flight: usize,
     /// DNS questions a sandbox may send per second on average (a token bucket); more
@@ -63,6 +67,8 @@ pub struct NetworkConfig {
     pub dns_upstream_sockets: usize,
     /// Open DNS-over-TCP connections per sandbox; more are closed at once.
     pub dns_tcp_connections_per_sandbox: usize,
+    /// Open DNS-over-TCP connections of one owner's sandboxes together; more are closed.
+    pub dns_tcp_connections_per_owner: usize,
     /// Open DNS-over-TCP connections of all sandboxes; more are closed at once.
     pub dns_tcp_connections: usize,
     /// Cached DNS answers per sandbox (each sandbox has a cache of its own).
@@ -79,6 +85,12 @@ pub struct NetworkConfig {
     pub connect_timeout_ms: u64,
     /// Open proxied connections per sandbox, at most.
     pub max_connections_per_sandbox: usize,
+    /// Open proxied connections of all sandboxes together, at most. Unset: 16384, or an
+    /// eighth of the daemon's descriptor limit when that is smaller (each costs two).
+    pub max_connections: Option<usize>,
+    /// Open proxied connections of one owner's sandboxes together, at most. Unset: half
+    /// of `max_connections`, so that many sandboxes of one owner leave the others room.
+    pub max_connections_per_owner: Option<usize>,
     /// Audit entries older than this are deleted; 0 keeps them.
     pub audit_retention_days: u64,
     /// New audit rows one sandbox may add per minute (DNS takes at most half); more are
@@ -97,11 +109,13 @@ impl Default for NetworkConfig {
             default_mode: NetworkMode::None,
             dns_upstream: Vec::new(),
             dns_max_in_flight_per_sandbox: 64,
+            dns_max_in_flight_per_owner: 128,
             dns_max_in_flight: 1024,
             dns_queries_per_second: 200,
             dns_query_burst: 400,
             dns_upstream_sockets: 256,
             dns_tcp_connections_per_sandbox: 16,
+            dns_tcp_connections_per_owner: 64,
             dns_tcp_connections: 256,
             dns_cache_per_sandbox: 1024,
             dns_cache_total: 16384,
@@ -109,6 +123,8 @@ impl Default for NetworkConfig {
             peek_timeout_ms: 500,
             connect_timeout_ms: 10_000,
             max_connections_per_sandbox: 512,
+            max_connections: None,
+            max_connections_per_owner: None,
             audit_retention_days: 30,
             audit_rows_per_sandbox_per_minute: 1200,
             audit_max_rows: 1_000_000,
@@ -239,7 +255,11 @@ pub struct Net {
     seen: Mutex<HashMap<String, Seen>>,
     /// The record of outbound attempts, which the API lists and streams.
     pub audit: audit::Audit,
-    conns: Mutex<HashMap<String, usize>>,
+    conns: Mutex<Conns>,
+    /// Open proxied connections of all sandboxes together, at most.
+    max_conns: usize,
+    /// Open proxied connections of one owner's sandboxes together, at most.
+    max_conns_per_owner: usize,
     interceptor: RwLock<Option<Arc<dyn intercept::Interceptor>>>,
     listeners: Mutex<Option<Listeners>>,
     pub(crate) peek_timeout: Duration,
@@ -259,18 +279,50 @@ struct Listeners {
 pub struct ConnSlot<'a> {
     net: &'a Net,
     id: String,
+    owner: String,
+}
+
+/// Open proxied connections, per sandbox, per owner and in all.
+#[derive(Default)]
+struct Conns {
+    per_sandbox: HashMap<String, usize>,
+    per_owner: HashMap<String, usize>,
+    total: usize,
+}
+
+/// Counts one less for `key`, forgetting it at zero.
+fn count_down(m: &mut HashMap<String, usize>, key: &str) {
+    if let Some(n) = m.get_mut(key) {
+        *n -= 1;
+        if *n == 0 {
+            m.remove(key);
+        }
+    }
 }
 
 impl Drop for ConnSlot<'_> {
     fn drop(&mut self) {
-        if let Ok(mut c) = self.net.conns.lock()
-            && let Some(n) = c.get_mut(&self.id)
-        {
-            *n -= 1;
-            if *n == 0 {
-                c.remove(&self.id);
-            }
+        if let Ok(mut c) = self.net.conns.lock() {
+            c.total = c.total.saturating_sub(1);
+            count_down(&mut c.per_sandbox, &self.id);
+            count_down(&mut c.per_owner, &self.owner);
         }
+    }
+}
+
+/// The default cap on proxied connections of all sandboxes.
+const MAX_CONNECTIONS: usize = 16384;
+
+/// The total cap on proxied connections: by default at most an eighth of the descriptor
+/// limit (a spliced connection holds two), so that sandboxes together cannot run the
+/// daemon out of descriptors; a configured value is kept.
+fn total_conn_cap(configured: Option<usize>, fd_limit: Option<u64>) -> usize {
+    match (configured, fd_limit) {
+        (Some(n), _) => n,
+        (None, Some(limit)) => {
+            MAX_CONNECTIONS.min(usize::try_from(limit / 8).unwrap_or(usize::MAX).max(1))
+        }
+        (None, None) => MAX_CONNECTIONS,
     }
 }
 
@@ -348,6 +400,15 @@ impl Net {
                 "the `nft` tool (nftables) is needed to enforce egress policies",
             ));
         }
+        if cfg.max_connections == Some(0)
+            || cfg.max_connections_per_owner == Some(0)
+            || cfg.max_connections_per_sandbox == 0
+        {
+            return Err(cfg_err(
+                "max_connections, max_connections_per_owner and max_connections_per_sandbox \
+                 must be at least 1",
+            ));
+        }
         if cfg.pool_size > 256 {
             return Err(cfg_err("pool_size is at most 256"));
         }
@@ -368,6 +429,12 @@ impl Net {
                 .map_err(cfg_err)?
         };
         let dns_limits = dns::Limits::from_config(cfg).map_err(cfg_err)?;
+        let max_conns = total_conn_cap(
+            cfg.max_connections,
+            nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+                .ok()
+                .map(|(soft, _)| soft),
+        );
         if upstreams.is_empty() {
             tracing::warn!(
                 "no DNS upstream (none configured, none in /etc/resolv.conf): sandboxes cannot resolve names"
@@ -472,6 +539,10 @@ impl Net {
                 },
             ),
             conns: Mutex::default(),
+            max_conns,
+            max_conns_per_owner: cfg
+                .max_connections_per_owner
+                .unwrap_or((max_conns / 2).max(1)),
             interceptor: RwLock::new(None),
             listeners: Mutex::new(Some(Listeners {
                 proxy: proxy.into(),
@@ -828,17 +899,29 @@ impl Net {
             .is_some_and(|s| s.has(name, ip, Instant::now()))
     }
 
-    /// Counts a new proxied connection of a sandbox; None past its limit.
-    pub fn connection_slot(&self, id: &str) -> Option<ConnSlot<'_>> {
-        let mut c = self.conns.lock().ok()?;
-        let n = c.entry(id.to_string()).or_default();
-        if *n >= self.cfg.max_connections_per_sandbox {
-            return None;
+    /// Counts a new proxied connection of sandbox `id` of `owner`; past its limit, its
+    /// owner's or the limit of all sandboxes together, the reason it is refused.
+    pub fn connection_slot(&self, id: &str, owner: &str) -> Result<ConnSlot<'_>, &'static str> {
+        let mut c = self
+            .conns
+            .lock()
+            .map_err(|_| "the connection count is unavailable")?;
+        if c.total >= self.max_conns {
+            return Err("too many open connections of all sandboxes");
         }
-        *n += 1;
-        Some(ConnSlot {
+        if c.per_owner.get(owner).copied().unwrap_or(0) >= self.max_conns_per_owner {
+            return Err("too many open connections of this owner's sandboxes");
+        }
+        if c.per_sandbox.get(id).copied().unwrap_or(0) >= self.cfg.max_connections_per_sandbox {
+            return Err("too many open connections for this sandbox");
+        }
+        *c.per_sandbox.entry(id.to_string()).or_default() += 1;
+        *c.per_owner.entry(owner.to_string()).or_default() += 1;
+        c.total += 1;
+        Ok(ConnSlot {
             net: self,
             id: id.to_string(),
+            owner: owner.to_string(),
         })
     }
 
@@ -1154,5 +1237,18 @@ mod tests {
         assert!(!seen.has("allowed.test", ip, at(175)));
         assert!(seen.has("n0.test", ip, at(175)));
         assert!(!seen.has("n0.test", "198.51.100.4".parse().unwrap(), at(175)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_total_connection_cap_leaves_descriptors_for_the_rest() {
+        assert_eq!(total_conn_cap(None, Some(1_048_576)), MAX_CONNECTIONS);
+        assert_eq!(total_conn_cap(None, Some(2048)), 256);
+        assert_eq!(total_conn_cap(None, None), MAX_CONNECTIONS);
+        assert_eq!(total_conn_cap(Some(5000), Some(2048)), 5000);
     }
 }

@@ -102,20 +102,22 @@ async fn handle(net: Arc<Net>, mut client: TcpStream, peer: SocketAddr) {
     let (ip, port) = (*dst.ip(), dst.port());
     // Taken before the peek: a connection the proxy waits on holds a socket and a task as
     // much as a spliced one, and a sandbox must not keep thousands of them that way.
-    let Some(_slot) = net.connection_slot(&sandbox) else {
-        let attempt = super::audit::Attempt {
-            sandbox_id: sandbox.clone(),
-            owner: entry.owner.clone(),
-            protocol: "tcp",
-            dest_name: net.resolved_name(&sandbox, ip),
-            dest_ip: Some(ip.to_string()),
-            dest_port: port,
-            sni: None,
-            http_host: None,
-        };
-        net.audit
-            .record(attempt, false, "too many open connections for this sandbox");
-        return;
+    let _slot = match net.connection_slot(&sandbox, &entry.owner) {
+        Ok(slot) => slot,
+        Err(why) => {
+            let attempt = super::audit::Attempt {
+                sandbox_id: sandbox.clone(),
+                owner: entry.owner.clone(),
+                protocol: "tcp",
+                dest_name: net.resolved_name(&sandbox, ip),
+                dest_ip: Some(ip.to_string()),
+                dest_port: port,
+                sni: None,
+                http_host: None,
+            };
+            net.audit.record(attempt, false, why);
+            return;
+        }
     };
     let mut first = Vec::with_capacity(1024);
     let sniffed = peek(&mut client, &mut first, net.peek_timeout).await;

@@ -113,6 +113,22 @@ pub const FS_CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(
 /// The authority used in requests to the agent; the socket decides where they go.
 pub const AGENT_BASE: &str = "http://sandbox-agent";
 
+/// Idle connections each client keeps to its agent. Every request in flight has a
+/// connection of its own, and a burst of them would otherwise leave them all open (for
+/// hyper's default 90 s, without bound): bursts to several sandboxes in turn would add up
+/// to the daemon's descriptor limit. A new connection to a local socket is cheap.
+const POOL_MAX_IDLE: usize = 4;
+/// How long an idle connection to an agent is kept.
+const POOL_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+fn client_builder() -> hyper_util::client::legacy::Builder {
+    let mut b = Client::builder(TokioExecutor::new());
+    b.pool_max_idle_per_host(POOL_MAX_IDLE)
+        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+        .pool_timer(hyper_util::rt::TokioTimer::new());
+    b
+}
+
 impl AgentConn {
     /// Clients that connect to the agent's unix socket on demand.
     pub fn new(socket: PathBuf) -> Self {
@@ -122,8 +138,8 @@ impl AgentConn {
     /// Clients over any transport.
     pub fn over(transport: Arc<dyn AgentTransport>) -> Self {
         let connector = Connector(transport);
-        let rpc = Client::builder(TokioExecutor::new()).build(connector.clone());
-        let http = Client::builder(TokioExecutor::new()).build(connector);
+        let rpc = client_builder().build(connector.clone());
+        let http = client_builder().build(connector);
         let base: http::Uri = http::Uri::from_static(AGENT_BASE);
         // What a compromised agent may send back in one message is bounded.
         let config = ClientConfig::new(base).with_default_max_message_size(MAX_AGENT_MESSAGE);

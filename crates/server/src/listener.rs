@@ -4,7 +4,10 @@
 //!
 //! - A cap on open connections in total and per source address (IPv4 address, IPv6 /64);
 //!   loopback clients count like any other. A connection over a cap gets a short 503 and
-//!   is closed at once, without the accept loop waiting on it.
+//!   is closed at once, without the accept loop waiting on it. On HTTP/2 every request
+//!   also takes a place of its own while it lasts (an upgraded stream until it ends): one
+//!   connection carries up to 200 requests at once, and each may hold a descriptor of the
+//!   daemon's (its connection into a sandbox or to an agent). One over a cap gets a 503.
 //! - A header-read timeout: a connection must deliver its first request's head within it
 //!   from being accepted, and a later request's head within it of that request's first
 //!   byte.
@@ -52,8 +55,9 @@ pub struct HttpConfig {
     pub header_read_timeout_secs: u64,
     /// Seconds a connection may sit with no request in flight (default 60).
     pub idle_timeout_secs: u64,
-    /// Open connections at most, all clients together. Unset: 8192, or half the daemon's
-    /// descriptor limit when that is smaller; a value set here is used as it is.
+    /// Open connections (and HTTP/2 requests) at most, all clients together. Unset: 8192,
+    /// or a quarter of the daemon's descriptor limit when that is smaller; a value set
+    /// here is used as it is.
     pub max_connections: Option<usize>,
     /// Open connections at most from one IPv4 address or IPv6 /64 (default 512).
     pub max_connections_per_ip: usize,
@@ -112,6 +116,12 @@ impl HttpConfig {
 /// The default total cap.
 const MAX_CONNECTIONS: usize = 8192;
 
+/// The most an HTTP/1 connection buffers, and so the longest request head (a longer one
+/// gets 431). hyper's default, ~400 KB, let every slow head of an unauthenticated client
+/// hold that much of the daemon's memory until the header timeout: 500 of them took
+/// 196 MiB. Real heads are a few KB; HTTP/2's header lists are capped at 16 KB.
+const MAX_HTTP1_BUFFER: usize = 64 * 1024;
+
 fn fd_limit() -> Option<u64> {
     use nix::sys::resource::{Resource, getrlimit};
     getrlimit(Resource::RLIMIT_NOFILE)
@@ -119,20 +129,21 @@ fn fd_limit() -> Option<u64> {
         .map(|(soft, _)| soft)
 }
 
-/// The total cap: by default at most half the descriptor limit, the rest being for
-/// sandboxes, agents and the store; a configured value is kept, with a warning if it
-/// leaves the daemon too few descriptors.
+/// The total cap: by default at most a quarter of the descriptor limit. A place can cost
+/// two descriptors (a proxied request holds its connection into the sandbox as well), so
+/// clients take at most half, the rest being for sandboxes, agents, the egress proxy and
+/// the store. A configured value is kept, with a warning if it leaves the daemon too few.
 fn total_cap(configured: Option<usize>, fd_limit: Option<u64>) -> usize {
-    let half = fd_limit.map(|n| usize::try_from(n / 2).unwrap_or(usize::MAX).max(1));
-    match (configured, half) {
-        (None, Some(half)) => MAX_CONNECTIONS.min(half),
+    let quarter = fd_limit.map(|n| usize::try_from(n / 4).unwrap_or(usize::MAX).max(1));
+    match (configured, quarter) {
+        (None, Some(quarter)) => MAX_CONNECTIONS.min(quarter),
         (None, None) => MAX_CONNECTIONS,
-        (Some(n), Some(half)) if n > half => {
+        (Some(n), Some(quarter)) if n > quarter => {
             tracing::warn!(
                 max_connections = n,
                 fd_limit = fd_limit.unwrap_or(0),
-                "http.max_connections is above half the open file limit: clients can run \
-                 the daemon out of descriptors"
+                "http.max_connections is above a quarter of the open file limit: clients \
+                 can run the daemon out of descriptors"
             );
             n
         }
@@ -179,6 +190,7 @@ where
     builder
         .http1()
         .timer(TokioTimer::new())
+        .max_buf_size(MAX_HTTP1_BUFFER)
         .header_read_timeout(s.timeouts.header + s.timeouts.idle);
     // WebSockets over HTTP/2 use extended CONNECT.
     builder
@@ -245,6 +257,8 @@ where
         let svc = Service {
             app: app.clone(),
             conn: conn.clone(),
+            limits: limits.clone(),
+            peer: peer.ip(),
         };
         tokio::spawn(serve_conn(shared.clone(), io, svc, conn, peer));
     }
@@ -606,6 +620,26 @@ impl AsyncWrite for Io {
 struct Service {
     app: Router,
     conn: Arc<Conn>,
+    limits: Arc<Limits>,
+    peer: IpAddr,
+}
+
+/// The place an HTTP/2 request holds under the connection caps. It is in the request's
+/// extensions, so that a handler that upgrades the stream (a WebSocket over extended
+/// CONNECT) keeps it for as long as the upgraded stream lives.
+#[derive(Clone)]
+pub struct StreamSlot {
+    _permit: Arc<Permit>,
+}
+
+/// What a request over a cap is told (the connection stays).
+fn busy() -> Response<axum::body::Body> {
+    Response::builder()
+        .status(StatusCode::SERVICE_UNAVAILABLE)
+        .header(http::header::CONTENT_TYPE, "text/plain")
+        .header(http::header::RETRY_AFTER, "1")
+        .body(axum::body::Body::from("too many connections\n"))
+        .unwrap_or_default()
 }
 
 type ServiceFuture = Pin<Box<dyn Future<Output = Result<Response<Tracked>, Infallible>> + Send>>;
@@ -615,9 +649,31 @@ impl hyper::service::Service<Request<Incoming>> for Service {
     type Error = Infallible;
     type Future = ServiceFuture;
 
-    fn call(&self, req: Request<Incoming>) -> Self::Future {
+    fn call(&self, mut req: Request<Incoming>) -> Self::Future {
         use tower::ServiceExt;
         let guard = self.conn.begin(&req);
+        let slot = if req.version() == Version::HTTP_2 {
+            match self.limits.acquire(self.peer) {
+                Ok(p) => Some(StreamSlot {
+                    _permit: Arc::new(p),
+                }),
+                Err(over) => {
+                    tracing::debug!(peer = %self.peer, ?over, "HTTP/2 request refused: over the connection limit");
+                    return Box::pin(async move {
+                        Ok(busy().map(|body| Tracked {
+                            body,
+                            _guard: guard,
+                            _slot: None,
+                        }))
+                    });
+                }
+            }
+        } else {
+            None
+        };
+        if let Some(s) = &slot {
+            req.extensions_mut().insert(s.clone());
+        }
         let connect = req.method() == Method::CONNECT;
         let app = self.app.clone();
         Box::pin(async move {
@@ -636,15 +692,18 @@ impl hyper::service::Service<Request<Incoming>> for Service {
             Ok(resp.map(|body| Tracked {
                 body,
                 _guard: guard,
+                _slot: slot,
             }))
         })
     }
 }
 
-/// A response body that ends its request's time in flight when it is finished or dropped.
+/// A response body that ends its request's time in flight (and gives back its HTTP/2
+/// place) when it is finished or dropped.
 struct Tracked {
     body: axum::body::Body,
     _guard: InFlight,
+    _slot: Option<StreamSlot>,
 }
 
 impl http_body::Body for Tracked {
@@ -898,6 +957,60 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_head_beyond_the_buffer_is_refused() {
+        let srv = server(100, 100).await;
+        let mut s = connect_from(srv.addr, Ipv4Addr::LOCALHOST).await;
+        let pad = "a".repeat(1000);
+        let mut head = String::from("GET / HTTP/1.1\r\nHost: x\r\n");
+        while head.len() <= MAX_HTTP1_BUFFER {
+            head.push_str(&format!("X-Pad: {pad}\r\n"));
+        }
+        // The daemon may stop reading (and reset) before all of it is written.
+        let _ = s.write_all(head.as_bytes()).await;
+        let text = read_response(&mut s, "\r\n").await;
+        assert!(text.starts_with("HTTP/1.1 431 "), "{text}");
+        // A head of a few KB is fine.
+        let mut s = connect_from(srv.addr, Ipv4Addr::LOCALHOST).await;
+        s.write_all(format!("GET / HTTP/1.1\r\nHost: x\r\nX-Pad: {pad}\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        assert!(
+            read_response(&mut s, "ok")
+                .await
+                .starts_with("HTTP/1.1 200")
+        );
+    }
+
+    #[tokio::test]
+    async fn http2_requests_take_places_of_their_own() {
+        let srv = server(3, 100).await;
+        let tcp = connect_from(srv.addr, Ipv4Addr::LOCALHOST).await;
+        let (send, conn) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
+                .await
+                .unwrap();
+        tokio::spawn(conn);
+        // The connection holds one place, two slow requests the others: a third at once
+        // is over the per-address cap.
+        let slow = |send: &hyper::client::conn::http2::SendRequest<_>| {
+            let mut send = send.clone();
+            tokio::spawn(async move {
+                let req = Request::get("http://x/slow")
+                    .body(http_body_util::Empty::<Bytes>::new())
+                    .unwrap();
+                send.send_request(req).await.unwrap().status()
+            })
+        };
+        let (a, b) = (slow(&send), slow(&send));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(slow(&send).await.unwrap(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(a.await.unwrap(), StatusCode::OK);
+        assert_eq!(b.await.unwrap(), StatusCode::OK);
+        // Their places are given back when they end.
+        assert_eq!(slow(&send).await.unwrap(), StatusCode::OK);
+    }
+
+    #[tokio::test]
     async fn connections_over_a_cap_get_503_and_are_closed() {
         // Timeouts long enough that only the caps close anything here.
         let long = Timeouts {
@@ -1044,7 +1157,7 @@ mod tests {
     #[test]
     fn the_default_total_cap_leaves_descriptors_for_the_rest() {
         assert_eq!(total_cap(None, Some(1_048_576)), MAX_CONNECTIONS);
-        assert_eq!(total_cap(None, Some(1024)), 512);
+        assert_eq!(total_cap(None, Some(1024)), 256);
         assert_eq!(total_cap(None, None), MAX_CONNECTIONS);
         // What the operator set stays.
         assert_eq!(total_cap(Some(4000), Some(256)), 4000);

@@ -354,41 +354,72 @@ impl Store {
         Ok(u64::try_from(n).unwrap_or(0))
     }
 
-    /// Deletes the oldest audit rows beyond the newest `keep`; returns how many went.
+    /// Deletes audit rows until `keep` are left; returns how many went. The owners with
+    /// the most rows lose their oldest first: every owner keeps as many rows as an even
+    /// share of `keep` allows (an owner with fewer keeps all of theirs), so that one
+    /// owner's flood of entries cannot push another owner's out of the audit.
     pub async fn prune_audit_rows(&self, keep: u64) -> Result<u64, StoreError> {
-        let offset = i64::try_from(keep.saturating_sub(1)).unwrap_or(i64::MAX);
-        let first_kept: Option<i64> = if keep == 0 {
-            Some(i64::MAX)
-        } else {
-            sqlx::query_as::<_, (i64,)>(
-                "SELECT id FROM network_audit ORDER BY id DESC LIMIT 1 OFFSET $1",
-            )
-            .bind(offset)
-            .fetch_optional(&self.pool)
-            .await?
-            .map(|(id,)| id)
-        };
-        let Some(first_kept) = first_kept else {
+        let counts: Vec<(String, i64)> =
+            sqlx::query_as("SELECT owner, COUNT(*) FROM network_audit GROUP BY owner")
+                .fetch_all(&self.pool)
+                .await?;
+        let counts: Vec<(String, u64)> = counts
+            .into_iter()
+            .map(|(o, n)| (o, u64::try_from(n).unwrap_or(0)))
+            .collect();
+        let Some(share) = fair_share(counts.iter().map(|(_, n)| *n).collect(), keep) else {
             return Ok(0);
         };
-        // Ids grow with time, so the rows below are the oldest. In chunks, each its own
+        let mut total = 0;
+        for (owner, n) in counts {
+            if n > share {
+                total += self.delete_oldest_audit_of(&owner, n - share).await?;
+            }
+        }
+        Ok(total)
+    }
+
+    /// Deletes the oldest `n` audit rows of `owner`; returns how many went.
+    async fn delete_oldest_audit_of(&self, owner: &str, n: u64) -> Result<u64, StoreError> {
+        // Ids grow with time, so the lowest are the oldest. In chunks, each its own
         // statement, so that other writes get the writer in between.
         let mut total = 0;
-        loop {
+        while total < n {
+            let chunk = i64::try_from(n - total)
+                .unwrap_or(i64::MAX)
+                .min(PRUNE_CHUNK);
             let r = sqlx::query(
                 "DELETE FROM network_audit WHERE id IN \
-                 (SELECT id FROM network_audit WHERE id < $1 ORDER BY id LIMIT $2)",
+                 (SELECT id FROM network_audit WHERE owner = $1 ORDER BY id LIMIT $2)",
             )
-            .bind(first_kept)
-            .bind(PRUNE_CHUNK)
+            .bind(owner)
+            .bind(chunk)
             .execute(&self.writer)
             .await?;
             total += r.rows_affected();
-            if r.rows_affected() < PRUNE_CHUNK as u64 {
-                return Ok(total);
+            if r.rows_affected() < chunk as u64 {
+                break;
             }
         }
+        Ok(total)
     }
+}
+
+/// The most rows each owner may keep so that no more than `keep` are kept in all, when
+/// every owner below that share keeps all of theirs; None when all rows fit.
+fn fair_share(mut counts: Vec<u64>, keep: u64) -> Option<u64> {
+    counts.sort_unstable();
+    let mut budget = keep;
+    let owners = counts.len() as u64;
+    for (i, n) in counts.into_iter().enumerate() {
+        let rest = owners - i as u64;
+        if n.saturating_mul(rest) <= budget {
+            budget -= n;
+        } else {
+            return Some(budget / rest);
+        }
+    }
+    None
 }
 
 /// Rows one statement of [`Store::prune_audit_rows`] deletes at most.
@@ -531,6 +562,36 @@ mod tests {
         );
         assert_eq!(s.prune_audit_rows(0).await.unwrap(), 4);
         assert_eq!(s.count_audit().await.unwrap(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_row_cap_prunes_the_owners_with_the_most_rows_first() {
+        let s = Store::open_in_memory().await.unwrap();
+        // o1 made two rows first, then o2 a flood, then o3 a few.
+        let mut batch = vec![
+            AuditWrite::Insert(rec(1, "a", "o1", "deny")),
+            AuditWrite::Insert(rec(2, "a", "o1", "deny")),
+        ];
+        batch.extend((3..=20).map(|i| AuditWrite::Insert(rec(i, "b", "o2", "deny"))));
+        batch.extend((21..=24).map(|i| AuditWrite::Insert(rec(i, "c", "o3", "deny"))));
+        s.write_audit(&batch).await.unwrap();
+        // Ten kept: o1 and o3 keep all theirs (below an even share), o2 the four left.
+        assert_eq!(s.prune_audit_rows(10).await.unwrap(), 14);
+        let (all, _) = s.list_audit(&AuditFilter::default()).await.unwrap();
+        assert_eq!(
+            all.iter().map(|a| a.id).collect::<Vec<_>>(),
+            vec![24, 23, 22, 21, 20, 19, 18, 17, 2, 1]
+        );
+    }
+
+    #[test]
+    fn fair_shares() {
+        assert_eq!(fair_share(vec![2, 18, 4], 24), None);
+        assert_eq!(fair_share(vec![2, 18, 4], 10), Some(4));
+        assert_eq!(fair_share(vec![10], 4), Some(4));
+        assert_eq!(fair_share(vec![5, 5, 5], 10), Some(3));
+        assert_eq!(fair_share(vec![], 0), None);
+        assert_eq!(fair_share(vec![3], 0), Some(0));
     }
 
     #[tokio::test]

@@ -4,11 +4,12 @@
 use super::{ApiJson, AppState, Owner};
 use crate::agent_client::AgentConn;
 use crate::error::ApiError;
+use crate::listener::StreamSlot;
 use crate::usage::ExecMeter;
-use axum::Json;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, State};
 use axum::response::Response;
+use axum::{Extension, Json};
 use base64::Engine;
 use connectrpc::client::CallOptions;
 use http::StatusCode;
@@ -349,12 +350,15 @@ pub async fn stream(
     owner: Owner,
     caller: crate::usage::Caller,
     Path(id): Path<String>,
+    slot: Option<Extension<StreamSlot>>,
     ws: WebSocketUpgrade,
 ) -> Result<Response, ApiError> {
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
     let (manager, c) = (state.manager.clone(), conn.clone());
     let meter = move |req: &RunCommandRequest| ExecMeter::begin(&manager, &caller, &id, &c, req);
     Ok(ws.on_upgrade(move |socket| async move {
+        // An HTTP/2 stream's place under the listener's caps lasts as long as the socket.
+        let _slot = slot;
         if let Err(e) = stream_new(socket, conn, meter).await {
             tracing::debug!(error = %e.message, "command stream ended with an error");
         }
@@ -367,6 +371,7 @@ pub async fn attach(
     State(state): State<AppState>,
     owner: Owner,
     Path((id, pid)): Path<(String, u32)>,
+    slot: Option<Extension<StreamSlot>>,
     ws: WebSocketUpgrade,
 ) -> Result<Response, ApiError> {
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
@@ -378,6 +383,7 @@ pub async fn attach(
         })
         .await?;
     Ok(ws.on_upgrade(move |socket| async move {
+        let _slot = slot;
         let (tx, rx) = split(socket);
         let off = ExecMeter::off();
         let _ = pump(connect_events(stream), tx, rx, conn, None, None, off).await;
