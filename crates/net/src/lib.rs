@@ -1238,11 +1238,6 @@ mod tests {
         assert!(seen.has("n0.test", ip, at(175)));
         assert!(!seen.has("n0.test", "198.51.100.4".parse().unwrap(), at(175)));
     }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
 
     #[test]
     fn the_default_total_connection_cap_leaves_descriptors_for_the_rest() {
