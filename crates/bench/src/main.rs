@@ -194,17 +194,6 @@ impl Target {
     }
 }
 
-/// The same default as the `sandpit` command's.
-fn default_data_dir() -> PathBuf {
-    if nix::unistd::geteuid().is_root() {
-        return PathBuf::from("/var/lib/sandpit");
-    }
-    match std::env::var_os("HOME").filter(|h| !h.is_empty()) {
-        Some(home) => PathBuf::from(home).join(".local/share/sandpit"),
-        None => PathBuf::from(".sandpit"),
-    }
-}
-
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     use clap::Parser;
@@ -212,11 +201,11 @@ async fn main() -> std::process::ExitCode {
     let key = match cli.api_key.as_deref().map(str::trim) {
         Some(k) if !k.is_empty() => Some(k.to_string()),
         _ => {
-            let dir = cli.data_dir.clone().unwrap_or_else(default_data_dir);
-            std::fs::read_to_string(dir.join("admin.key"))
-                .ok()
-                .map(|k| k.trim().to_string())
-                .filter(|k| !k.is_empty())
+            let dir = cli
+                .data_dir
+                .clone()
+                .unwrap_or_else(sandpit_client::default_data_dir);
+            sandpit_client::local_admin_key(&dir)
         }
     };
     let target = Target { url: cli.url, key };

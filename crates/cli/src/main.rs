@@ -542,9 +542,7 @@ impl Ctx {
 
     /// The first admin key the local daemon left in its data dir, if this user can read it.
     fn local_admin_key(&self) -> Option<String> {
-        let raw = std::fs::read_to_string(self.data_dir.join("admin.key")).ok()?;
-        let key = raw.trim();
-        (!key.is_empty()).then(|| key.to_string())
+        sandpit_client::local_admin_key(&self.data_dir)
     }
 }
 
@@ -580,15 +578,9 @@ fn run_bench(ctx: &Ctx, args: Vec<std::ffi::OsString>) -> anyhow::Result<u8> {
         .unwrap_or(1))
 }
 
-/// `/var/lib/sandpit` for root, else `$HOME/.local/share/sandpit` (or `./.sandpit` without a home).
+/// The daemon's default data directory (see [`sandpit_client::default_data_dir`]).
 fn default_data_dir() -> PathBuf {
-    if nix::unistd::geteuid().is_root() {
-        return PathBuf::from("/var/lib/sandpit");
-    }
-    match std::env::var_os("HOME").filter(|h| !h.is_empty()) {
-        Some(home) => PathBuf::from(home).join(".local/share/sandpit"),
-        None => PathBuf::from(".sandpit"),
-    }
+    sandpit_client::default_data_dir()
 }
 
 /// Runs one subcommand; the result is the process's exit code.

@@ -18,6 +18,7 @@
 
 mod error;
 mod leases;
+mod local;
 mod secrets;
 mod stream;
 mod templates;
@@ -46,6 +47,7 @@ use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
 pub use error::ClientError;
 pub use leases::{SANDBOX_NOT_FOUND, SANDBOX_STOPPED, SandboxLease};
+pub use local::{default_data_dir, local_admin_key};
 /// Request bodies for [`Client::write_file`] (e.g. `Body::wrap_stream` of any byte stream).
 pub use reqwest::Body;
 pub use stream::{CommandStream, decode_data};
