@@ -1,5 +1,6 @@
-//! The daemon's config file (TOML). Today it declares warm pools; flags still carry the
-//! rest of the daemon's settings.
+//! The daemon's config file (TOML): warm pools and the `[lifecycle]`, `[snapshots]`,
+//! `[e2b]`, `[proxy]`, `[broker]`, `[network]` and `[http]` sections; flags carry the
+//! settings a daemon needs before it can read a file (listen address, data directory).
 
 use crate::ServerError;
 use sandpit_api::PoolSpec;

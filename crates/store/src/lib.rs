@@ -1,5 +1,7 @@
-//! Persistent state of the sandpit daemon (API keys, sandboxes, templates) behind a small
-//! repository API. SQLite is the embedded backend; SQL is kept portable for a later PostgreSQL one.
+//! Persistent state of the sandpit daemon (API keys, sandboxes, pools, templates,
+//! snapshots, volumes, leases, usage, secrets, network policies and the audit) behind a
+//! small repository API. SQLite is the embedded backend; SQL is kept portable for a later
+//! PostgreSQL one.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
