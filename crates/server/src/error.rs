@@ -91,6 +91,24 @@ impl From<sandpit_store::StoreError> for ApiError {
     }
 }
 
+impl From<sandpit_broker::BrokerError> for ApiError {
+    fn from(e: sandpit_broker::BrokerError) -> Self {
+        use sandpit_broker::BrokerError as E;
+        let message = e.to_string();
+        match e {
+            E::Disabled => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "broker_disabled", message)
+            }
+            E::Invalid(m) => ApiError::bad_request(m),
+            E::NotFound(m) => ApiError::not_found(m),
+            E::AlreadyExists(m) => ApiError::new(StatusCode::CONFLICT, "already_exists", m),
+            E::TooMany(m) => ApiError::new(StatusCode::CONFLICT, "resource_exhausted", m),
+            E::Store(e) => e.into(),
+            other => ApiError::internal(other.to_string()),
+        }
+    }
+}
+
 impl From<sandpit_net::NetError> for ApiError {
     fn from(e: sandpit_net::NetError) -> Self {
         use sandpit_net::NetError as E;

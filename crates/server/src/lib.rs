@@ -2,7 +2,8 @@
 
 pub mod agent_client;
 pub mod api;
-pub mod broker;
+/// The credential broker lives in its own crate; the daemon composes it.
+pub use sandpit_broker as broker;
 pub mod config;
 pub mod error;
 pub mod leases;

@@ -1503,3 +1503,24 @@ impl Manager {
         }
     }
 }
+
+impl Manager {
+    /// Gives a sandbox just made the secrets its create named; if that fails, the sandbox
+    /// goes again, so that a create either has its secrets or leaves nothing.
+    pub(crate) async fn with_secrets(
+        &self,
+        rec: sandpit_store::SandboxRecord,
+        names: &[String],
+    ) -> Result<sandpit_store::SandboxRecord, ApiError> {
+        if names.is_empty() {
+            return Ok(rec);
+        }
+        if let Err(e) = self.broker.attach(&rec.id, &rec.owner, names).await {
+            if let Err(d) = self.destroy(&rec).await {
+                tracing::warn!(id = %rec.id, error = %d.message, "removing a sandbox whose secrets failed");
+            }
+            return Err(e.into());
+        }
+        Ok(rec)
+    }
+}

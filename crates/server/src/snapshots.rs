@@ -803,7 +803,7 @@ impl Manager {
         if failure.is_none()
             && let Err(e) = self.broker.copy_attachments(&rec.id, &ids).await
         {
-            failure = Some(e);
+            failure = Some(e.into());
         }
         if let Some(e) = failure {
             for r in &made {

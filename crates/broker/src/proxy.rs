@@ -7,7 +7,6 @@
 
 use super::Inner;
 use super::rules::{self, Action, Reason, Refusal, RequestView, Secret};
-use crate::net::intercept::{BoxedIo, Carried, Destination, Outbound};
 use bytes::{Bytes, BytesMut};
 use http::header::{CONTENT_ENCODING, HOST, UPGRADE};
 use http::{HeaderValue, Request, Response, StatusCode};
@@ -17,6 +16,7 @@ use http_body_util::combinators::BoxBody;
 use hyper::body::Incoming;
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use sandpit_net::intercept::{BoxedIo, Carried, Destination, Outbound};
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -65,7 +65,7 @@ fn io_other(e: impl std::fmt::Display) -> io::Error {
     io::Error::other(e.to_string())
 }
 
-/// Serves one connection the broker wanted; see [`crate::net::intercept::Interceptor::serve`].
+/// Serves one connection the broker wanted; see [`sandpit_net::intercept::Interceptor::serve`].
 pub(super) async fn serve(
     inner: Arc<Inner>,
     conn: Outbound,
@@ -230,7 +230,7 @@ impl ConnCtx {
             resolved: self.resolved,
             method: req.method().as_str(),
             path: path.starts_with('/').then_some(path),
-            now_ms: crate::manager::now_ms(),
+            now_ms: sandpit_store::now_ms(),
         };
         let values: Vec<&[u8]> = req.headers().values().map(|v| v.as_bytes()).collect();
         let decision = rules::decide(&secrets, &view, &values);

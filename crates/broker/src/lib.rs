@@ -11,12 +11,11 @@ pub mod crypto;
 mod proxy;
 pub mod rules;
 
-use crate::error::ApiError;
-use crate::net::intercept::{BoxedIo, Carried, Destination, Interceptor, Outbound};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use rules::Secret;
 use sandpit_api::secrets::CreateSecretRequest;
+use sandpit_net::intercept::{BoxedIo, Carried, Destination, Interceptor, Outbound};
 use sandpit_store::{SecretRecord, Store};
 use serde::Deserialize;
 use std::collections::HashMap;
@@ -57,6 +56,25 @@ pub enum BrokerError {
     Config(String),
     #[error("store: {0}")]
     Store(#[from] sandpit_store::StoreError),
+    /// The broker has no key, so it can hold no secret.
+    #[error(
+        "the credential broker has no key: set `[broker] key_file` in the daemon's config or \
+         SANDPIT_BROKER_KEY in its environment (secrets are never stored unencrypted)"
+    )]
+    Disabled,
+    /// The request is not valid (a name, a rule, an unknown secret).
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    AlreadyExists(String),
+    /// An owner's limit on secrets is reached.
+    #[error("{0}")]
+    TooMany(String),
+    /// Sealing or decoding failed: a fault of the daemon, not of the request.
+    #[error("{0}")]
+    Internal(String),
 }
 
 /// What wants() and serve() read on every connection: secrets (values sealed) and which
@@ -85,13 +103,8 @@ pub struct Broker {
     inner: Arc<Inner>,
 }
 
-fn disabled() -> ApiError {
-    ApiError::new(
-        http::StatusCode::SERVICE_UNAVAILABLE,
-        "broker_disabled",
-        "the credential broker has no key: set `[broker] key_file` in the daemon's config or \
-         SANDPIT_BROKER_KEY in its environment (secrets are never stored unencrypted)",
-    )
+fn disabled() -> BrokerError {
+    BrokerError::Disabled
 }
 
 fn secret_from_record(r: SecretRecord) -> Result<Secret, BrokerError> {
@@ -314,18 +327,18 @@ impl Broker {
         &self,
         owner: &str,
         req: &CreateSecretRequest,
-    ) -> Result<sandpit_api::secrets::Secret, ApiError> {
+    ) -> Result<sandpit_api::secrets::Secret, BrokerError> {
         let keys = self.inner.keys.as_ref().ok_or_else(disabled)?;
-        let now = crate::manager::now_ms();
-        let (spec, expires_at_ms) = rules::validate(req, now).map_err(ApiError::bad_request)?;
+        let now = sandpit_store::now_ms();
+        let (spec, expires_at_ms) = rules::validate(req, now).map_err(BrokerError::Invalid)?;
         let sealed = keys
             .seal(&rules::seal_label(owner, &req.name), req.value.as_bytes())
-            .map_err(|e| ApiError::internal(e.to_string()))?;
+            .map_err(|e| BrokerError::Internal(e.to_string()))?;
         let rec = SecretRecord {
             owner: owner.to_string(),
             name: req.name.clone(),
             sealed,
-            spec: serde_json::to_value(&spec).map_err(|e| ApiError::internal(e.to_string()))?,
+            spec: serde_json::to_value(&spec).map_err(|e| BrokerError::Internal(e.to_string()))?,
             expires_at_ms: Some(expires_at_ms),
             created_at_ms: now,
         };
@@ -338,22 +351,19 @@ impl Broker {
         {
             Ok(i) => i,
             Err(sandpit_store::StoreError::Conflict(_)) => {
-                return Err(ApiError::new(
-                    http::StatusCode::CONFLICT,
-                    "already_exists",
-                    format!("secret {} already exists", req.name),
-                ));
+                return Err(BrokerError::AlreadyExists(format!(
+                    "secret {} already exists",
+                    req.name
+                )));
             }
             Err(e) => return Err(e.into()),
         };
         if !inserted {
-            return Err(ApiError::new(
-                http::StatusCode::CONFLICT,
-                "resource_exhausted",
-                format!("at most {MAX_SECRETS_PER_OWNER} secrets per owner"),
-            ));
+            return Err(BrokerError::TooMany(format!(
+                "at most {MAX_SECRETS_PER_OWNER} secrets per owner"
+            )));
         }
-        let secret = secret_from_record(rec).map_err(|e| ApiError::internal(e.to_string()))?;
+        let secret = secret_from_record(rec).map_err(|e| BrokerError::Internal(e.to_string()))?;
         let view = to_api(&secret);
         if let Ok(mut cache) = self.inner.cache.write() {
             cache.secrets.insert(
@@ -369,13 +379,13 @@ impl Broker {
     pub async fn list_secrets(
         &self,
         owner: &str,
-    ) -> Result<Vec<sandpit_api::secrets::Secret>, ApiError> {
+    ) -> Result<Vec<sandpit_api::secrets::Secret>, BrokerError> {
         let recs = self.inner.store.list_secrets(Some(owner)).await?;
         recs.into_iter()
             .map(|r| {
                 secret_from_record(r)
                     .map(|s| to_api(&s))
-                    .map_err(|e| ApiError::internal(e.to_string()))
+                    .map_err(|e| BrokerError::Internal(e.to_string()))
             })
             .collect()
     }
@@ -385,24 +395,24 @@ impl Broker {
         &self,
         owner: &str,
         name: &str,
-    ) -> Result<sandpit_api::secrets::Secret, ApiError> {
-        rules::check_name(name).map_err(ApiError::bad_request)?;
+    ) -> Result<sandpit_api::secrets::Secret, BrokerError> {
+        rules::check_name(name).map_err(BrokerError::Invalid)?;
         let rec = self
             .inner
             .store
             .get_secret(owner, name)
             .await?
-            .ok_or_else(|| ApiError::not_found(format!("secret {name} not found")))?;
-        let s = secret_from_record(rec).map_err(|e| ApiError::internal(e.to_string()))?;
+            .ok_or_else(|| BrokerError::NotFound(format!("secret {name} not found")))?;
+        let s = secret_from_record(rec).map_err(|e| BrokerError::Internal(e.to_string()))?;
         Ok(to_api(&s))
     }
 
     /// Deletes a secret of `owner`; its sandboxes stop getting it at once.
-    pub async fn delete_secret(&self, owner: &str, name: &str) -> Result<(), ApiError> {
-        rules::check_name(name).map_err(ApiError::bad_request)?;
+    pub async fn delete_secret(&self, owner: &str, name: &str) -> Result<(), BrokerError> {
+        rules::check_name(name).map_err(BrokerError::Invalid)?;
         let _w = self.inner.writes.lock().await;
         if !self.inner.store.delete_secret(owner, name).await? {
-            return Err(ApiError::not_found(format!("secret {name} not found")));
+            return Err(BrokerError::NotFound(format!("secret {name} not found")));
         }
         if let Ok(mut cache) = self.inner.cache.write() {
             cache.secrets.remove(&(owner.to_string(), name.to_string()));
@@ -417,7 +427,7 @@ impl Broker {
     }
 
     /// Checks names a sandbox of `owner` is to be given, before the sandbox is made.
-    pub async fn check_names(&self, owner: &str, names: &[String]) -> Result<(), ApiError> {
+    pub async fn check_names(&self, owner: &str, names: &[String]) -> Result<(), BrokerError> {
         if names.is_empty() {
             return Ok(());
         }
@@ -425,27 +435,27 @@ impl Broker {
             return Err(disabled());
         }
         if names.len() > MAX_ATTACHED {
-            return Err(ApiError::bad_request(format!(
+            return Err(BrokerError::Invalid(format!(
                 "at most {MAX_ATTACHED} secrets per sandbox"
             )));
         }
         for n in names {
-            rules::check_name(n).map_err(ApiError::bad_request)?;
+            rules::check_name(n).map_err(BrokerError::Invalid)?;
             if self.inner.store.get_secret(owner, n).await?.is_none() {
-                return Err(ApiError::bad_request(format!("unknown secret {n}")));
+                return Err(BrokerError::Invalid(format!("unknown secret {n}")));
             }
         }
         Ok(())
     }
 
     /// Replaces the secrets sandbox `id` (of `owner`) may use.
-    pub async fn attach(&self, id: &str, owner: &str, names: &[String]) -> Result<(), ApiError> {
+    pub async fn attach(&self, id: &str, owner: &str, names: &[String]) -> Result<(), BrokerError> {
         self.check_names(owner, names).await?;
         let _w = self.inner.writes.lock().await;
         match self.inner.store.set_sandbox_secrets(id, names).await {
             Ok(()) => {}
             Err(sandpit_store::StoreError::NotFound(what)) if what.starts_with("secret ") => {
-                return Err(ApiError::bad_request(format!("unknown {what}")));
+                return Err(BrokerError::Invalid(format!("unknown {what}")));
             }
             Err(e) => return Err(e.into()),
         }
@@ -468,12 +478,12 @@ impl Broker {
     }
 
     /// Names of the secrets sandbox `id` may use.
-    pub async fn attached(&self, id: &str) -> Result<Vec<String>, ApiError> {
+    pub async fn attached(&self, id: &str) -> Result<Vec<String>, BrokerError> {
         Ok(self.inner.store.sandbox_secrets(id).await?)
     }
 
     /// Gives a fork's copies the secrets their source may use.
-    pub async fn copy_attachments(&self, from: &str, to: &[String]) -> Result<(), ApiError> {
+    pub async fn copy_attachments(&self, from: &str, to: &[String]) -> Result<(), BrokerError> {
         let _w = self.inner.writes.lock().await;
         self.inner.store.copy_sandbox_secrets(from, to).await?;
         if let Ok(mut cache) = self.inner.cache.write()
@@ -533,27 +543,6 @@ impl Interceptor for Broker {
         upstream: Destination,
     ) -> BoxFuture<'static, std::io::Result<Carried>> {
         proxy::serve(self.inner.clone(), conn, client, upstream).boxed()
-    }
-}
-
-impl crate::manager::Manager {
-    /// Gives a sandbox just made the secrets its create named; if that fails, the sandbox
-    /// goes again, so that a create either has its secrets or leaves nothing.
-    pub(crate) async fn with_secrets(
-        &self,
-        rec: sandpit_store::SandboxRecord,
-        names: &[String],
-    ) -> Result<sandpit_store::SandboxRecord, ApiError> {
-        if names.is_empty() {
-            return Ok(rec);
-        }
-        if let Err(e) = self.broker.attach(&rec.id, &rec.owner, names).await {
-            if let Err(d) = self.destroy(&rec).await {
-                tracing::warn!(id = %rec.id, error = %d.message, "removing a sandbox whose secrets failed");
-            }
-            return Err(e);
-        }
-        Ok(rec)
     }
 }
 

@@ -156,7 +156,7 @@ pub struct RequestView<'a> {
     /// Whether the connection is TLS.
     pub tls: bool,
     /// Whether the connection goes to an address `host` resolves to (see
-    /// [`crate::net::intercept::Destination`]).
+    /// [`sandpit_net::intercept::Destination`]).
     pub resolved: bool,
     pub method: &'a str,
     /// The path of the request target; `None` when it has none (`*`, authority form).
