@@ -578,18 +578,15 @@ fn run_bench(ctx: &Ctx, args: Vec<std::ffi::OsString>) -> anyhow::Result<u8> {
         .unwrap_or(1))
 }
 
-/// The daemon's default data directory (see [`sandpit_client::default_data_dir`]).
-fn default_data_dir() -> PathBuf {
-    sandpit_client::default_data_dir()
-}
-
 /// Runs one subcommand; the result is the process's exit code.
 async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
     let ctx = Ctx {
         url: cli.url,
         api_key: cli.api_key,
         json: cli.json,
-        data_dir: cli.data_dir.unwrap_or_else(default_data_dir),
+        data_dir: cli
+            .data_dir
+            .unwrap_or_else(sandpit_client::default_data_dir),
     };
     match cli.command {
         Command::Serve(args) => serve(&ctx, args).await.map(|()| 0),

@@ -307,9 +307,15 @@ pub fn pass_fd(fd: i32, target: i32) -> std::io::Result<()> {
 /// Start time of a process in clock ticks since boot, from /proc/PID/stat.
 pub fn pid_start_time(pid: i32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = stat.rsplit_once(')')?.1;
-    // Field 22 overall; after the command name the fields restart at 3.
-    rest.split_whitespace().nth(19)?.parse().ok()
+    stat_state_and_start(&stat).map(|(_, start)| start)
+}
+
+/// The state letter (field 3) and start time (field 22) of a `/proc/PID/stat` line.
+fn stat_state_and_start(stat: &str) -> Option<(&str, u64)> {
+    // The command name may hold anything, ")" included: the fields restart after the last.
+    let mut fields = stat.rsplit_once(')')?.1.split_whitespace();
+    let state = fields.next()?;
+    Some((state, fields.nth(18)?.parse().ok()?))
 }
 
 /// What is known of a sandbox's process. Only [`Liveness::Dead`] is evidence: a failed
@@ -352,21 +358,12 @@ pub fn process_liveness(pid: i32, start: u64) -> Liveness {
 
 /// Reads a `/proc/PID/stat` line: dead when a zombie or started at another time.
 fn liveness_of_stat(stat: &str, start: u64) -> Liveness {
-    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
-        return Liveness::Unknown("unreadable /proc stat line".into());
-    };
-    let mut fields = rest.split_whitespace();
-    match fields.next() {
-        Some("Z") | Some("X") | Some("x") => return Liveness::Dead,
-        Some(_) => {}
-        None => return Liveness::Unknown("unreadable /proc stat line".into()),
-    }
-    // Field 22 overall; after the state the fields restart at 4.
-    match fields.nth(18).map(str::parse::<u64>) {
-        Some(Ok(s)) if s == start => Liveness::Alive,
+    match stat_state_and_start(stat) {
+        Some(("Z" | "X" | "x", _)) => Liveness::Dead,
+        Some((_, s)) if s == start => Liveness::Alive,
         // The pid was reused by another process.
-        Some(Ok(_)) => Liveness::Dead,
-        _ => Liveness::Unknown("unreadable /proc stat line".into()),
+        Some(_) => Liveness::Dead,
+        None => Liveness::Unknown("unreadable /proc stat line".into()),
     }
 }
 
