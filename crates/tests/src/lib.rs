@@ -215,24 +215,49 @@ impl Daemon {
     }
 }
 
+/// Runs `work` to its end on a thread with a runtime of its own: Drop cannot await, and a
+/// failed test never reaches its own cleanup.
+fn block_on_own_thread<F>(work: F)
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    let cleanup = std::thread::spawn(move || {
+        if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            rt.block_on(work);
+        }
+    });
+    let _ = cleanup.join();
+}
+
 impl Drop for Daemon {
     fn drop(&mut self) {
-        // A failed test never reaches `shutdown`: delete its sandboxes from a thread with a
-        // runtime of its own (Drop cannot await), so no test leaves sandboxes running.
+        // Delete the test's sandboxes, so that no test leaves sandboxes running.
         if self.child.is_some() {
             let c = self.client();
-            let cleanup = std::thread::spawn(move || {
-                let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                else {
-                    return;
-                };
-                rt.block_on(remove_everything(&c));
-            });
-            let _ = cleanup.join();
+            block_on_own_thread(async move { remove_everything(&c).await });
         }
         self.stop();
+    }
+}
+
+/// Deletes another owner's sandbox when dropped (the harness deletes only the admin's).
+pub struct DeleteOnDrop(pub Client, pub String);
+
+impl Drop for DeleteOnDrop {
+    fn drop(&mut self) {
+        let (c, id) = (self.0.clone(), self.1.clone());
+        block_on_own_thread(async move {
+            // Right after a flood the daemon may still be short of descriptors.
+            for _ in 0..20 {
+                if c.delete_sandbox(&id).await.is_ok() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        });
     }
 }
 

@@ -11,7 +11,7 @@ use sandpit_api::network::{NetworkMode, NetworkPolicy};
 use sandpit_api::{CreateSandboxRequest, LimitsSpec};
 use sandpit_client::Client;
 use sandpit_tests::netfix::Upstream;
-use sandpit_tests::{Daemon, sh};
+use sandpit_tests::{Daemon, DeleteOnDrop, sh};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -117,32 +117,6 @@ async fn create(c: &Client, public: bool, network: Option<NetworkPolicy>) -> Str
     .await
     .expect("create sandbox")
     .id
-}
-
-/// Deletes another owner's sandbox when dropped (the harness deletes only the admin's).
-struct DeleteOnDrop(Client, String);
-
-impl Drop for DeleteOnDrop {
-    fn drop(&mut self) {
-        let (c, id) = (self.0.clone(), self.1.clone());
-        let _ = std::thread::spawn(move || {
-            if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            {
-                rt.block_on(async {
-                    // Right after a flood the daemon may still be short of descriptors.
-                    for _ in 0..20 {
-                        if c.delete_sandbox(&id).await.is_ok() {
-                            return;
-                        }
-                        tokio::time::sleep(Duration::from_millis(500)).await;
-                    }
-                });
-            }
-        })
-        .join();
-    }
 }
 
 /// Starts [`HOLD`] in the background in sandbox `id` and waits until it listens.

@@ -9,7 +9,7 @@ use sandpit_api::network::{NetworkMode, NetworkPolicy, Verdict};
 use sandpit_api::{CreateSandboxRequest, LimitsSpec, NetworkAuditEntry};
 use sandpit_client::Client;
 use sandpit_tests::netfix::Upstream;
-use sandpit_tests::{Daemon, sh};
+use sandpit_tests::{Daemon, DeleteOnDrop, sh};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -105,33 +105,6 @@ async fn lookup(c: &Client, id: &str, name: &str, tries: u32) -> String {
         .stdout
         .trim()
         .to_string()
-}
-
-/// Deletes another owner's sandbox when dropped (the harness deletes only the admin's),
-/// from a thread with a runtime of its own, as a failed test never reaches its end.
-struct DeleteOnDrop(Client, String);
-
-impl Drop for DeleteOnDrop {
-    fn drop(&mut self) {
-        let (c, id) = (self.0.clone(), self.1.clone());
-        let _ = std::thread::spawn(move || {
-            if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            {
-                rt.block_on(async {
-                    // Right after a flood the daemon may still be short of descriptors.
-                    for _ in 0..20 {
-                        if c.delete_sandbox(&id).await.is_ok() {
-                            return;
-                        }
-                        tokio::time::sleep(Duration::from_millis(500)).await;
-                    }
-                });
-            }
-        })
-        .join();
-    }
 }
 
 fn open_fds(pid: u32) -> usize {
