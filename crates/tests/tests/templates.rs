@@ -1042,13 +1042,15 @@ async fn a_woken_or_forked_sandbox_runs_its_start_command_again() {
     let c = d.client();
     let src = tempdir("sandpit-tsrc-");
     shell_rootfs(src.path());
-    // Counts its starts in a file that the sandbox's files keep.
+    // Counts its starts in a file that the sandbox's files keep. The ready flag lives in
+    // /dev/shm, which is not part of the captured files: a flag in /tmp would be copied into
+    // a fork and pass its readiness check before the fork's own start command has run.
     let req = BuildTemplateRequest {
         start_cmd: Some(
-            "n=$(cat /home/user/starts 2>/dev/null || echo 0); echo $((n+1)) > /home/user/starts; : > /tmp/up; while :; do sleep 1; done"
+            "n=$(cat /home/user/starts 2>/dev/null || echo 0); echo $((n+1)) > /home/user/starts; : > /dev/shm/up; while :; do sleep 1; done"
                 .into(),
         ),
-        ready_cmd: Some("test -f /tmp/up".into()),
+        ready_cmd: Some("test -f /dev/shm/up".into()),
         ..dir_build("counted", src.path())
     };
     build_ready(&c, &req).await;
