@@ -159,3 +159,35 @@ impl From<connectrpc::ConnectError> for ApiError {
         ApiError::new(status, code, msg)
     }
 }
+
+impl From<sandpit_core::CoreError> for ApiError {
+    /// The one place the core's failures become statuses.
+    fn from(e: sandpit_core::CoreError) -> Self {
+        use sandpit_core::CoreError as E;
+        match e {
+            E::Invalid(m) => ApiError::bad_request(m),
+            E::NotFound(m) => ApiError::not_found(m),
+            E::SandboxNotFound(id) => ApiError::sandbox_not_found(&id),
+            E::SandboxStopped { id, state } => ApiError::sandbox_stopped(&id, &state),
+            E::Conflict(m) => ApiError::conflict(m),
+            E::Forbidden(m) => ApiError::new(StatusCode::FORBIDDEN, "permission_denied", m),
+            E::Unprocessable { code, message } => {
+                ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, code, message)
+            }
+            E::InsufficientStorage(m) => {
+                ApiError::new(StatusCode::INSUFFICIENT_STORAGE, "resource_exhausted", m)
+            }
+            E::Unavailable(m) => ApiError::unavailable(m),
+            E::Agent(e) => e.into(),
+            E::Store(e) => e.into(),
+            E::Runtime(e) => e.into(),
+            E::Net(e) => e.into(),
+            E::Broker(e) => e.into(),
+            e @ E::Storage { .. } => ApiError::unavailable(e.chain()),
+            e @ (E::Image(_) | E::Io { .. } | E::Internal { .. }) => {
+                tracing::warn!(error = %e.chain(), "internal failure");
+                ApiError::internal(e.chain())
+            }
+        }
+    }
+}

@@ -1,28 +1,22 @@
-//! The sandpit daemon: REST API, lifecycle manager and agent proxy.
+//! The sandpit daemon's composition root: the HTTP API (`/v1` and the E2B routes), the
+//! ingress to sandbox ports, the listener, the config file and startup. HTTP types live
+//! here and nowhere below; the sandbox state machine is `sandpit-core`.
 
-pub mod agent_client;
 pub mod api;
-/// The credential broker lives in its own crate; the daemon composes it.
-pub use sandpit_broker as broker;
 pub mod config;
 pub mod error;
-pub mod leases;
-pub mod lifecycle;
 pub mod listener;
-pub mod manager;
+pub mod proxy;
+
+/// The credential broker lives in its own crate; the daemon composes it.
+pub use sandpit_broker as broker;
+/// The sandbox state machine and what it owns live in `sandpit-core`.
+pub use sandpit_core::{
+    access, agent_conn, exec, leases, lifecycle, manager, pools, snapshots, templates, usage,
+    volumes,
+};
 /// Sandbox networking lives in its own crate; the daemon composes it.
 pub use sandpit_net as net;
-pub mod pools;
-pub mod proxy;
-pub mod snapshots;
-pub mod templates;
-pub mod usage;
-pub mod volumes;
-
-#[cfg(test)]
-mod manager_tests;
-#[cfg(test)]
-pub(crate) mod testing;
 
 use manager::{Manager, ManagerConfig};
 use sandpit_runtime::Runtime;
@@ -187,10 +181,6 @@ pub async fn prepare(
             max_timeout_secs: cfg.max_timeout_secs,
             default_runtime: "container".into(),
             allow_process_runtime: cfg.allow_process_runtime,
-            proxy: proxy::ProxyConfig {
-                listen_port: cfg.listen.port(),
-                ..file.proxy.clone()
-            },
         },
         snapshot_store,
     );
@@ -201,18 +191,18 @@ pub async fn prepare(
         n.set_interceptor(manager.broker.clone());
     }
     if let Err(e) = manager.reconcile().await {
-        tracing::warn!(error = %e.message, "reconcile failed");
+        tracing::warn!(error = %e.chain(), "reconcile failed");
     }
     if let Some(n) = &net {
         n.run().await?;
     }
     manager.sweep_snapshot_objects().await;
     if let Err(e) = manager.reconcile_volumes().await {
-        tracing::warn!(error = %e.message, "reconciling volumes failed");
+        tracing::warn!(error = %e.chain(), "reconciling volumes failed");
     }
     manager.templates.recover(&manager.store).await;
     if let Err(e) = manager.load_pools(&file.pools).await {
-        tracing::warn!(error = %e.message, "loading warm pools failed");
+        tracing::warn!(error = %e.chain(), "loading warm pools failed");
     }
     let state = api::AppState {
         manager: manager.clone(),
@@ -225,6 +215,10 @@ pub async fn prepare(
             ..Default::default()
         })),
         e2b: Arc::new(file.e2b.clone()),
+        ingress: Arc::new(proxy::ProxyConfig {
+            listen_port: cfg.listen.port(),
+            ..file.proxy.clone()
+        }),
     };
     Ok((manager, state, file.http))
 }

@@ -12,7 +12,7 @@ use sandpit_proto::process::__buffa::oneof::process_input::Input;
 use sandpit_proto::process::__buffa::oneof::process_selector::Selector;
 use sandpit_proto::process::__buffa::oneof::stream_input_request::Event as InputEvent;
 use sandpit_proto::process::*;
-use sandpit_server::agent_client::AgentConn;
+use sandpit_server::agent_conn::AgentConn;
 use sandpit_tests::{Daemon, sh};
 use std::time::Duration;
 

@@ -1,9 +1,8 @@
 //! File routes. Paths are resolved by the agent inside the sandbox's own root; the daemon
 //! never touches a sandbox path on the host.
 
-use super::commands::as_user;
 use super::{ApiJson, ApiQuery, AppState, Owner};
-use crate::agent_client::AGENT_BASE;
+use crate::agent_conn::AGENT_BASE;
 use crate::error::ApiError;
 use axum::Json;
 use axum::body::Body;
@@ -11,6 +10,7 @@ use axum::extract::{Path, Request, State};
 use axum::response::Response;
 use http::StatusCode;
 use sandpit_api::*;
+use sandpit_core::exec::as_user;
 use sandpit_proto::filesystem::{self as pfs, FileType};
 use serde::Deserialize;
 
@@ -119,16 +119,20 @@ fn files_uri(q: &PathQuery) -> Result<String, ApiError> {
 
 /// Sends a request to the agent's HTTP side; a failure or error status becomes an API error.
 async fn send_to_agent(
-    conn: &crate::agent_client::AgentConn,
+    conn: &crate::agent_conn::AgentConn,
     req: http::Request<Body>,
 ) -> Result<http::Response<hyper::body::Incoming>, ApiError> {
-    let resp = conn.http.request(req).await.map_err(|e| {
-        ApiError::new(
-            StatusCode::BAD_GATEWAY,
-            "unavailable",
-            format!("agent: {e}"),
-        )
-    })?;
+    let resp = conn
+        .http
+        .request(req.map(super::agent_body))
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "unavailable",
+                format!("agent: {e}"),
+            )
+        })?;
     if !resp.status().is_success() {
         return Err(agent_error(resp).await);
     }
@@ -363,7 +367,7 @@ pub async fn copy(
         timeout_ms: Some(600_000),
         ..Default::default()
     };
-    let out = super::commands::run_to_end(&conn, &run).await?;
+    let out = sandpit_core::exec::run_to_end(&conn, &run).await?;
     if out.exit_code != 0 {
         return Err(ApiError::bad_request(format!(
             "copy failed: {}",

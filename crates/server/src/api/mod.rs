@@ -32,6 +32,8 @@ pub struct AppState {
     pub no_auth_owner: Option<String>,
     /// Recently verified keys.
     pub keys: Arc<KeyCache>,
+    /// How sandbox ports are addressed (`[proxy]`).
+    pub ingress: Arc<crate::proxy::ProxyConfig>,
     /// Per-user leases.
     pub leases: Arc<crate::leases::Leases>,
     /// E2B compatibility settings.
@@ -182,7 +184,7 @@ async fn authenticate(
     let (owner, key_id) = resolve_owner(&state, req.headers()).await?;
     req.extensions_mut().insert(Owner(owner));
     if let Some(id) = key_id {
-        req.extensions_mut().insert(crate::usage::ApiKeyId(id));
+        req.extensions_mut().insert(ApiKeyId(id));
     }
     Ok(next.run(req).await)
 }
@@ -237,11 +239,14 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
 
 /// The whole HTTP application: sandbox-port requests go to the proxy, the rest to the API.
 pub fn router(state: AppState) -> Router {
-    let manager = state.manager.clone();
+    let ingress = Arc::new(crate::proxy::Ingress {
+        manager: state.manager.clone(),
+        config: state.ingress.clone(),
+    });
     Router::new()
         .fallback_service(api_router(state))
         .layer(axum::middleware::from_fn_with_state(
-            manager,
+            ingress,
             crate::proxy::dispatch,
         ))
 }
@@ -359,4 +364,37 @@ fn api_router(state: AppState) -> Router {
         .merge(e2b::router(state.clone()))
         .fallback(|| async { ApiError::not_found("no such route") })
         .with_state(state)
+}
+
+/// The API key a request authenticated with (set by the authentication middleware).
+#[derive(Debug, Clone)]
+pub struct ApiKeyId(pub String);
+
+/// Who made a request, for execution records: the owner and the API key's id.
+#[derive(Debug, Clone)]
+pub struct Caller(pub crate::usage::Caller);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Caller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        let owner = Owner::from_request_parts(parts, state).await?;
+        Ok(Caller(crate::usage::Caller {
+            owner: owner.0,
+            api_key_id: parts.extensions.get::<ApiKeyId>().map(|k| k.0.clone()),
+        }))
+    }
+}
+
+/// A request body as the agent connection takes it: any body, boxed (uploads stream).
+pub(crate) fn agent_body<B>(body: B) -> crate::agent_conn::AgentBody
+where
+    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<sandpit_core::error::BoxError>,
+{
+    use http_body_util::BodyExt;
+    body.map_err(Into::into).boxed_unsync()
 }

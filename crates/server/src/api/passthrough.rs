@@ -2,7 +2,7 @@
 //! unchanged, so E2B-style clients can speak the agent protocol through the daemon.
 
 use super::{AppState, Owner};
-use crate::agent_client::AGENT_BASE;
+use crate::agent_conn::AGENT_BASE;
 use crate::error::ApiError;
 use axum::body::Body;
 use axum::extract::{Path, Request, State};
@@ -38,7 +38,7 @@ pub async fn forward(
     parts.headers.remove(http::header::HOST);
     let resp = conn
         .http
-        .request(http::Request::from_parts(parts, body))
+        .request(http::Request::from_parts(parts, super::agent_body(body)))
         .await
         .map_err(|e| {
             ApiError::new(

@@ -40,7 +40,7 @@ pub fn to_api(rec: &SandboxRecord, isolated: bool) -> Sandbox {
             paused_at_ms: rec.life.paused_at_ms,
             snapshot: rec.life.snapshot.clone(),
         },
-        // Filled in from the proxy's credentials by `crate::proxy::with_access`.
+        // Filled in from the proxy's credentials by `crate::access::with_access`.
         secure: true,
         public: false,
         envd_access_token: None,
@@ -66,7 +66,7 @@ async fn views<'a>(
     recs: impl IntoIterator<Item = &'a SandboxRecord>,
 ) -> Vec<Sandbox> {
     let mut v: Vec<Sandbox> = recs.into_iter().map(|r| bare_view(state, r)).collect();
-    crate::proxy::with_access(&state.manager, &mut v).await;
+    crate::access::with_access(&state.manager, &mut v).await;
     v
 }
 

@@ -105,7 +105,7 @@ async fn metered(
         Some(u) if u.owner == owner => Ok(Some(u)),
         Some(_) => Err(ApiError::sandbox_not_found(id)),
         // Not metered yet (or never): it must at least be one of the caller's sandboxes.
-        None => state.manager.get(owner, id).await.map(|_| None),
+        None => Ok(state.manager.get(owner, id).await.map(|_| None)?),
     }
 }
 

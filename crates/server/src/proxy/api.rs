@@ -17,14 +17,14 @@ fn view(
     mut a: sandpit_store::SandboxAccess,
 ) -> SandboxAccess {
     if !super::isolated(&state.manager, &rec.runtime) {
-        super::enforce_unisolated(&mut a);
+        crate::access::enforce_unisolated(&mut a);
     }
     SandboxAccess {
         secure: a.secure,
         public: a.public,
         envd_access_token: a.envd_token,
         traffic_access_token: a.traffic_token,
-        domain: state.manager.cfg.proxy.domain(),
+        domain: state.ingress.domain(),
     }
 }
 
@@ -37,7 +37,7 @@ pub async fn get(
     Path(id): Path<String>,
 ) -> Result<Json<SandboxAccess>, ApiError> {
     let rec = state.manager.get(&owner.0, &id).await?;
-    let a = super::access(&state.manager, &rec.id).await?;
+    let a = crate::access::access(&state.manager, &rec.id).await?;
     Ok(Json(view(&state, &rec, a)))
 }
 
@@ -52,15 +52,15 @@ pub async fn update(
     ApiJson(req): ApiJson<UpdateAccessRequest>,
 ) -> Result<Json<SandboxAccess>, ApiError> {
     let rec = state.manager.get(&owner.0, &id).await?;
-    let mut a = super::access(&state.manager, &rec.id).await?;
+    let mut a = crate::access::access(&state.manager, &rec.id).await?;
     if let Some(p) = req.public {
         a.public = p;
     }
     if req.rotate_traffic_token {
-        a.traffic_token = super::random_token();
+        a.traffic_token = crate::access::random_token();
     }
     a.updated_at_ms = crate::manager::now_ms();
-    super::store_access(&state.manager, &a).await?;
+    crate::access::store_access(&state.manager, &a).await?;
     Ok(Json(view(&state, &rec, a)))
 }
 
@@ -108,10 +108,10 @@ pub async fn port_url(
         ));
     }
     let rec = state.manager.get(&owner.0, &id).await?;
-    let a = super::access(&state.manager, &rec.id).await?;
+    let a = crate::access::access(&state.manager, &rec.id).await?;
     let expires_at = auth::now_secs() + secs as i64;
     let query = auth::port_url_query(&a, port, expires_at);
-    let cfg = &state.manager.cfg.proxy;
+    let cfg = &state.ingress;
     let host = format!("{port}-{}.{}", rec.id, cfg.domain());
     let sep = if path.contains('?') { '&' } else { '?' };
     Ok(Json(PortUrl {

@@ -5,7 +5,7 @@
 
 use super::auth::{self, Grant};
 use super::{CODE_PREFIX, LOOP_HEADER, Route, Target};
-use crate::agent_client::{AGENT_BASE, AgentConn};
+use crate::agent_conn::{AGENT_BASE, AgentConn};
 use crate::manager::Manager;
 use axum::body::Body;
 use axum::extract::Request;
@@ -24,6 +24,8 @@ const SPLICE_TOUCH: Duration = Duration::from_secs(30);
 /// One authorized request and what it goes to.
 pub(super) struct Job {
     pub manager: Arc<Manager>,
+    /// Whether the daemon is reached over https (cookies get `Secure`).
+    pub https: bool,
     pub rec: SandboxRecord,
     pub conn: Arc<AgentConn>,
     pub route: Route,
@@ -59,13 +61,13 @@ impl Drop for Activity {
 pub(super) async fn forward(job: Job) -> Response {
     let Job {
         manager,
+        https,
         rec,
         conn,
         route,
         target,
         grant,
         req,
-        ..
     } = job;
     let id = rec.id.clone();
     let (mut parts, body) = req.into_parts();
@@ -122,11 +124,7 @@ pub(super) async fn forward(job: Job) -> Response {
     {
         // Host-only cookie: the host names this one sandbox port.
         let max_age = (expires - auth::now_secs()).max(0);
-        let secure = if manager.cfg.proxy.scheme == "https" {
-            "; Secure"
-        } else {
-            ""
-        };
+        let secure = if https { "; Secure" } else { "" };
         let c = format!(
             "{}={expires}.{signature}; Max-Age={max_age}; Path=/; HttpOnly; SameSite=Lax{secure}",
             auth::PORT_COOKIE
@@ -340,7 +338,10 @@ async fn to_agent(
     };
     match conn
         .http
-        .request(http::Request::from_parts(parts, body))
+        .request(http::Request::from_parts(
+            parts,
+            crate::api::agent_body(body),
+        ))
         .await
     {
         Ok(resp) => {

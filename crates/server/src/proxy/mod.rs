@@ -13,13 +13,12 @@ pub mod auth;
 mod forward;
 mod netns;
 
-use crate::error::ApiError;
 use crate::manager::Manager;
 use axum::extract::{Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use http::StatusCode;
-use sandpit_store::{SandboxAccess, SandboxState};
+use sandpit_store::SandboxState;
 use serde::Deserialize;
 use std::sync::Arc;
 
@@ -286,16 +285,25 @@ pub(crate) fn port_not_open(id: &str, port: u16) -> Response {
     )
 }
 
+/// What the ingress needs: the sandboxes, and how their ports are addressed.
+pub struct Ingress {
+    pub manager: Arc<Manager>,
+    pub config: Arc<ProxyConfig>,
+}
+
 /// Routes sandbox-port requests to the proxy and all others to the REST API.
-pub async fn dispatch(State(m): State<Arc<Manager>>, req: Request, next: Next) -> Response {
-    match route_of(req.headers(), req.uri(), &m.cfg.proxy) {
+pub async fn dispatch(State(ing): State<Arc<Ingress>>, req: Request, next: Next) -> Response {
+    match route_of(req.headers(), req.uri(), &ing.config) {
         Ok(None) => next.run(req).await,
-        Ok(Some(route)) => handle(m, route, req).await,
+        Ok(Some(route)) => {
+            let https = ing.config.scheme == "https";
+            handle(ing.manager.clone(), https, route, req).await
+        }
         Err(e) => e.into_response(),
     }
 }
 
-async fn handle(m: Arc<Manager>, route: Route, req: Request) -> Response {
+async fn handle(m: Arc<Manager>, https: bool, route: Route, req: Request) -> Response {
     let id = route.sandbox_id.as_str();
     if req.headers().contains_key(LOOP_HEADER) {
         return error_body(
@@ -321,15 +329,15 @@ async fn handle(m: Arc<Manager>, route: Route, req: Request) -> Response {
     if !reachable(&rec) {
         return not_found(id);
     }
-    let mut access = match access(&m, id).await {
+    let mut access = match crate::access::access(&m, id).await {
         Ok(a) => a,
-        Err(e) if e.status == StatusCode::NOT_FOUND => return not_found(id),
+        Err(sandpit_core::CoreError::SandboxNotFound(_)) => return not_found(id),
         Err(e) => {
-            return error_body(StatusCode::BAD_GATEWAY, e.message, Some(id), None);
+            return error_body(StatusCode::BAD_GATEWAY, e.chain(), Some(id), None);
         }
     };
     if !isolated(&m, &rec.runtime) {
-        enforce_unisolated(&mut access);
+        crate::access::enforce_unisolated(&mut access);
     }
     let target = Target::of(route.port);
     let grant = match auth::authorize(&route, target, &access, &req) {
@@ -355,6 +363,7 @@ async fn handle(m: Arc<Manager>, route: Route, req: Request) -> Response {
     };
     forward::forward(forward::Job {
         manager: m,
+        https,
         rec,
         conn,
         route,
@@ -371,14 +380,6 @@ fn isolated(m: &Manager, runtime: &str) -> bool {
         .is_some_and(|r| r.capabilities().isolated)
 }
 
-/// An unisolated sandbox runs its commands on the host, and its "loopback" is the
-/// host's: opening either to anyone would open the host, so its envd always needs the
-/// token and its ports are never public, whatever was asked.
-fn enforce_unisolated(a: &mut SandboxAccess) {
-    a.secure = true;
-    a.public = false;
-}
-
 /// Whether the proxy may reach a sandbox in this state at all.
 fn reachable(rec: &sandpit_store::SandboxRecord) -> bool {
     rec.owner != crate::pools::POOL_OWNER
@@ -386,139 +387,15 @@ fn reachable(rec: &sandpit_store::SandboxRecord) -> bool {
         && !matches!(rec.state, SandboxState::Stopping)
 }
 
-fn agent_error(id: &str, e: ApiError) -> Response {
-    if e.status == StatusCode::NOT_FOUND || e.code == crate::error::SANDBOX_STOPPED {
+fn agent_error(id: &str, e: sandpit_core::CoreError) -> Response {
+    use sandpit_core::CoreError as E;
+    if matches!(
+        e,
+        E::SandboxNotFound(_) | E::NotFound(_) | E::SandboxStopped { .. }
+    ) {
         return not_found(id);
     }
-    error_body(StatusCode::BAD_GATEWAY, e.message, Some(id), None)
-}
-
-fn random_token() -> String {
-    hex::encode(rand::random::<[u8; 32]>())
-}
-
-fn fresh_access(id: &str, secure: bool, public: bool) -> SandboxAccess {
-    SandboxAccess {
-        sandbox_id: id.to_string(),
-        envd_token: random_token(),
-        traffic_token: random_token(),
-        secure,
-        public,
-        updated_at_ms: crate::manager::now_ms(),
-    }
-}
-
-/// How long credentials read from the store are used without reading them again. This
-/// daemon's own changes apply at once; another daemon's on a shared store (a rotated
-/// token) within this time.
-const ACCESS_CACHE_TTL: std::time::Duration = std::time::Duration::from_secs(5);
-/// Most credentials remembered at once (the cache is emptied when it would grow beyond).
-const ACCESS_CACHE_MAX: usize = 4096;
-
-type AccessCache = std::collections::HashMap<String, (SandboxAccess, std::time::Instant)>;
-
-/// Recently used credentials, so that a proxied request costs one store read (its
-/// sandbox's record), not two.
-static ACCESS_CACHE: std::sync::LazyLock<std::sync::Mutex<AccessCache>> =
-    std::sync::LazyLock::new(Default::default);
-
-fn cached(id: &str) -> Option<SandboxAccess> {
-    let map = ACCESS_CACHE.lock().ok()?;
-    let (a, at) = map.get(id)?;
-    (at.elapsed() < ACCESS_CACHE_TTL).then(|| a.clone())
-}
-
-fn remember(a: &SandboxAccess) {
-    if let Ok(mut map) = ACCESS_CACHE.lock() {
-        if map.len() >= ACCESS_CACHE_MAX {
-            map.clear();
-        }
-        map.insert(a.sandbox_id.clone(), (a.clone(), std::time::Instant::now()));
-    }
-}
-
-/// Stores credentials (replacing any) and uses them from now on.
-pub(crate) async fn store_access(m: &Manager, a: &SandboxAccess) -> Result<(), ApiError> {
-    m.store.put_access(a).await.map_err(|e| match e {
-        sandpit_store::StoreError::NotFound(_) => ApiError::sandbox_not_found(&a.sandbox_id),
-        other => other.into(),
-    })?;
-    remember(a);
-    Ok(())
-}
-
-/// The proxy credentials of sandbox `id` (made on first use for sandboxes that have
-/// none: secure, private). This is what E2B's control plane returns as
-/// `envdAccessToken` / `trafficAccessToken`. Does not check the owner: callers do.
-pub async fn access(m: &Manager, id: &str) -> Result<SandboxAccess, ApiError> {
-    if let Some(a) = cached(id) {
-        return Ok(a);
-    }
-    let a = match m.store.get_access(id).await? {
-        Some(a) => a,
-        None => m
-            .store
-            .ensure_access(&fresh_access(id, true, false))
-            .await
-            .map_err(|e| match e {
-                sandpit_store::StoreError::NotFound(_) => ApiError::sandbox_not_found(id),
-                other => other.into(),
-            })?,
-    };
-    remember(&a);
-    Ok(a)
-}
-
-/// Gives a newly created (or newly claimed) sandbox new credentials and its exposure.
-pub(crate) async fn on_create(
-    m: &Manager,
-    id: &str,
-    secure: Option<bool>,
-    public: Option<bool>,
-) -> Result<SandboxAccess, ApiError> {
-    let a = fresh_access(id, secure.unwrap_or(true), public.unwrap_or(false));
-    store_access(m, &a).await?;
-    Ok(a)
-}
-
-/// A fork gets tokens of its own and its source's exposure.
-pub(crate) async fn inherit(m: &Manager, from: &str, to: &str) -> Result<(), ApiError> {
-    let src = access(m, from).await?;
-    store_access(m, &fresh_access(to, src.secure, src.public)).await
-}
-
-/// Fills the owner-only proxy fields of sandbox views.
-pub async fn with_access(m: &Manager, views: &mut [sandpit_api::Sandbox]) {
-    let ids: Vec<String> = views.iter().map(|v| v.id.clone()).collect();
-    let mut found: std::collections::HashMap<String, SandboxAccess> =
-        match m.store.get_access_many(&ids).await {
-            Ok(list) => list
-                .into_iter()
-                .map(|a| (a.sandbox_id.clone(), a))
-                .collect(),
-            Err(e) => {
-                tracing::warn!(error = %e, "reading sandbox credentials failed");
-                return;
-            }
-        };
-    for v in views.iter_mut() {
-        let live = v.state.parse::<SandboxState>().is_ok_and(|s| !s.is_final());
-        if !found.contains_key(&v.id)
-            && live
-            && let Ok(a) = access(m, &v.id).await
-        {
-            found.insert(v.id.clone(), a);
-        }
-        if let Some(a) = found.get_mut(&v.id) {
-            if !v.isolated {
-                enforce_unisolated(a);
-            }
-            v.secure = a.secure;
-            v.public = a.public;
-            v.envd_access_token = Some(a.envd_token.clone());
-            v.traffic_access_token = Some(a.traffic_token.clone());
-        }
-    }
+    error_body(StatusCode::BAD_GATEWAY, e.chain(), Some(id), None)
 }
 
 #[cfg(test)]

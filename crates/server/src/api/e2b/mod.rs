@@ -74,6 +74,12 @@ impl From<ApiError> for E2bError {
     }
 }
 
+impl From<sandpit_core::CoreError> for E2bError {
+    fn from(e: sandpit_core::CoreError) -> Self {
+        Self(e.into())
+    }
+}
+
 impl From<sandpit_store::StoreError> for E2bError {
     fn from(e: sandpit_store::StoreError) -> Self {
         Self(e.into())
@@ -162,7 +168,7 @@ async fn authenticate(
     let (owner, key_id) = resolve_owner(&state, req.headers()).await?;
     req.extensions_mut().insert(super::Owner(owner));
     if let Some(id) = key_id {
-        req.extensions_mut().insert(crate::usage::ApiKeyId(id));
+        req.extensions_mut().insert(crate::api::ApiKeyId(id));
     }
     Ok(next.run(req).await)
 }
@@ -230,7 +236,7 @@ pub async fn access(
     state: &AppState,
     rec: &sandpit_store::SandboxRecord,
 ) -> Result<Access, E2bError> {
-    let a = crate::proxy::access(&state.manager, &rec.id).await?;
+    let a = crate::access::access(&state.manager, &rec.id).await?;
     let internet = state
         .manager
         .net
@@ -240,7 +246,7 @@ pub async fn access(
     Ok(Access {
         envd_token: Some(a.envd_token),
         traffic_token: Some(a.traffic_token),
-        domain: state.manager.cfg.proxy.domain(),
+        domain: state.ingress.domain(),
         internet: Some(internet.unwrap_or(false)),
     })
 }

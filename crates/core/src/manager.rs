@@ -2,8 +2,8 @@
 //! runtimes, expires sandboxes at their TTL, notices dead agents, and reconciles after a
 //! restart so that nothing is leaked whether the daemon stopped cleanly or was killed.
 
-use crate::agent_client::AgentConn;
-use crate::error::ApiError;
+use crate::agent_conn::AgentConn;
+use crate::error::CoreError;
 use crate::pools::{POOL_OWNER, PoolKey, PoolView, Pools};
 use sandpit_api::PoolSpec;
 use sandpit_api::{CreateSandboxRequest, Limits};
@@ -43,8 +43,6 @@ pub struct ManagerConfig {
     pub default_runtime: String,
     /// Whether clients may ask for the unisolated `process` runtime.
     pub allow_process_runtime: bool,
-    /// The sandbox data-plane proxy.
-    pub proxy: crate::proxy::ProxyConfig,
 }
 
 /// Owns sandbox lifecycles.
@@ -158,9 +156,9 @@ pub(crate) fn new_id() -> String {
         .collect()
 }
 
-fn in_range(name: &str, v: u64, (lo, hi): (u64, u64)) -> Result<u64, ApiError> {
+fn in_range(name: &str, v: u64, (lo, hi): (u64, u64)) -> Result<u64, CoreError> {
     if v < lo || v > hi {
-        return Err(ApiError::bad_request(format!(
+        return Err(CoreError::invalid(format!(
             "{name} must be between {lo} and {hi}, got {v}"
         )));
     }
@@ -168,13 +166,13 @@ fn in_range(name: &str, v: u64, (lo, hi): (u64, u64)) -> Result<u64, ApiError> {
 }
 
 /// Validates caller-defined labels.
-pub fn check_metadata(metadata: &BTreeMap<String, String>) -> Result<(), ApiError> {
+pub fn check_metadata(metadata: &BTreeMap<String, String>) -> Result<(), CoreError> {
     if metadata.len() > 64
         || metadata
             .iter()
             .any(|(k, v)| k.is_empty() || k.len() > 256 || v.len() > 1024)
     {
-        return Err(ApiError::bad_request(
+        return Err(CoreError::invalid(
             "metadata: at most 64 entries, keys 1..=256 and values up to 1024 bytes",
         ));
     }
@@ -182,24 +180,24 @@ pub fn check_metadata(metadata: &BTreeMap<String, String>) -> Result<(), ApiErro
 }
 
 /// Checks an environment variable name and value.
-pub fn check_env(env: &BTreeMap<String, String>) -> Result<(), ApiError> {
+pub fn check_env(env: &BTreeMap<String, String>) -> Result<(), CoreError> {
     for (k, v) in env {
         let valid_name = !k.is_empty() && k.len() <= 256 && !k.contains(['=', '\0']);
         if !valid_name || v.contains('\0') || v.len() > 128 * 1024 {
-            return Err(ApiError::bad_request(format!(
+            return Err(CoreError::invalid(format!(
                 "invalid environment variable {k:?}"
             )));
         }
     }
     if env.len() > 1024 {
-        return Err(ApiError::bad_request("at most 1024 environment variables"));
+        return Err(CoreError::invalid("at most 1024 environment variables"));
     }
     Ok(())
 }
 
-fn check_pool_size(size: u32) -> Result<(), ApiError> {
+fn check_pool_size(size: u32) -> Result<(), CoreError> {
     if size > crate::pools::MAX_POOL_SIZE {
-        return Err(ApiError::bad_request(format!(
+        return Err(CoreError::invalid(format!(
             "pool size must be at most {}",
             crate::pools::MAX_POOL_SIZE
         )));
@@ -284,14 +282,14 @@ impl Manager {
         })
     }
 
-    fn runtime(&self, name: &str) -> Result<&Arc<dyn Runtime>, ApiError> {
+    fn runtime(&self, name: &str) -> Result<&Arc<dyn Runtime>, CoreError> {
         self.runtimes
             .get(name)
-            .ok_or_else(|| ApiError::bad_request(format!("unknown runtime {name:?}")))
+            .ok_or_else(|| CoreError::invalid(format!("unknown runtime {name:?}")))
     }
 
     /// The effective limits of a request, validated.
-    pub fn limits(l: &sandpit_api::LimitsSpec) -> Result<Limits, ApiError> {
+    pub fn limits(l: &sandpit_api::LimitsSpec) -> Result<Limits, CoreError> {
         Ok(Limits {
             cpu_millis: in_range(
                 "cpu_millis",
@@ -316,10 +314,10 @@ impl Manager {
         })
     }
 
-    pub(crate) fn timeout(&self, t: Option<u64>) -> Result<u64, ApiError> {
+    pub fn timeout(&self, t: Option<u64>) -> Result<u64, CoreError> {
         let t = t.unwrap_or(DEFAULT_TIMEOUT.min(self.cfg.max_timeout_secs));
         if t == 0 || t > self.cfg.max_timeout_secs {
-            return Err(ApiError::bad_request(format!(
+            return Err(CoreError::invalid(format!(
                 "timeout must be between 1 and {} seconds",
                 self.cfg.max_timeout_secs
             )));
@@ -333,15 +331,13 @@ impl Manager {
         template: Option<&str>,
         runtime: Option<&str>,
         limits: &sandpit_api::LimitsSpec,
-    ) -> Result<Plan, ApiError> {
+    ) -> Result<Plan, CoreError> {
         let runtime_name = runtime
             .map(str::to_string)
             .unwrap_or_else(|| self.cfg.default_runtime.clone());
         if runtime_name == "process" && !self.cfg.allow_process_runtime {
-            return Err(ApiError::new(
-                http::StatusCode::FORBIDDEN,
-                "permission_denied",
-                "the unisolated process runtime is disabled; start the daemon with --allow-process-runtime (development only)",
+            return Err(CoreError::Forbidden(
+                "the unisolated process runtime is disabled; start the daemon with --allow-process-runtime (development only)".into(),
             ));
         }
         let runtime = self.runtime(&runtime_name)?.clone();
@@ -369,7 +365,7 @@ impl Manager {
         self: &Arc<Self>,
         owner: &str,
         mut req: CreateSandboxRequest,
-    ) -> Result<SandboxRecord, ApiError> {
+    ) -> Result<SandboxRecord, CoreError> {
         let secrets = std::mem::take(&mut req.secrets);
         self.broker.check_names(owner, &secrets).await?;
         let restore = match req.snapshot.as_deref() {
@@ -381,7 +377,7 @@ impl Manager {
             if req.template.as_ref().is_some_and(|t| *t != snap.template)
                 || req.runtime.as_ref().is_some_and(|t| *t != snap.runtime)
             {
-                return Err(ApiError::bad_request(format!(
+                return Err(CoreError::invalid(format!(
                     "snapshot {} runs on template {:?} with runtime {:?}; leave them out",
                     snap.id, snap.template, snap.runtime
                 )));
@@ -419,14 +415,14 @@ impl Manager {
             || workdir.contains('\0')
             || workdir.split('/').any(|c| c == "..")
         {
-            return Err(ApiError::bad_request(
+            return Err(CoreError::invalid(
                 "workdir must be an absolute path without '..'",
             ));
         }
         if let Some(u) = &req.user
             && !matches!(u.as_str(), "user" | "root")
         {
-            return Err(ApiError::bad_request(format!(
+            return Err(CoreError::invalid(format!(
                 "unknown user {u:?}: sandboxes have `user` and `root`"
             )));
         }
@@ -434,7 +430,7 @@ impl Manager {
             None | Some("kill") => sandpit_store::OnTimeout::Kill,
             Some("pause") => sandpit_store::OnTimeout::Pause,
             Some(other) => {
-                return Err(ApiError::bad_request(format!(
+                return Err(CoreError::invalid(format!(
                     "on_timeout is `kill` or `pause`, not {other:?}"
                 )));
             }
@@ -494,8 +490,8 @@ impl Manager {
         rec: SandboxRecord,
         secure: Option<bool>,
         public: Option<bool>,
-    ) -> Result<SandboxRecord, ApiError> {
-        if let Err(e) = crate::proxy::on_create(self, &rec.id, secure, public).await {
+    ) -> Result<SandboxRecord, CoreError> {
+        if let Err(e) = crate::access::on_create(self, &rec.id, secure, public).await {
             let _ = self.destroy(&rec).await;
             return Err(e);
         }
@@ -503,7 +499,7 @@ impl Manager {
     }
 
     /// Starts a new sandbox cold and applies its default user.
-    pub(crate) async fn start_new(&self, new: NewSandbox<'_>) -> Result<SandboxRecord, ApiError> {
+    pub(crate) async fn start_new(&self, new: NewSandbox<'_>) -> Result<SandboxRecord, CoreError> {
         let user = new.life.user.clone();
         let rec = self.cold_create(new).await?;
         if let Some(user) = user.as_deref()
@@ -566,7 +562,7 @@ impl Manager {
                     return Some(rec);
                 }
                 Err(e) => {
-                    tracing::warn!(id, pool, error = %e.message, "pooled sandbox refused its settings; destroying it");
+                    tracing::warn!(id, pool, error = %e.chain(), "pooled sandbox refused its settings; destroying it");
                     let _ = self.destroy(&rec).await;
                 }
             }
@@ -589,7 +585,7 @@ impl Manager {
     }
 
     /// `POST /init` on the agent: the caller's env, default workdir and user.
-    async fn init_agent(&self, rec: &SandboxRecord, init: &AgentInit<'_>) -> Result<(), ApiError> {
+    async fn init_agent(&self, rec: &SandboxRecord, init: &AgentInit<'_>) -> Result<(), CoreError> {
         if init.env.is_empty() && init.workdir.is_none() && init.user.is_none() {
             // Nothing to change: spare the caller a round trip.
             return Ok(());
@@ -601,18 +597,18 @@ impl Manager {
             "defaultWorkdir": init.workdir,
             "defaultUser": init.user,
         });
-        let request = http::Request::post(format!("{}/init", crate::agent_client::AGENT_BASE))
+        let request = http::Request::post(format!("{}/init", crate::agent_conn::AGENT_BASE))
             .header(http::header::CONTENT_TYPE, "application/json")
-            .body(axum::body::Body::from(body.to_string()))
-            .map_err(|e| ApiError::internal(e.to_string()))?;
+            .body(crate::agent_conn::full_body(body.to_string()))
+            .map_err(|e| CoreError::internal(e.to_string()))?;
         let answer = tokio::time::timeout(Duration::from_secs(5), conn.http.request(request))
             .await
-            .map_err(|_| ApiError::unavailable("the sandbox agent did not answer /init"))?
-            .map_err(|e| ApiError::unavailable(format!("agent /init: {e}")))?;
+            .map_err(|_| CoreError::unavailable("the sandbox agent did not answer /init"))?
+            .map_err(|e| CoreError::unavailable(format!("agent /init: {e}")))?;
         if answer.status().is_success() {
             Ok(())
         } else {
-            Err(ApiError::unavailable(format!(
+            Err(CoreError::unavailable(format!(
                 "agent /init answered {}",
                 answer.status()
             )))
@@ -620,7 +616,7 @@ impl Manager {
     }
 
     /// Starts a sandbox from nothing and records it; on failure nothing is left behind.
-    async fn cold_create(&self, new: NewSandbox<'_>) -> Result<SandboxRecord, ApiError> {
+    async fn cold_create(&self, new: NewSandbox<'_>) -> Result<SandboxRecord, CoreError> {
         let NewSandbox {
             owner,
             pool,
@@ -695,7 +691,7 @@ impl Manager {
         runtime: Arc<dyn Runtime>,
         spec: SandboxSpec,
         failed: Failed,
-    ) -> Result<SandboxRecord, ApiError> {
+    ) -> Result<SandboxRecord, CoreError> {
         let forget_record = || async {
             match failed {
                 Failed::Delete => {
@@ -729,7 +725,7 @@ impl Manager {
             }
             Err(e) => {
                 forget_record().await;
-                return Err(ApiError::internal(format!("create task: {e}")));
+                return Err(CoreError::internal(format!("create task: {e}")));
             }
         };
         let destroy_now = || async {
@@ -737,7 +733,8 @@ impl Manager {
             self.forget(&rec.id);
             forget_record().await;
         };
-        let state = serde_json::to_value(&handle).map_err(|e| ApiError::internal(e.to_string()))?;
+        let state =
+            serde_json::to_value(&handle).map_err(|e| CoreError::internal(e.to_string()))?;
         if let Err(e) = self.store.set_runtime_state(&rec.id, &state).await {
             // Deleted before the handle was recorded: that delete could not tear the
             // sandbox down, so this create does.
@@ -748,7 +745,7 @@ impl Manager {
             }
             return Err(match e {
                 sandpit_store::StoreError::NotFound(_) => {
-                    ApiError::conflict("sandbox was deleted while it was being created")
+                    CoreError::conflict("sandbox was deleted while it was being created")
                 }
                 other => other.into(),
             });
@@ -791,11 +788,11 @@ impl Manager {
         &self,
         rec: &SandboxRecord,
         handle: &SandboxHandle,
-    ) -> Result<SandboxRecord, ApiError> {
+    ) -> Result<SandboxRecord, CoreError> {
         let conn = self.conn_for(&rec.id, handle);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         let mut delay = Duration::from_micros(200);
-        let deleted = || ApiError::conflict("sandbox was deleted while it was being created");
+        let deleted = || CoreError::conflict("sandbox was deleted while it was being created");
         // An agent answers within milliseconds; only a slow one gets its record looked at
         // (every 100 ms), so that a delete meanwhile ends the wait without costing every
         // start a read of the store.
@@ -803,7 +800,7 @@ impl Manager {
         while !conn.healthy().await {
             let now = tokio::time::Instant::now();
             if now > deadline {
-                return Err(ApiError::unavailable(
+                return Err(CoreError::unavailable(
                     "the sandbox agent did not become ready",
                 ));
             }
@@ -833,7 +830,7 @@ impl Manager {
         &self,
         rec: &SandboxRecord,
         template: &crate::templates::Defaults,
-    ) -> Result<Vec<std::path::PathBuf>, ApiError> {
+    ) -> Result<Vec<std::path::PathBuf>, CoreError> {
         let mut layers = self.layer_paths(rec)?;
         layers.extend(template.layers.iter().cloned());
         Ok(layers)
@@ -854,7 +851,7 @@ impl Manager {
         &self,
         rec: &SandboxRecord,
         user: &str,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), CoreError> {
         let init = AgentInit {
             env: &BTreeMap::new(),
             workdir: None,
@@ -863,7 +860,7 @@ impl Manager {
         self.init_agent(rec, &init).await
     }
 
-    pub(crate) fn conn_for(&self, id: &str, handle: &SandboxHandle) -> Arc<AgentConn> {
+    pub fn conn_for(&self, id: &str, handle: &SandboxHandle) -> Arc<AgentConn> {
         let Ok(mut conns) = self.conns.lock() else {
             return Arc::new(AgentConn::new(handle.socket.clone()));
         };
@@ -880,14 +877,14 @@ impl Manager {
     }
 
     /// A sandbox of `owner`; anyone else's is reported as not found.
-    pub async fn get(&self, owner: &str, id: &str) -> Result<SandboxRecord, ApiError> {
+    pub async fn get(&self, owner: &str, id: &str) -> Result<SandboxRecord, CoreError> {
         match self.store.get_sandbox(id).await? {
             // A sandbox being torn down is already gone as far as callers are concerned.
             Some(r) if r.owner == owner && r.state != SandboxState::Stopping => {
                 self.touch(id);
                 Ok(r)
             }
-            _ => Err(ApiError::sandbox_not_found(id)),
+            _ => Err(CoreError::sandbox_not_found(id)),
         }
     }
 
@@ -896,7 +893,7 @@ impl Manager {
         &self,
         owner: &str,
         id: &str,
-    ) -> Result<(SandboxRecord, Arc<AgentConn>), ApiError> {
+    ) -> Result<(SandboxRecord, Arc<AgentConn>), CoreError> {
         let mut rec = self.get(owner, id).await?;
         if rec.state == SandboxState::Creating {
             // A hibernated sandbox starting again (woken by another request) holds its op
@@ -905,7 +902,7 @@ impl Manager {
             rec = self.get(owner, id).await?;
         }
         if rec.state.is_final() {
-            return Err(ApiError::sandbox_stopped(id, rec.state.as_str()));
+            return Err(CoreError::sandbox_stopped(id, rec.state.as_str()));
         }
         if matches!(rec.state, SandboxState::Paused | SandboxState::Hibernated)
             && rec.life.auto_resume
@@ -913,13 +910,13 @@ impl Manager {
             rec = self.resume(&rec).await?;
         }
         if rec.state != SandboxState::Running {
-            return Err(ApiError::conflict(format!(
+            return Err(CoreError::conflict(format!(
                 "sandbox {id} is {}",
                 rec.state.as_str()
             )));
         }
         let handle =
-            handle_of(&rec).ok_or_else(|| ApiError::internal("sandbox has no runtime state"))?;
+            handle_of(&rec).ok_or_else(|| CoreError::internal("sandbox has no runtime state"))?;
         Ok((rec.clone(), self.conn_for(&rec.id, &handle)))
     }
 
@@ -927,17 +924,17 @@ impl Manager {
     pub fn runtime_of(
         &self,
         rec: &SandboxRecord,
-    ) -> Result<(Arc<dyn Runtime>, SandboxHandle), ApiError> {
+    ) -> Result<(Arc<dyn Runtime>, SandboxHandle), CoreError> {
         let rt = self.runtime(&rec.runtime)?.clone();
-        let h =
-            handle_of(rec).ok_or_else(|| ApiError::conflict("sandbox has no runtime state yet"))?;
+        let h = handle_of(rec)
+            .ok_or_else(|| CoreError::conflict("sandbox has no runtime state yet"))?;
         Ok((rt, h))
     }
 
     /// Makes a sandbox unreachable at once and removes its resources and record in the
     /// background. A crash before that finishes leaves a `stopping` record, which the next
     /// start's reconcile finishes off.
-    pub async fn destroy(&self, rec: &SandboxRecord) -> Result<(), ApiError> {
+    pub async fn destroy(&self, rec: &SandboxRecord) -> Result<(), CoreError> {
         // The state change is the claim on the teardown: whoever moves the record to
         // `stopping` tears the sandbox down, so it happens exactly once. `stopped` means
         // the resources are gone already (the liveness sweep removed them).
@@ -1027,7 +1024,7 @@ impl Manager {
     }
 
     /// Sets the sandbox to expire `secs` from now.
-    pub async fn set_timeout(&self, rec: &SandboxRecord, secs: u64) -> Result<(), ApiError> {
+    pub async fn set_timeout(&self, rec: &SandboxRecord, secs: u64) -> Result<(), CoreError> {
         let secs = self.timeout(Some(secs))?;
         self.store
             .set_expires_at(&rec.id, now_ms() + secs as i64 * 1000)
@@ -1147,7 +1144,7 @@ impl Manager {
 
     /// After a start: re-adopt live sandboxes, clean up dead and half-made ones, and sweep
     /// runtime leftovers that the store does not know.
-    pub async fn reconcile(&self) -> Result<(), ApiError> {
+    pub async fn reconcile(&self) -> Result<(), CoreError> {
         // Archives half-written or half-downloaded when the daemon stopped.
         let tmp = self.cfg.data_dir.join("tmp");
         if tmp.exists()
@@ -1255,7 +1252,7 @@ impl Manager {
     // ---- warm pools ----
 
     /// Validates a pool definition into a store record.
-    async fn pool_record(&self, spec: &PoolSpec, source: &str) -> Result<PoolRecord, ApiError> {
+    async fn pool_record(&self, spec: &PoolSpec, source: &str) -> Result<PoolRecord, CoreError> {
         let name_ok = !spec.name.is_empty()
             && spec.name.len() <= 64
             && spec
@@ -1263,7 +1260,7 @@ impl Manager {
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
         if !name_ok {
-            return Err(ApiError::bad_request(
+            return Err(CoreError::invalid(
                 "pool name must be 1 to 64 characters of [a-zA-Z0-9_-]",
             ));
         }
@@ -1293,7 +1290,7 @@ impl Manager {
     }
 
     /// Creates a pool through the API; it fills in the background.
-    pub async fn create_pool(&self, spec: &PoolSpec) -> Result<PoolView, ApiError> {
+    pub async fn create_pool(&self, spec: &PoolSpec) -> Result<PoolView, CoreError> {
         let def = self.pool_record(spec, "api").await?;
         let key = PoolKey::of(&def);
         if let Some(other) = self
@@ -1302,7 +1299,7 @@ impl Manager {
             .into_iter()
             .find(|v| PoolKey::of(&v.def) == key)
         {
-            return Err(ApiError::conflict(format!(
+            return Err(CoreError::conflict(format!(
                 "pool {} already keeps sandboxes of this template, runtime and limits",
                 other.def.name
             )));
@@ -1313,27 +1310,27 @@ impl Manager {
         self.pool_wake.notify_one();
         self.pools
             .view(&spec.name)
-            .ok_or_else(|| ApiError::internal("pool vanished"))
+            .ok_or_else(|| CoreError::internal("pool vanished"))
     }
 
     /// Changes how many idle sandboxes a pool keeps; extra idle ones are destroyed.
-    pub async fn resize_pool(&self, name: &str, size: u32) -> Result<PoolView, ApiError> {
+    pub async fn resize_pool(&self, name: &str, size: u32) -> Result<PoolView, CoreError> {
         check_pool_size(size)?;
         if !self.store.resize_pool(name, size as i64).await? {
-            return Err(ApiError::not_found(format!("pool {name} not found")));
+            return Err(CoreError::not_found(format!("pool {name} not found")));
         }
         let extra = self.pools.resize(name, size).unwrap_or_default();
         self.destroy_ids(extra).await;
         self.pool_wake.notify_one();
         self.pools
             .view(name)
-            .ok_or_else(|| ApiError::not_found(format!("pool {name} not found")))
+            .ok_or_else(|| CoreError::not_found(format!("pool {name} not found")))
     }
 
     /// Removes a pool and destroys its idle sandboxes (claimed ones stay their owners').
-    pub async fn delete_pool(&self, name: &str) -> Result<(), ApiError> {
+    pub async fn delete_pool(&self, name: &str) -> Result<(), CoreError> {
         if !self.store.delete_pool(name).await? {
-            return Err(ApiError::not_found(format!("pool {name} not found")));
+            return Err(CoreError::not_found(format!("pool {name} not found")));
         }
         let members = self.pools.remove(name).unwrap_or_default();
         self.destroy_ids(members).await;
@@ -1345,7 +1342,7 @@ impl Manager {
             match self.store.get_sandbox(&id).await {
                 Ok(Some(rec)) => {
                     if let Err(e) = self.destroy(&rec).await {
-                        tracing::warn!(id, error = %e.message, "destroying an idle pool member failed");
+                        tracing::warn!(id, error = %e.chain(), "destroying an idle pool member failed");
                     }
                 }
                 Ok(None) => {}
@@ -1356,7 +1353,7 @@ impl Manager {
 
     /// After reconcile: applies the config file's pools (which replace earlier config
     /// pools), loads every pool, adopts surviving idle members and destroys the rest.
-    pub async fn load_pools(&self, from_config: &[PoolSpec]) -> Result<(), ApiError> {
+    pub async fn load_pools(&self, from_config: &[PoolSpec]) -> Result<(), CoreError> {
         let mut declared = Vec::new();
         for spec in from_config {
             // A refused entry (say, its template is missing just now) keeps what the store
@@ -1365,7 +1362,7 @@ impl Manager {
             match self.pool_record(spec, "config").await {
                 Ok(def) => self.store.upsert_pool(&def).await?,
                 Err(e) => {
-                    tracing::error!(pool = %spec.name, error = %e.message, "pool in the config file refused")
+                    tracing::error!(pool = %spec.name, error = %e.chain(), "pool in the config file refused")
                 }
             }
         }
@@ -1497,7 +1494,7 @@ impl Manager {
         match started.await {
             Ok(rec) => Some(rec.id),
             Err(e) => {
-                tracing::warn!(pool = %refill.pool, error = %e.message, "refilling a pool failed");
+                tracing::warn!(pool = %refill.pool, error = %e.chain(), "refilling a pool failed");
                 None
             }
         }
@@ -1511,13 +1508,13 @@ impl Manager {
         &self,
         rec: sandpit_store::SandboxRecord,
         names: &[String],
-    ) -> Result<sandpit_store::SandboxRecord, ApiError> {
+    ) -> Result<sandpit_store::SandboxRecord, CoreError> {
         if names.is_empty() {
             return Ok(rec);
         }
         if let Err(e) = self.broker.attach(&rec.id, &rec.owner, names).await {
             if let Err(d) = self.destroy(&rec).await {
-                tracing::warn!(id = %rec.id, error = %d.message, "removing a sandbox whose secrets failed");
+                tracing::warn!(id = %rec.id, error = %d.chain(), "removing a sandbox whose secrets failed");
             }
             return Err(e.into());
         }

@@ -2,7 +2,7 @@
 //! sandbox descends from), storage in a local directory or an S3-compatible object store,
 //! restore as read-only layers, integrity checks, deletion along chains; and forks.
 
-use crate::error::ApiError;
+use crate::error::CoreError;
 use crate::lifecycle::{SKIP_TOP, blocking};
 use crate::manager::{DEFAULT_WORKDIR, Manager, now_ms};
 use futures::StreamExt;
@@ -309,8 +309,8 @@ pub fn to_api(s: &SnapshotRecord) -> sandpit_api::Snapshot {
     }
 }
 
-fn store_err(e: String) -> ApiError {
-    ApiError::unavailable(format!("snapshot storage: {e}"))
+fn store_err(e: String) -> CoreError {
+    CoreError::unavailable(format!("snapshot storage: {e}"))
 }
 
 impl Manager {
@@ -324,11 +324,11 @@ impl Manager {
         &self,
         rec: &SandboxRecord,
         req: &CreateSnapshotRequest,
-    ) -> Result<SnapshotRecord, ApiError> {
+    ) -> Result<SnapshotRecord, CoreError> {
         if let Some(n) = &req.name
             && !snapshot_name_ok(n)
         {
-            return Err(ApiError::bad_request(
+            return Err(CoreError::invalid(
                 "snapshot names are 1-128 of [A-Za-z0-9._-], not starting with '.'",
             ));
         }
@@ -338,7 +338,7 @@ impl Manager {
             rec.state,
             SandboxState::Running | SandboxState::Paused | SandboxState::Hibernated
         ) {
-            return Err(ApiError::conflict(format!(
+            return Err(CoreError::conflict(format!(
                 "sandbox {} is {}",
                 rec.id, rec.state
             )));
@@ -360,12 +360,12 @@ impl Manager {
         let id = format!("snap{}", uuid::Uuid::new_v4().simple());
         let name = req.name.clone().unwrap_or_else(|| id.clone());
         if self.store.get_snapshot(&rec.owner, &name).await?.is_some() {
-            return Err(ApiError::conflict(format!(
+            return Err(CoreError::conflict(format!(
                 "a snapshot named {name:?} exists"
             )));
         }
         let tmp = self.tmp_dir();
-        std::fs::create_dir_all(&tmp).map_err(|e| ApiError::internal(e.to_string()))?;
+        std::fs::create_dir_all(&tmp).map_err(|e| CoreError::internal(e.to_string()))?;
         let archive = tmp.join(format!("{id}.tar.zst"));
         let layers = self.layer_paths(&rec)?;
         let live = match rec.state {
@@ -402,11 +402,11 @@ impl Manager {
                 let stack = sandpit_image::Stack(stack);
                 let manifest = stack.manifest(SKIP_TOP).map_err(image_err)?;
                 let out = std::fs::File::create(&archive2)
-                    .map_err(|e| ApiError::internal(format!("create archive: {e}")))?;
+                    .map_err(|e| CoreError::internal(format!("create archive: {e}")))?;
                 let stats =
                     sandpit_image::write_layer(&stack, &manifest, parent_manifest.as_ref(), out)
                         .map_err(image_err)?;
-                Ok::<_, ApiError>((manifest, stats))
+                Ok::<_, CoreError>((manifest, stats))
             })();
             if let (Some((rt, h)), true) = (&live, freeze)
                 && let Err(e) = rt.thaw(h)
@@ -464,7 +464,7 @@ impl Manager {
             entries: stats.entries as i64,
             digest: stats.sha256.clone(),
             settings: serde_json::to_value(&settings)
-                .map_err(|e| ApiError::internal(e.to_string()))?,
+                .map_err(|e| CoreError::internal(e.to_string()))?,
             created_at_ms: now_ms(),
         };
         if let Err(e) = self.store.insert_snapshot(&snap).await {
@@ -478,14 +478,14 @@ impl Manager {
         Ok(snap)
     }
 
-    async fn load_manifest(&self, snapshot: &str) -> Result<sandpit_image::Manifest, ApiError> {
+    async fn load_manifest(&self, snapshot: &str) -> Result<sandpit_image::Manifest, CoreError> {
         let bytes = self
             .snapshot_store
             .get_bytes(&self.snapshot_store.key(snapshot, MANIFEST))
             .await
             .map_err(store_err)?;
         serde_json::from_slice(&bytes)
-            .map_err(|e| ApiError::internal(format!("manifest of {snapshot}: {e}")))
+            .map_err(|e| CoreError::internal(format!("manifest of {snapshot}: {e}")))
     }
 
     /// A snapshot and its ancestors, newest first.
@@ -493,19 +493,19 @@ impl Manager {
         &self,
         owner: &str,
         id_or_name: &str,
-    ) -> Result<Vec<SnapshotRecord>, ApiError> {
+    ) -> Result<Vec<SnapshotRecord>, CoreError> {
         let first = self
             .store
             .get_snapshot(owner, id_or_name)
             .await?
-            .ok_or_else(|| ApiError::not_found(format!("snapshot {id_or_name} not found")))?;
+            .ok_or_else(|| CoreError::not_found(format!("snapshot {id_or_name} not found")))?;
         let mut chain = vec![first];
         while let Some(p) = chain.last().and_then(|s| s.parent.clone()) {
             if chain.len() > 1000 || chain.iter().any(|s| s.id == p) {
-                return Err(ApiError::internal("snapshot chain loops"));
+                return Err(CoreError::internal("snapshot chain loops"));
             }
             let parent = self.store.get_snapshot(owner, &p).await?.ok_or_else(|| {
-                ApiError::conflict(format!("snapshot {p}, a parent in the chain, is gone"))
+                CoreError::conflict(format!("snapshot {p}, a parent in the chain, is gone"))
             })?;
             chain.push(parent);
         }
@@ -513,7 +513,7 @@ impl Manager {
     }
 
     /// Makes sure a snapshot's archive is unpacked as a layer (checking its digest).
-    async fn ensure_cached(&self, snap: &SnapshotRecord) -> Result<String, ApiError> {
+    async fn ensure_cached(&self, snap: &SnapshotRecord) -> Result<String, CoreError> {
         let layer = cache_layer_id(&snap.id);
         let dir = self.layer_path(&layer)?;
         let _op = self.op_lock(&layer).await;
@@ -523,7 +523,7 @@ impl Manager {
         let tmp = self.tmp_dir();
         tokio::fs::create_dir_all(&tmp)
             .await
-            .map_err(|e| ApiError::internal(e.to_string()))?;
+            .map_err(|e| CoreError::internal(e.to_string()))?;
         let key = self.snapshot_store.key(&snap.id, ARCHIVE);
         // A local store's archive is read where it is; anything else is downloaded.
         let (file, downloaded) = match self.snapshot_store.local_file(&key) {
@@ -534,9 +534,9 @@ impl Manager {
             self.snapshot_store.get_file(&key, &file).await
         } else {
             let f = file.clone();
-            blocking(move || Ok::<_, ApiError>(sha256_file(&f)))
+            blocking(move || Ok::<_, CoreError>(sha256_file(&f)))
                 .await
-                .map_err(|e| e.message)
+                .map_err(|e| e.chain())
                 .and_then(|d| d)
         };
         let digest = match digest {
@@ -552,7 +552,7 @@ impl Manager {
             if downloaded {
                 let _ = tokio::fs::remove_file(&file).await;
             }
-            return Err(ApiError::conflict(format!(
+            return Err(CoreError::conflict(format!(
                 "snapshot {} is corrupt: its archive's sha256 is {digest}, not {}",
                 snap.id, snap.digest
             )));
@@ -561,11 +561,12 @@ impl Manager {
             let partial = dir.with_extension("partial");
             let _ = std::fs::remove_dir_all(&partial);
             let res = (|| {
-                std::fs::create_dir_all(&partial).map_err(|e| ApiError::internal(e.to_string()))?;
+                std::fs::create_dir_all(&partial)
+                    .map_err(|e| CoreError::internal(e.to_string()))?;
                 let f =
-                    std::fs::File::open(&file).map_err(|e| ApiError::internal(e.to_string()))?;
+                    std::fs::File::open(&file).map_err(|e| CoreError::internal(e.to_string()))?;
                 sandpit_image::unpack_layer(f, &partial, &UNPACK_LIMITS).map_err(image_err)?;
-                std::fs::rename(&partial, &dir).map_err(|e| ApiError::internal(e.to_string()))
+                std::fs::rename(&partial, &dir).map_err(|e| CoreError::internal(e.to_string()))
             })();
             if res.is_err() {
                 let _ = std::fs::remove_dir_all(&partial);
@@ -585,7 +586,7 @@ impl Manager {
         &self,
         owner: &str,
         snapshot: &str,
-    ) -> Result<Restore<'_>, ApiError> {
+    ) -> Result<Restore<'_>, CoreError> {
         let chain = self.snapshot_chain(owner, snapshot).await?;
         let mut layers = Vec::new();
         let mut pins = Vec::new();
@@ -615,19 +616,19 @@ impl Manager {
         owner: &str,
         id_or_name: &str,
         force: bool,
-    ) -> Result<Vec<String>, ApiError> {
+    ) -> Result<Vec<String>, CoreError> {
         let snap = self
             .store
             .get_snapshot(owner, id_or_name)
             .await?
-            .ok_or_else(|| ApiError::not_found(format!("snapshot {id_or_name} not found")))?;
+            .ok_or_else(|| CoreError::not_found(format!("snapshot {id_or_name} not found")))?;
         // Children first, depth first, so that no record is left with a missing parent.
         let mut order = Vec::new();
         let mut todo = vec![snap.clone()];
         while let Some(s) = todo.pop() {
             let kids = self.store.snapshot_children(&s.id).await?;
             if !kids.is_empty() && !force {
-                return Err(ApiError::conflict(format!(
+                return Err(CoreError::conflict(format!(
                     "snapshot {} has dependent snapshots ({}); delete them first or pass force=true",
                     s.id,
                     kids.iter()
@@ -654,7 +655,7 @@ impl Manager {
         &self,
         owner: &str,
         id_or_name: &str,
-    ) -> Result<sandpit_api::SnapshotCheck, ApiError> {
+    ) -> Result<sandpit_api::SnapshotCheck, CoreError> {
         let chain = self.snapshot_chain(owner, id_or_name).await?;
         let mut items = Vec::new();
         for s in &chain {
@@ -668,7 +669,7 @@ impl Manager {
                 Err(e) => (None, Some(e)),
             };
             if let Some(m) = manifest {
-                error.get_or_insert(m.message);
+                error.get_or_insert(m.chain());
             }
             let ok = error.is_none() && actual.as_deref() == Some(s.digest.as_str());
             items.push(sandpit_api::SnapshotCheckItem {
@@ -692,10 +693,10 @@ impl Manager {
         self: &Arc<Self>,
         rec: &SandboxRecord,
         req: &ForkRequest,
-    ) -> Result<Vec<SandboxRecord>, ApiError> {
+    ) -> Result<Vec<SandboxRecord>, CoreError> {
         let count = req.count.unwrap_or(1);
         if count == 0 || count > MAX_FORK {
-            return Err(ApiError::bad_request(format!(
+            return Err(CoreError::invalid(format!(
                 "count must be between 1 and {MAX_FORK}"
             )));
         }
@@ -743,7 +744,10 @@ impl Manager {
                     (layers, pins)
                 }
                 other => {
-                    return Err(ApiError::conflict(format!("sandbox {} is {other}", src.id)));
+                    return Err(CoreError::conflict(format!(
+                        "sandbox {} is {other}",
+                        src.id
+                    )));
                 }
             }
         };
@@ -793,7 +797,7 @@ impl Manager {
         if failure.is_none() {
             // Each copy gets proxy tokens of its own and its source's exposure.
             for r in &made {
-                if let Err(e) = crate::proxy::inherit(self, &rec.id, &r.id).await {
+                if let Err(e) = crate::access::inherit(self, &rec.id, &r.id).await {
                     failure = Some(e);
                     break;
                 }
@@ -830,7 +834,7 @@ impl Manager {
             sandpit_api::BuildTemplateRequest,
             Option<crate::templates::Source>,
         ),
-        ApiError,
+        CoreError,
     > {
         let owner = match self.store.get_snapshot(admin, snapshot).await? {
             Some(s) => s.owner,
@@ -841,7 +845,7 @@ impl Manager {
                 .into_iter()
                 .find(|s| s.id == snapshot)
                 .map(|s| s.owner)
-                .ok_or_else(|| ApiError::not_found(format!("snapshot {snapshot} not found")))?,
+                .ok_or_else(|| CoreError::not_found(format!("snapshot {snapshot} not found")))?,
         };
         let chain = self.snapshot_chain(&owner, snapshot).await?;
         let mut from = Vec::new();
@@ -925,14 +929,13 @@ pub(crate) fn limits_of(rec: &SandboxRecord) -> sandpit_api::LimitsSpec {
 
 /// What the sandbox's own files cause (names a layer cannot hold, a corrupt archive) is
 /// the caller's to fix (422); the host's i/o failing is ours.
-pub(crate) fn image_err(e: sandpit_image::ImageError) -> ApiError {
+pub(crate) fn image_err(e: sandpit_image::ImageError) -> CoreError {
     if e.is_input_error() {
-        ApiError::new(
-            http::StatusCode::UNPROCESSABLE_ENTITY,
-            "failed_precondition",
-            format!("the files cannot be captured or restored: {e}"),
-        )
+        CoreError::Unprocessable {
+            code: "failed_precondition",
+            message: format!("the files cannot be captured or restored: {e}"),
+        }
     } else {
-        ApiError::internal(format!("layer: {e}"))
+        CoreError::Image(e)
     }
 }

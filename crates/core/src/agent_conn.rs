@@ -101,7 +101,27 @@ type RpcTransport = ServiceTransport<Client<Connector, ClientBody>>;
 pub struct AgentConn {
     pub process: ProcessClient<RpcTransport>,
     pub fs: FilesystemClient<RpcTransport>,
-    pub http: Client<Connector, axum::body::Body>,
+    pub http: Client<Connector, AgentBody>,
+}
+
+/// Body of a raw HTTP request to an agent: any byte stream, boxed (uploads stream through).
+pub type AgentBody =
+    http_body_util::combinators::UnsyncBoxBody<bytes::Bytes, crate::error::BoxError>;
+
+/// An empty request body.
+pub fn empty_body() -> AgentBody {
+    use http_body_util::BodyExt;
+    http_body_util::Empty::new()
+        .map_err(|e| match e {})
+        .boxed_unsync()
+}
+
+/// A request body of the given bytes.
+pub fn full_body(bytes: impl Into<bytes::Bytes>) -> AgentBody {
+    use http_body_util::BodyExt;
+    http_body_util::Full::new(bytes.into())
+        .map_err(|e| match e {})
+        .boxed_unsync()
 }
 
 /// Largest single Connect message accepted from an agent (a directory listing, say).
@@ -155,9 +175,7 @@ impl AgentConn {
 
     /// True once the agent answers its health check.
     pub async fn healthy(&self) -> bool {
-        let Ok(req) =
-            http::Request::get(format!("{AGENT_BASE}/health")).body(axum::body::Body::empty())
-        else {
+        let Ok(req) = http::Request::get(format!("{AGENT_BASE}/health")).body(empty_body()) else {
             return false;
         };
         // Bounded: a frozen or wedged agent must not stall whoever asks.

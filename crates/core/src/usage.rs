@@ -5,8 +5,7 @@
 //! with a warning if it is ever full) and one writer task commits them in batches, one
 //! transaction per batch, through the store's single writer connection.
 
-use crate::agent_client::{AGENT_BASE, AgentConn};
-use crate::error::ApiError;
+use crate::agent_conn::{AGENT_BASE, AgentConn};
 use crate::manager::{Manager, now_ms};
 use crate::pools::POOL_OWNER;
 use sandpit_api::{CommandEvent, RunCommandRequest};
@@ -168,7 +167,7 @@ fn sample(rt: &dyn Runtime, h: &SandboxHandle, id: &str) -> Option<UsageEvent> {
 /// Bytes used in a container sandbox's writable layer. The sandbox root is an overlay
 /// whose `statfs` reports its upper layer, the size-capped tmpfs; it is reached through
 /// the agent's `/proc/PID/root` (checked to still be our agent, not a reused pid).
-pub(crate) fn disk_used(h: &SandboxHandle) -> Option<i64> {
+pub fn disk_used(h: &SandboxHandle) -> Option<i64> {
     // Only containers have a writable layer of their own; the process runtime's root
     // is a host directory, whose file system is not the sandbox's.
     h.uid_base?;
@@ -262,30 +261,11 @@ pub async fn sample_one(m: &Arc<Manager>, rec: &SandboxRecord) {
     }
 }
 
-/// The API key a request authenticated with (set by the authentication middleware).
-#[derive(Debug, Clone)]
-pub struct ApiKeyId(pub String);
-
 /// Who made a request: the owner and, when known, the API key's id.
 #[derive(Debug, Clone)]
 pub struct Caller {
     pub owner: String,
     pub api_key_id: Option<String>,
-}
-
-impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Caller {
-    type Rejection = ApiError;
-
-    async fn from_request_parts(
-        parts: &mut http::request::Parts,
-        state: &S,
-    ) -> Result<Self, Self::Rejection> {
-        let owner = crate::api::Owner::from_request_parts(parts, state).await?;
-        Ok(Caller {
-            owner: owner.0,
-            api_key_id: parts.extensions.get::<ApiKeyId>().map(|k| k.0.clone()),
-        })
-    }
 }
 
 fn new_execution_id() -> String {
@@ -454,7 +434,7 @@ async fn fetch_rusage(conn: &AgentConn, pid: i64) -> Option<(u64, u64)> {
         max_rss_kb: u64,
     }
     let req = http::Request::get(format!("{AGENT_BASE}/rusage?pid={pid}"))
-        .body(axum::body::Body::empty())
+        .body(crate::agent_conn::empty_body())
         .ok()?;
     let resp = tokio::time::timeout(Duration::from_secs(5), conn.http.request(req))
         .await

@@ -8,9 +8,8 @@
 //! left in `creating` longer than the stale timeout (a creator that crashed) is taken
 //! over by the next acquirer, which logs one warning.
 
-use crate::error::ApiError;
+use crate::error::CoreError;
 use crate::manager::{Manager, now_ms};
-use http::StatusCode;
 use sandpit_api::CreateSandboxRequest;
 use sandpit_store::{LeaseRecord, LeaseStatus, SandboxRecord, SandboxState};
 use std::sync::Arc;
@@ -60,7 +59,7 @@ pub struct Acquired {
 }
 
 /// Checks a caller-chosen user name (it appears in URLs and labels, never in host paths).
-pub fn check_user(user: &str) -> Result<(), ApiError> {
+pub fn check_user(user: &str) -> Result<(), CoreError> {
     let ok = !user.is_empty()
         && user.len() <= MAX_USER_LEN
         && user != "."
@@ -71,7 +70,7 @@ pub fn check_user(user: &str) -> Result<(), ApiError> {
     if ok {
         Ok(())
     } else {
-        Err(ApiError::bad_request(format!(
+        Err(CoreError::invalid(format!(
             "user must be 1 to {MAX_USER_LEN} characters of [A-Za-z0-9._@+-], and not '.' or '..'"
         )))
     }
@@ -109,7 +108,7 @@ impl Leases {
         owner: &str,
         user: &str,
         req: CreateSandboxRequest,
-    ) -> Result<Acquired, ApiError> {
+    ) -> Result<Acquired, CoreError> {
         check_user(user)?;
         let deadline = tokio::time::Instant::now() + self.cfg.max_wait;
         let runtime = req
@@ -118,14 +117,10 @@ impl Leases {
             .unwrap_or_else(|| m.cfg.default_runtime.clone());
         loop {
             if tokio::time::Instant::now() > deadline {
-                return Err(ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "unavailable",
-                    format!(
-                        "gave up after {} s waiting for the lease of user {user:?}: another acquirer holds it",
-                        self.cfg.max_wait.as_secs()
-                    ),
-                ));
+                return Err(CoreError::Unavailable(format!(
+                    "gave up after {} s waiting for the lease of user {user:?}: another acquirer holds it",
+                    self.cfg.max_wait.as_secs()
+                )));
             }
             let step = match m.store.get_lease(owner, user).await? {
                 None => self.first(m, owner, user, &runtime, &req).await?,
@@ -163,7 +158,7 @@ impl Leases {
         user: &str,
         runtime: &str,
         req: &CreateSandboxRequest,
-    ) -> Result<Step, ApiError> {
+    ) -> Result<Step, CoreError> {
         let now = now_ms();
         let fresh = LeaseRecord {
             owner: owner.to_string(),
@@ -194,7 +189,7 @@ impl Leases {
         user: &str,
         cur: LeaseRecord,
         req: &CreateSandboxRequest,
-    ) -> Result<Step, ApiError> {
+    ) -> Result<Step, CoreError> {
         let mut retired_ms = 0;
         if let Some(id) = &cur.sandbox_id {
             match self.find(m, owner, id).await? {
@@ -237,7 +232,7 @@ impl Leases {
         user: &str,
         cur: LeaseRecord,
         req: &CreateSandboxRequest,
-    ) -> Result<Step, ApiError> {
+    ) -> Result<Step, CoreError> {
         let now = now_ms();
         let since = cur.creating_since_ms.unwrap_or(cur.updated_at_ms);
         let stale_ms = i64::try_from(self.cfg.stale_after.as_millis()).unwrap_or(i64::MAX);
@@ -272,7 +267,7 @@ impl Leases {
         m: &Arc<Manager>,
         held: LeaseRecord,
         req: &CreateSandboxRequest,
-    ) -> Result<Step, ApiError> {
+    ) -> Result<Step, CoreError> {
         let mut req = req.clone();
         req.metadata
             .entry(LEASE_LABEL.to_string())
@@ -299,7 +294,7 @@ impl Leases {
                         tracing::info!(owner = %held.owner, user = %held.user, sandbox_id = %sb.id,
                             "the lease changed while its sandbox was created; discarding the sandbox");
                         if let Err(e) = m.destroy(&sb).await {
-                            tracing::warn!(sandbox_id = %sb.id, error = %e.message, "discarding a lease sandbox failed");
+                            tracing::warn!(sandbox_id = %sb.id, error = %e.chain(), "discarding a lease sandbox failed");
                         }
                         Ok(Step::Again { wait: false })
                     }
@@ -330,7 +325,7 @@ impl Leases {
         cur: LeaseRecord,
         sb: SandboxRecord,
         resumed: bool,
-    ) -> Result<Step, ApiError> {
+    ) -> Result<Step, CoreError> {
         let now = now_ms();
         // An acquire is activity: the idle timer starts again.
         m.touch(&sb.id);
@@ -360,7 +355,7 @@ impl Leases {
     }
 
     /// The state of the lease's sandbox `id`.
-    async fn find(&self, m: &Arc<Manager>, owner: &str, id: &str) -> Result<Found, ApiError> {
+    async fn find(&self, m: &Arc<Manager>, owner: &str, id: &str) -> Result<Found, CoreError> {
         let Some(sb) = m.store.get_sandbox(id).await?.filter(|s| s.owner == owner) else {
             return Ok(Found::Gone);
         };
@@ -374,7 +369,7 @@ impl Leases {
                     // Dead before the liveness sweep noticed: tear it down now, so its
                     // resources and active time end here.
                     if let Err(e) = m.destroy(&sb).await {
-                        tracing::warn!(sandbox_id = %sb.id, error = %e.message, "removing a dead lease sandbox failed");
+                        tracing::warn!(sandbox_id = %sb.id, error = %e.chain(), "removing a dead lease sandbox failed");
                     }
                     Found::Gone
                 }
@@ -391,7 +386,7 @@ impl Leases {
         owner: &str,
         user: &str,
         keep: bool,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), CoreError> {
         check_user(user)?;
         let deadline = tokio::time::Instant::now() + self.cfg.max_wait;
         loop {
@@ -408,7 +403,7 @@ impl Leases {
                 return Ok(());
             }
             if tokio::time::Instant::now() > deadline {
-                return Err(ApiError::unavailable(format!(
+                return Err(CoreError::unavailable(format!(
                     "the lease of user {user:?} kept changing; try again"
                 )));
             }
@@ -427,8 +422,8 @@ fn done(lease: LeaseRecord, sandbox: SandboxRecord, resumed: bool) -> Step {
 }
 
 /// The 404 of a user without a lease.
-pub fn lease_not_found(user: &str) -> ApiError {
-    ApiError::not_found(format!("no lease for user {user:?}"))
+pub fn lease_not_found(user: &str) -> CoreError {
+    CoreError::not_found(format!("no lease for user {user:?}"))
 }
 
 /// Whether the sandbox's agent may still be the process the runtime started: only
@@ -482,7 +477,7 @@ mod tests {
             &"x".repeat(129),
         ] {
             let e = check_user(bad).unwrap_err();
-            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{bad:?}");
+            assert!(matches!(e, CoreError::Invalid(_)), "{bad:?}");
         }
     }
 

@@ -2,11 +2,11 @@
 //! through the in-memory runtime of [`crate::testing`]: no root, no namespaces, no
 //! cgroups, no mounts; the agent is the real router, served in-process.
 
-use crate::agent_client::AgentConn;
+use crate::agent_conn::AgentConn;
+use crate::error::CoreError;
 use crate::manager::Manager;
 use crate::pools::POOL_OWNER;
 use crate::testing::{Bed, Call, FakeRuntime, Phase, Step};
-use http::StatusCode;
 use sandpit_api::{CreateSandboxRequest, PoolSpec};
 use sandpit_runtime::{Liveness, Runtime, SandboxHandle};
 use sandpit_store::{SandboxRecord, SandboxState};
@@ -88,18 +88,18 @@ async fn a_sandbox_runs_until_deleted_and_is_torn_down_once() {
     assert!(conn.healthy().await);
     drop(conn);
     assert_eq!(m.get("alice", &rec.id).await.unwrap().id, rec.id);
-    assert_eq!(
-        m.get("bob", &rec.id).await.unwrap_err().status,
-        StatusCode::NOT_FOUND
-    );
+    assert!(matches!(
+        m.get("bob", &rec.id).await.unwrap_err(),
+        CoreError::SandboxNotFound(_)
+    ));
 
     let h = handle(m, &rec);
     m.destroy(&rec).await.unwrap();
     // Gone for callers at once, before the teardown has finished.
-    assert_eq!(
-        m.get("alice", &rec.id).await.unwrap_err().status,
-        StatusCode::NOT_FOUND
-    );
+    assert!(matches!(
+        m.get("alice", &rec.id).await.unwrap_err(),
+        CoreError::SandboxNotFound(_)
+    ));
     assert_eq!(calls_of(fake, |c| *c == Call::BeginStop(rec.id.clone())), 1);
     m.drain_teardowns(Duration::from_secs(5)).await;
     assert_eq!(record(m, &rec.id).await, None);
@@ -156,7 +156,7 @@ async fn a_delete_during_create_tears_down_once() {
 
     hold.release();
     let err = creating.await.unwrap().unwrap_err();
-    assert_eq!(err.status, StatusCode::CONFLICT, "{}", err.message);
+    assert!(matches!(err, CoreError::Conflict(_)), "{err}");
     m.drain_teardowns(Duration::from_secs(5)).await;
     assert_eq!(fake.destroys(&rec.id), 1);
     assert!(fake.held().is_empty());
@@ -182,7 +182,7 @@ async fn a_delete_while_the_agent_is_silent_ends_the_create_soon() {
     let started = std::time::Instant::now();
     m.destroy(&rec).await.unwrap();
     let err = creating.await.unwrap().unwrap_err();
-    assert_eq!(err.status, StatusCode::CONFLICT, "{}", err.message);
+    assert!(matches!(err, CoreError::Conflict(_)), "{err}");
     // One health check's bound (2 s) at most, not the agent's 10 s deadline.
     assert!(
         started.elapsed() < Duration::from_secs(5),

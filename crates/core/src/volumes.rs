@@ -2,9 +2,8 @@
 //! host (`sandpit_runtime::volume::VolumeHost` makes, mounts and removes the file systems),
 //! and the volumes of a new sandbox recorded and mounted before it starts.
 
-use crate::error::ApiError;
+use crate::error::CoreError;
 use crate::manager::{Manager, now_ms};
-use http::StatusCode;
 use sandpit_api::{CreateVolumeRequest, Volume, VolumeMountSpec};
 use sandpit_runtime::VolumeMount;
 use sandpit_runtime::volume::VolumeHost;
@@ -21,7 +20,7 @@ pub const MAX_PER_SANDBOX: usize = 16;
 pub const MAX_NAME: usize = 63;
 
 /// Checks a volume name: 1 to 63 characters of `[a-z0-9_-]`, starting with `[a-z0-9]`.
-pub fn check_name(name: &str) -> Result<(), ApiError> {
+pub fn check_name(name: &str) -> Result<(), CoreError> {
     let ok = name.len() <= MAX_NAME
         && name
             .bytes()
@@ -33,7 +32,7 @@ pub fn check_name(name: &str) -> Result<(), ApiError> {
     if ok {
         Ok(())
     } else {
-        Err(ApiError::bad_request(format!(
+        Err(CoreError::invalid(format!(
             "invalid volume name {name:?}: 1 to {MAX_NAME} characters of [a-z0-9_-], starting with a letter or digit"
         )))
     }
@@ -41,9 +40,9 @@ pub fn check_name(name: &str) -> Result<(), ApiError> {
 
 /// Checks the volumes a create asks for (names, mount paths, how many), before anything
 /// is made.
-pub fn check_mounts(mounts: &[VolumeMountSpec]) -> Result<(), ApiError> {
+pub fn check_mounts(mounts: &[VolumeMountSpec]) -> Result<(), CoreError> {
     if mounts.len() > MAX_PER_SANDBOX {
-        return Err(ApiError::bad_request(format!(
+        return Err(CoreError::invalid(format!(
             "at most {MAX_PER_SANDBOX} volumes per sandbox"
         )));
     }
@@ -51,18 +50,18 @@ pub fn check_mounts(mounts: &[VolumeMountSpec]) -> Result<(), ApiError> {
         check_name(&m.name)?;
     }
     sandpit_runtime::volume::check_targets(mounts.iter().map(|m| m.path.as_str()))
-        .map_err(ApiError::bad_request)?;
+        .map_err(CoreError::invalid)?;
     Ok(())
 }
 
 /// Runs a blocking host operation on the blocking pool.
 async fn host<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, sandpit_runtime::RuntimeError> + Send + 'static,
-) -> Result<T, ApiError> {
+) -> Result<T, CoreError> {
     tokio::task::spawn_blocking(f)
         .await
-        .map_err(|e| ApiError::internal(format!("volume task: {e}")))?
-        .map_err(|e| ApiError::internal(e.to_string()))
+        .map_err(|e| CoreError::internal(format!("volume task: {e}")))?
+        .map_err(|e| CoreError::internal(e.to_string()))
 }
 
 impl Manager {
@@ -72,14 +71,14 @@ impl Manager {
 
     /// The API view of a volume: usage (mounting it if needed) when it is ready and the
     /// host can mount it.
-    async fn volume_view(&self, v: VolumeRecord) -> Result<Volume, ApiError> {
+    async fn volume_view(&self, v: VolumeRecord) -> Result<Volume, CoreError> {
         let (used, available) = if v.state == VolumeState::Ready {
             let (vh, id) = (self.volume_host(), v.id.clone());
             match host(move || vh.usage(&id)).await {
                 Ok((u, a)) => (Some(u), Some(a)),
                 // One volume the host cannot mount must not hide the others from a list.
                 Err(e) => {
-                    tracing::warn!(id = %v.id, error = %e.message, "reading a volume's usage failed");
+                    tracing::warn!(id = %v.id, error = %e.chain(), "reading a volume's usage failed");
                     (None, None)
                 }
             }
@@ -102,11 +101,11 @@ impl Manager {
         &self,
         owner: &str,
         req: &CreateVolumeRequest,
-    ) -> Result<Volume, ApiError> {
+    ) -> Result<Volume, CoreError> {
         check_name(&req.name)?;
         let (lo, hi) = SIZE_RANGE;
         if req.size_bytes < lo || req.size_bytes > hi {
-            return Err(ApiError::bad_request(format!(
+            return Err(CoreError::invalid(format!(
                 "size_bytes must be between {lo} and {hi}, got {}",
                 req.size_bytes
             )));
@@ -114,16 +113,12 @@ impl Manager {
         // The image is sparse; refuse one that could not fill up even now.
         let free = nix::sys::statvfs::statvfs(self.volumes.images_dir())
             .map(|s| s.blocks_available() * s.fragment_size())
-            .map_err(|e| ApiError::internal(format!("statvfs of the volume directory: {e}")))?;
+            .map_err(|e| CoreError::internal(format!("statvfs of the volume directory: {e}")))?;
         if req.size_bytes > free {
-            return Err(ApiError::new(
-                StatusCode::INSUFFICIENT_STORAGE,
-                "resource_exhausted",
-                format!(
-                    "the host has {free} bytes free, less than the {} asked for",
-                    req.size_bytes
-                ),
-            ));
+            return Err(CoreError::InsufficientStorage(format!(
+                "the host has {free} bytes free, less than the {} asked for",
+                req.size_bytes
+            )));
         }
         let rec = VolumeRecord {
             id: crate::manager::new_id(),
@@ -136,12 +131,12 @@ impl Manager {
         match self.store.insert_volume(&rec, MAX_PER_OWNER).await {
             Ok(true) => {}
             Ok(false) => {
-                return Err(ApiError::conflict(format!(
+                return Err(CoreError::conflict(format!(
                     "at most {MAX_PER_OWNER} volumes per owner"
                 )));
             }
             Err(sandpit_store::StoreError::Conflict(_)) => {
-                return Err(ApiError::conflict(format!(
+                return Err(CoreError::conflict(format!(
                     "volume {} already exists",
                     req.name
                 )));
@@ -159,7 +154,7 @@ impl Manager {
             .set_volume_state(&rec.id, VolumeState::Creating, VolumeState::Ready)
             .await?
         {
-            return Err(ApiError::internal("volume record changed while creating"));
+            return Err(CoreError::internal("volume record changed while creating"));
         }
         tracing::info!(owner, name = %rec.name, id = %rec.id, size = req.size_bytes, "volume created");
         self.volume_view(VolumeRecord {
@@ -170,7 +165,7 @@ impl Manager {
     }
 
     /// The volumes of `owner`, by name.
-    pub async fn list_volumes(&self, owner: &str) -> Result<Vec<Volume>, ApiError> {
+    pub async fn list_volumes(&self, owner: &str) -> Result<Vec<Volume>, CoreError> {
         let mut out = Vec::new();
         for v in self.store.list_volumes(Some(owner)).await? {
             out.push(self.volume_view(v).await?);
@@ -179,30 +174,30 @@ impl Manager {
     }
 
     /// One volume of `owner`.
-    pub async fn get_volume(&self, owner: &str, name: &str) -> Result<Volume, ApiError> {
+    pub async fn get_volume(&self, owner: &str, name: &str) -> Result<Volume, CoreError> {
         match self.store.get_volume(owner, name).await? {
             Some(v) => self.volume_view(v).await,
-            None => Err(ApiError::not_found(format!("volume {name} not found"))),
+            None => Err(CoreError::not_found(format!("volume {name} not found"))),
         }
     }
 
     /// Deletes a volume of `owner` with everything in it; refused while a sandbox has it
     /// mounted.
-    pub async fn delete_volume(&self, owner: &str, name: &str) -> Result<(), ApiError> {
+    pub async fn delete_volume(&self, owner: &str, name: &str) -> Result<(), CoreError> {
         let v = match self.store.begin_volume_delete(owner, name).await? {
             VolumeDeletion::Started(v) => v,
             VolumeDeletion::NotFound => {
-                return Err(ApiError::not_found(format!("volume {name} not found")));
+                return Err(CoreError::not_found(format!("volume {name} not found")));
             }
             VolumeDeletion::InUse(ids) => {
-                return Err(ApiError::conflict(format!(
+                return Err(CoreError::conflict(format!(
                     "volume {name} is mounted by sandbox {}; delete {} first",
                     ids.join(", "),
                     if ids.len() == 1 { "it" } else { "them" }
                 )));
             }
             VolumeDeletion::Busy(state) => {
-                return Err(ApiError::conflict(format!("volume {name} is {state}")));
+                return Err(CoreError::conflict(format!("volume {name} is {state}")));
             }
         };
         let (vh, id) = (self.volume_host(), v.id.clone());
@@ -227,7 +222,7 @@ impl Manager {
         sandbox_id: &str,
         owner: &str,
         mounts: &[VolumeMountSpec],
-    ) -> Result<Vec<VolumeMount>, ApiError> {
+    ) -> Result<Vec<VolumeMount>, CoreError> {
         if mounts.is_empty() {
             return Ok(Vec::new());
         }
@@ -249,7 +244,7 @@ impl Manager {
     pub(crate) async fn volume_specs(
         &self,
         sandbox_id: &str,
-    ) -> Result<Vec<VolumeMountSpec>, ApiError> {
+    ) -> Result<Vec<VolumeMountSpec>, CoreError> {
         Ok(self
             .store
             .sandbox_volumes(sandbox_id)
@@ -266,7 +261,7 @@ impl Manager {
     /// What the runtime mounts for sandbox `sandbox_id`, each volume mounted on the host
     /// first: at its create, and whenever it starts again on its files (a wake from
     /// hibernation).
-    pub async fn volume_mounts(&self, sandbox_id: &str) -> Result<Vec<VolumeMount>, ApiError> {
+    pub async fn volume_mounts(&self, sandbox_id: &str) -> Result<Vec<VolumeMount>, CoreError> {
         let mut out = Vec::new();
         for (v, a) in self.store.sandbox_volumes(sandbox_id).await? {
             let vh = self.volume_host();
@@ -283,7 +278,7 @@ impl Manager {
     /// After a start: finishes volume creates and deletes that a crash cut short (both
     /// end with the volume gone) and removes host leftovers no record knows. Volumes are
     /// mounted again when first used.
-    pub async fn reconcile_volumes(&self) -> Result<(), ApiError> {
+    pub async fn reconcile_volumes(&self) -> Result<(), CoreError> {
         let mut keep = Vec::new();
         for v in self.store.list_volumes(None).await? {
             if v.state == VolumeState::Ready {
@@ -297,7 +292,7 @@ impl Manager {
                     self.store.delete_volume(&v.id).await?;
                 }
                 Err(e) => {
-                    tracing::warn!(id = %v.id, error = %e.message, "removing a volume failed")
+                    tracing::warn!(id = %v.id, error = %e.chain(), "removing a volume failed")
                 }
             }
         }

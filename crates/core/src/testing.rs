@@ -654,7 +654,6 @@ async fn manager(data_dir: &Path, fake: Arc<FakeRuntime>) -> Arc<Manager> {
             max_timeout_secs: 3600,
             default_runtime: FAKE.into(),
             allow_process_runtime: false,
-            proxy: Default::default(),
         },
         snapshots,
     )

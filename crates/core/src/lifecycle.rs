@@ -2,7 +2,7 @@
 //! that trigger them, and the read-only layers that hibernation, forks and snapshots leave
 //! under a sandbox's writable layer.
 
-use crate::error::ApiError;
+use crate::error::CoreError;
 use crate::manager::{DEFAULT_WORKDIR, Failed, Manager, now_ms};
 use crate::pools::POOL_OWNER;
 use sandpit_runtime::{Runtime, SandboxHandle, SandboxSpec};
@@ -76,15 +76,15 @@ impl Manager {
     }
 
     /// The directory of layer `id`.
-    pub(crate) fn layer_path(&self, id: &str) -> Result<PathBuf, ApiError> {
+    pub(crate) fn layer_path(&self, id: &str) -> Result<PathBuf, CoreError> {
         if !valid_layer_id(id) {
-            return Err(ApiError::internal(format!("bad layer id {id:?}")));
+            return Err(CoreError::internal(format!("bad layer id {id:?}")));
         }
         Ok(self.layers_dir().join(id))
     }
 
     /// Paths of a record's layers, top first.
-    pub(crate) fn layer_paths(&self, rec: &SandboxRecord) -> Result<Vec<PathBuf>, ApiError> {
+    pub(crate) fn layer_paths(&self, rec: &SandboxRecord) -> Result<Vec<PathBuf>, CoreError> {
         rec.life.layers.iter().map(|l| self.layer_path(l)).collect()
     }
 
@@ -147,10 +147,10 @@ impl Manager {
     }
 
     /// The current record, for operations that waited for the sandbox's op lock.
-    pub(crate) async fn fresh(&self, id: &str) -> Result<SandboxRecord, ApiError> {
+    pub(crate) async fn fresh(&self, id: &str) -> Result<SandboxRecord, CoreError> {
         match self.store.get_sandbox(id).await? {
             Some(r) if r.state != SandboxState::Stopping && !r.state.is_final() => Ok(r),
-            _ => Err(ApiError::sandbox_not_found(id)),
+            _ => Err(CoreError::sandbox_not_found(id)),
         }
     }
 
@@ -160,7 +160,7 @@ impl Manager {
         &self,
         rec: &SandboxRecord,
         memory: bool,
-    ) -> Result<SandboxRecord, ApiError> {
+    ) -> Result<SandboxRecord, CoreError> {
         if !memory {
             return self.hibernate(rec).await;
         }
@@ -170,7 +170,7 @@ impl Manager {
             SandboxState::Running => {}
             SandboxState::Paused | SandboxState::Hibernated => return Ok(rec),
             other => {
-                return Err(ApiError::conflict(format!(
+                return Err(CoreError::conflict(format!(
                     "sandbox {} is {other}, not running",
                     rec.id
                 )));
@@ -189,14 +189,14 @@ impl Manager {
                 &life,
             )
             .await?
-            .ok_or_else(|| ApiError::conflict("sandbox changed state while pausing"))?;
+            .ok_or_else(|| CoreError::conflict("sandbox changed state while pausing"))?;
         crate::usage::on_state(self, &paused, SandboxState::Paused);
         Ok(paused)
     }
 
     /// Resumes a paused sandbox (thaw) or a hibernated one (start again on its files); a
     /// running one is returned as it is.
-    pub async fn resume(&self, rec: &SandboxRecord) -> Result<SandboxRecord, ApiError> {
+    pub async fn resume(&self, rec: &SandboxRecord) -> Result<SandboxRecord, CoreError> {
         let _op = self.op_lock(&rec.id).await;
         let rec = self.fresh(&rec.id).await?;
         let woken = match rec.state {
@@ -215,13 +215,13 @@ impl Manager {
                         &life,
                     )
                     .await?
-                    .ok_or_else(|| ApiError::conflict("sandbox changed state while resuming"))?;
+                    .ok_or_else(|| CoreError::conflict("sandbox changed state while resuming"))?;
                 crate::usage::on_state(self, &thawed, SandboxState::Running);
                 thawed
             }
             SandboxState::Hibernated => self.wake(&rec).await?,
             other => {
-                return Err(ApiError::conflict(format!(
+                return Err(CoreError::conflict(format!(
                     "sandbox {} is {other}, not paused",
                     rec.id
                 )));
@@ -242,14 +242,14 @@ impl Manager {
 
     /// Keeps the sandbox's files, ends its processes and frees everything else. Its writable
     /// layer becomes a read-only layer on disk, which a resume starts it on.
-    pub async fn hibernate(&self, rec: &SandboxRecord) -> Result<SandboxRecord, ApiError> {
+    pub async fn hibernate(&self, rec: &SandboxRecord) -> Result<SandboxRecord, CoreError> {
         let _op = self.op_lock(&rec.id).await;
         let rec = self.fresh(&rec.id).await?;
         match rec.state {
             SandboxState::Running | SandboxState::Paused => {}
             SandboxState::Hibernated => return Ok(rec),
             other => {
-                return Err(ApiError::conflict(format!(
+                return Err(CoreError::conflict(format!(
                     "sandbox {} is {other}, not running or paused",
                     rec.id
                 )));
@@ -276,7 +276,7 @@ impl Manager {
                 let (rt, h) = (rt.clone(), h.clone());
                 let _ = blocking(move || rt.thaw(&h)).await;
             }
-            return Err(ApiError::conflict(
+            return Err(CoreError::conflict(
                 "sandbox changed state while hibernating",
             ));
         };
@@ -300,7 +300,7 @@ impl Manager {
         freeze: bool,
         dest: &Path,
         disk_bytes: u64,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), CoreError> {
         if freeze {
             let (rt, h) = (rt.clone(), h.clone());
             blocking(move || rt.freeze(&h)).await?;
@@ -364,11 +364,11 @@ impl Manager {
                 &below_dir,
                 &[],
             )
-            .map_err(|e| ApiError::internal(format!("merge layers: {e}")))
+            .map_err(|e| CoreError::internal(format!("merge layers: {e}")))
         })
         .await;
         if let Err(e) = merged {
-            tracing::warn!(id = %rec.id, error = %e.message, "folding hibernation layers failed; keeping both");
+            tracing::warn!(id = %rec.id, error = %e.chain(), "folding hibernation layers failed; keeping both");
             return rec;
         }
         // The lower layer now holds both; until the record says so, both are listed,
@@ -387,7 +387,7 @@ impl Manager {
     }
 
     /// Starts a hibernated sandbox again on its files (called under its op lock).
-    async fn wake(&self, rec: &SandboxRecord) -> Result<SandboxRecord, ApiError> {
+    async fn wake(&self, rec: &SandboxRecord) -> Result<SandboxRecord, CoreError> {
         let limits = crate::snapshots::limits_of(rec);
         let plan = self
             .plan(Some(&rec.template), Some(&rec.runtime), &limits)
@@ -403,7 +403,7 @@ impl Manager {
                 None,
             )
             .await?
-            .ok_or_else(|| ApiError::conflict("sandbox changed state while resuming"))?;
+            .ok_or_else(|| CoreError::conflict("sandbox changed state while resuming"))?;
         // A delete from here on must not tear down with the handle of the processes
         // hibernation ended (it would hit the new start's cgroup and uid slot).
         self.store
@@ -460,7 +460,7 @@ impl Manager {
             {
                 tracing::info!(id = %rec.id, "sandbox reached the maximum lifetime");
                 if let Err(e) = self.destroy(rec).await {
-                    tracing::warn!(id = %rec.id, error = %e.message, "destroying a sandbox at its maximum lifetime failed");
+                    tracing::warn!(id = %rec.id, error = %e.chain(), "destroying a sandbox at its maximum lifetime failed");
                 }
                 continue;
             }
@@ -509,7 +509,7 @@ impl Manager {
         }
         tracing::info!(id = %rec.id, "sandbox expired");
         if let Err(e) = self.destroy(rec).await {
-            tracing::warn!(id = %rec.id, error = %e.message, "destroying expired sandbox failed");
+            tracing::warn!(id = %rec.id, error = %e.chain(), "destroying expired sandbox failed");
         }
     }
 
@@ -527,7 +527,7 @@ impl Manager {
             match me.pause(&rec, memory).await {
                 Ok(r) => tracing::info!(id = %rec.id, why, state = %r.state, "sandbox paused"),
                 Err(e) => {
-                    tracing::warn!(id = %rec.id, why, error = %e.message, "automatic pause failed");
+                    tracing::warn!(id = %rec.id, why, error = %e.chain(), "automatic pause failed");
                     if let Ok(mut failed) = me.auto_failures.lock() {
                         failed.insert(rec.id.clone(), std::time::Instant::now());
                     }
@@ -576,7 +576,7 @@ impl Manager {
                     gone.push(name);
                 }
             }
-            Ok::<_, ApiError>(gone)
+            Ok::<_, CoreError>(gone)
         })
         .await
         .unwrap_or_default();
@@ -591,18 +591,18 @@ impl Manager {
 pub(crate) fn copy_into_new_layer(
     from: &sandpit_image::Layer,
     dest: &Path,
-) -> Result<(), ApiError> {
+) -> Result<(), CoreError> {
     let tmp = dest.with_extension("partial");
     let _ = std::fs::remove_dir_all(&tmp);
     if let Some(parent) = dest.parent() {
         std::fs::create_dir_all(parent)
-            .map_err(|e| ApiError::internal(format!("create {}: {e}", parent.display())))?;
+            .map_err(|e| CoreError::internal(format!("create {}: {e}", parent.display())))?;
     }
     let done = sandpit_image::copy_layer(from, &tmp, SKIP_TOP)
         .map_err(crate::snapshots::image_err)
         .and_then(|_| {
             std::fs::rename(&tmp, dest)
-                .map_err(|e| ApiError::internal(format!("rename {}: {e}", tmp.display())))
+                .map_err(|e| CoreError::internal(format!("rename {}: {e}", tmp.display())))
         });
     if done.is_err() {
         let _ = std::fs::remove_dir_all(&tmp);
@@ -613,7 +613,7 @@ pub(crate) fn copy_into_new_layer(
 /// Refuses a writable layer whose files are larger in all than the sandbox's disk limit.
 /// Its tmpfs caps the blocks used, not file sizes: sparse files can claim terabytes that
 /// a copy, hash or archive would read and write in full on the host.
-pub(crate) fn check_upper_size(upper: &Path, disk_bytes: u64) -> Result<(), ApiError> {
+pub(crate) fn check_upper_size(upper: &Path, disk_bytes: u64) -> Result<(), CoreError> {
     use std::os::unix::fs::MetadataExt;
     let mut total = 0u64;
     let mut seen = HashSet::new();
@@ -633,25 +633,24 @@ pub(crate) fn check_upper_size(upper: &Path, disk_bytes: u64) -> Result<(), ApiE
             }
         }
         if total > disk_bytes {
-            return Err(ApiError::new(
-                http::StatusCode::UNPROCESSABLE_ENTITY,
-                "failed_precondition",
-                format!(
+            return Err(CoreError::Unprocessable {
+                code: "failed_precondition",
+                message: format!(
                     "the sandbox's files add up to more than its disk limit of {disk_bytes} bytes                      (sparse files count at their full size); they cannot be copied or captured"
                 ),
-            ));
+            });
         }
     }
     Ok(())
 }
 
 /// Runs blocking work (runtime calls, file trees) off the async threads.
-pub(crate) async fn blocking<T: Send + 'static, E: Into<ApiError> + Send + 'static>(
+pub(crate) async fn blocking<T: Send + 'static, E: Into<CoreError> + Send + 'static>(
     f: impl FnOnce() -> Result<T, E> + Send + 'static,
-) -> Result<T, ApiError> {
+) -> Result<T, CoreError> {
     tokio::task::spawn_blocking(f)
         .await
-        .map_err(|e| ApiError::internal(format!("task: {e}")))?
+        .map_err(|e| CoreError::internal(format!("task: {e}")))?
         .map_err(Into::into)
 }
 
