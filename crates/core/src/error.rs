@@ -63,12 +63,8 @@ pub enum CoreError {
         source: std::io::Error,
     },
     /// Snapshot object storage failed.
-    #[error("snapshot storage: {context}")]
-    Storage {
-        context: String,
-        #[source]
-        source: Option<BoxError>,
-    },
+    #[error("snapshot storage: {0}")]
+    Storage(#[from] crate::snapshot_store::StorageError),
     /// Something that should not fail did; `source` keeps why when there is one.
     #[error("{context}")]
     Internal {
@@ -125,13 +121,6 @@ impl CoreError {
         Self::Io {
             context: context.into(),
             source,
-        }
-    }
-    /// Snapshot storage failed while doing `context`.
-    pub fn storage(context: impl Into<String>, source: impl Into<BoxError>) -> Self {
-        Self::Storage {
-            context: context.into(),
-            source: Some(source.into()),
         }
     }
     /// The whole chain of causes, for logs and messages (`a: b: c`).

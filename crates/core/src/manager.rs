@@ -4,16 +4,13 @@
 
 use crate::agent_conn::AgentConn;
 use crate::error::CoreError;
-use crate::pools::{POOL_OWNER, PoolKey, PoolView, Pools};
-use sandpit_api::PoolSpec;
-use sandpit_api::{CreateSandboxRequest, Limits};
-use sandpit_runtime::{Liveness, Runtime, SandboxHandle, SandboxSpec, TemplateSource};
-use sandpit_store::{Claim, PoolRecord};
+use crate::pools::{PoolKey, Pools};
+use sandpit_api::Limits;
+use sandpit_runtime::{Runtime, SandboxHandle, TemplateSource};
 use sandpit_store::{SandboxRecord, SandboxState, Store};
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 /// Limits applied when a request leaves them out.
 pub const DEFAULT_LIMITS: Limits = Limits {
@@ -47,24 +44,24 @@ pub struct ManagerConfig {
 
 /// Owns sandbox lifecycles.
 pub struct Manager {
-    pub store: Store,
-    pub runtimes: BTreeMap<String, Arc<dyn Runtime>>,
-    pub cfg: ManagerConfig,
-    conns: Mutex<HashMap<String, Arc<AgentConn>>>,
+    pub(crate) store: Store,
+    pub(crate) runtimes: BTreeMap<String, Arc<dyn Runtime>>,
+    pub(crate) cfg: ManagerConfig,
+    pub(crate) conns: Mutex<HashMap<String, Arc<AgentConn>>>,
     /// Warm pools and their ready queues.
-    pub pools: Pools,
+    pub(crate) pools: Pools,
     /// Wakes the pool refiller.
-    pool_wake: tokio::sync::Notify,
+    pub(crate) pool_wake: tokio::sync::Notify,
     /// Refills in flight.
-    refilling: AtomicUsize,
+    pub(crate) refilling: AtomicUsize,
     /// Set at shutdown: no new refills start.
-    pools_stopped: std::sync::atomic::AtomicBool,
+    pub(crate) pools_stopped: std::sync::atomic::AtomicBool,
     /// When a sandbox was last claimed from a pool (refills hold back briefly after one).
-    last_claim: Mutex<Option<std::time::Instant>>,
+    pub(crate) last_claim: Mutex<Option<std::time::Instant>>,
     /// Background teardowns in flight (a clean shutdown waits for them).
-    teardowns: Arc<AtomicUsize>,
+    pub(crate) teardowns: Arc<AtomicUsize>,
     /// The host side of volumes.
-    pub volumes: Arc<sandpit_runtime::volume::VolumeHost>,
+    pub(crate) volumes: Arc<sandpit_runtime::volume::VolumeHost>,
     /// One lock per sandbox for pause, resume, hibernation, snapshots and forks.
     pub(crate) ops: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// API activity per sandbox not yet written to the store.
@@ -76,24 +73,24 @@ pub struct Manager {
     /// Set when a sandbox with layers went: the next tick collects unused layers.
     pub(crate) gc_wanted: Arc<std::sync::atomic::AtomicBool>,
     /// Where snapshot archives are stored.
-    pub snapshot_store: crate::snapshots::SnapshotStore,
+    pub(crate) snapshot_store: crate::snapshots::SnapshotStore,
     /// Sandboxes whose automatic pause failed, and when.
     pub(crate) auto_failures: Mutex<HashMap<String, std::time::Instant>>,
     /// Template builds, and creates holding templates.
-    pub templates: crate::templates::Templates,
+    pub(crate) templates: crate::templates::Templates,
     /// Usage metering queue.
-    pub usage: crate::usage::Usage,
+    pub(crate) usage: crate::usage::Usage,
     /// The credential broker (secrets, sandbox CAs, the egress proxy's interceptor).
-    pub broker: Arc<crate::broker::Broker>,
+    pub(crate) broker: Arc<crate::broker::Broker>,
     /// Sandbox networking, when the daemon has it.
-    pub net: std::sync::OnceLock<Arc<crate::net::Net>>,
+    pub(crate) net: std::sync::OnceLock<Arc<crate::net::Net>>,
 }
 
 /// What the agent's `/init` sets.
-struct AgentInit<'a> {
-    env: &'a BTreeMap<String, String>,
-    workdir: Option<&'a str>,
-    user: Option<&'a str>,
+pub(crate) struct AgentInit<'a> {
+    pub(crate) env: &'a BTreeMap<String, String>,
+    pub(crate) workdir: Option<&'a str>,
+    pub(crate) user: Option<&'a str>,
 }
 
 /// Everything a cold start records about a new sandbox.
@@ -156,7 +153,7 @@ pub(crate) fn new_id() -> String {
         .collect()
 }
 
-fn in_range(name: &str, v: u64, (lo, hi): (u64, u64)) -> Result<u64, CoreError> {
+pub(crate) fn in_range(name: &str, v: u64, (lo, hi): (u64, u64)) -> Result<u64, CoreError> {
     if v < lo || v > hi {
         return Err(CoreError::invalid(format!(
             "{name} must be between {lo} and {hi}, got {v}"
@@ -195,54 +192,7 @@ pub fn check_env(env: &BTreeMap<String, String>) -> Result<(), CoreError> {
     Ok(())
 }
 
-fn check_pool_size(size: u32) -> Result<(), CoreError> {
-    if size > crate::pools::MAX_POOL_SIZE {
-        return Err(CoreError::invalid(format!(
-            "pool size must be at most {}",
-            crate::pools::MAX_POOL_SIZE
-        )));
-    }
-    Ok(())
-}
-
-/// Waits until `count` is zero, or `max` has passed.
-async fn wait_for_zero(count: &AtomicUsize, max: Duration) {
-    let deadline = tokio::time::Instant::now() + max;
-    while count.load(Ordering::Acquire) > 0 && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
-/// `Runtime::destroy` on a blocking thread.
-pub(crate) async fn run_destroy(rt: Arc<dyn Runtime>, h: SandboxHandle) -> Result<(), String> {
-    match tokio::task::spawn_blocking(move || rt.destroy(&h)).await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(e) => Err(format!("destroy task: {e}")),
-    }
-}
-
-/// A sandbox's liveness, asked a few times over half a second while the answer is
-/// `Unknown` (a start under descriptor pressure should not mistake a busy host for death).
-async fn settled_liveness(rt: Arc<dyn Runtime>, h: SandboxHandle) -> Liveness {
-    let mut last = Liveness::Unknown("not checked".into());
-    for attempt in 0..5 {
-        if attempt > 0 {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        let (rt, h) = (rt.clone(), h.clone());
-        last = match tokio::task::spawn_blocking(move || rt.liveness(&h)).await {
-            Ok(l) => l,
-            Err(e) => Liveness::Unknown(format!("liveness check failed: {e}")),
-        };
-        if !matches!(last, Liveness::Unknown(_)) {
-            break;
-        }
-    }
-    last
-}
-
-fn handle_of(rec: &SandboxRecord) -> Option<SandboxHandle> {
+pub(crate) fn handle_of(rec: &SandboxRecord) -> Option<SandboxHandle> {
     serde_json::from_value(rec.runtime_state.clone()).ok()
 }
 
@@ -282,7 +232,7 @@ impl Manager {
         })
     }
 
-    fn runtime(&self, name: &str) -> Result<&Arc<dyn Runtime>, CoreError> {
+    pub(crate) fn runtime(&self, name: &str) -> Result<&Arc<dyn Runtime>, CoreError> {
         self.runtimes
             .get(name)
             .ok_or_else(|| CoreError::invalid(format!("unknown runtime {name:?}")))
@@ -325,517 +275,6 @@ impl Manager {
         Ok(t)
     }
 
-    /// Validates runtime, template and limits of a create or a pool definition.
-    pub(crate) async fn plan(
-        &self,
-        template: Option<&str>,
-        runtime: Option<&str>,
-        limits: &sandpit_api::LimitsSpec,
-    ) -> Result<Plan, CoreError> {
-        let runtime_name = runtime
-            .map(str::to_string)
-            .unwrap_or_else(|| self.cfg.default_runtime.clone());
-        if runtime_name == "process" && !self.cfg.allow_process_runtime {
-            return Err(CoreError::Forbidden(
-                "the unisolated process runtime is disabled; start the daemon with --allow-process-runtime (development only)".into(),
-            ));
-        }
-        let runtime = self.runtime(&runtime_name)?.clone();
-        let template_name = template.unwrap_or("host").to_string();
-        let (template, defaults) = self.templates.resolve(&self.store, &template_name).await?;
-        let limits = Self::limits(limits)?;
-        Ok(Plan {
-            runtime,
-            key: PoolKey {
-                template: template_name,
-                runtime: runtime_name,
-                limits,
-            },
-            template,
-            volumes: Vec::new(),
-            defaults,
-            network: None,
-        })
-    }
-
-    /// Creates a sandbox and returns it running: a ready one from a matching warm pool
-    /// when there is one, else started cold (on a snapshot's files when it names one).
-    /// On any failure nothing is left behind.
-    pub async fn create(
-        self: &Arc<Self>,
-        owner: &str,
-        mut req: CreateSandboxRequest,
-    ) -> Result<SandboxRecord, CoreError> {
-        let secrets = std::mem::take(&mut req.secrets);
-        self.broker.check_names(owner, &secrets).await?;
-        let restore = match req.snapshot.as_deref() {
-            Some(s) => Some(self.restore_plan(owner, s).await?),
-            None => None,
-        };
-        if let Some(r) = &restore {
-            let snap = &r.snapshot;
-            if req.template.as_ref().is_some_and(|t| *t != snap.template)
-                || req.runtime.as_ref().is_some_and(|t| *t != snap.runtime)
-            {
-                return Err(CoreError::invalid(format!(
-                    "snapshot {} runs on template {:?} with runtime {:?}; leave them out",
-                    snap.id, snap.template, snap.runtime
-                )));
-            }
-            req.template = Some(snap.template.clone());
-            req.runtime = Some(snap.runtime.clone());
-            let l = &mut req.limits;
-            l.cpu_millis = l.cpu_millis.or(r.limits.cpu_millis);
-            l.memory_bytes = l.memory_bytes.or(r.limits.memory_bytes);
-            l.disk_bytes = l.disk_bytes.or(r.limits.disk_bytes);
-            l.max_processes = l.max_processes.or(r.limits.max_processes);
-            let mut env = r.env.clone();
-            env.append(&mut req.env);
-            req.env = env;
-            req.workdir = req.workdir.take().or_else(|| r.workdir.clone());
-            req.user = req.user.take().or_else(|| r.user.clone());
-            req.network = req.network.take().or_else(|| r.network.clone());
-        }
-        let mut plan = self
-            .plan(req.template.as_deref(), req.runtime.as_deref(), &req.limits)
-            .await?;
-        let req = crate::templates::with_defaults(req, &plan.defaults);
-        crate::volumes::check_mounts(&req.volumes)?;
-        plan.volumes = req.volumes.clone();
-        plan.network =
-            crate::net::plan_policy(self.net.get(), &plan.key.runtime, req.network.as_ref())?;
-        let timeout = self.timeout(req.timeout)?;
-        check_env(&req.env)?;
-        check_metadata(&req.metadata)?;
-        let workdir = req
-            .workdir
-            .clone()
-            .unwrap_or_else(|| DEFAULT_WORKDIR.into());
-        if !workdir.starts_with('/')
-            || workdir.contains('\0')
-            || workdir.split('/').any(|c| c == "..")
-        {
-            return Err(CoreError::invalid(
-                "workdir must be an absolute path without '..'",
-            ));
-        }
-        if let Some(u) = &req.user
-            && !matches!(u.as_str(), "user" | "root")
-        {
-            return Err(CoreError::invalid(format!(
-                "unknown user {u:?}: sandboxes have `user` and `root`"
-            )));
-        }
-        let on_timeout = match req.on_timeout.as_deref() {
-            None | Some("kill") => sandpit_store::OnTimeout::Kill,
-            Some("pause") => sandpit_store::OnTimeout::Pause,
-            Some(other) => {
-                return Err(CoreError::invalid(format!(
-                    "on_timeout is `kill` or `pause`, not {other:?}"
-                )));
-            }
-        };
-        let life = sandpit_store::Lifecycle {
-            layers: restore
-                .as_ref()
-                .map(|r| r.layers.clone())
-                .unwrap_or_default(),
-            snapshot: restore.as_ref().map(|r| r.snapshot.id.clone()),
-            last_activity_ms: now_ms(),
-            idle_timeout_secs: req
-                .idle_timeout
-                .unwrap_or(self.cfg.lifecycle.idle_timeout_secs),
-            on_timeout,
-            auto_resume: req.auto_resume.unwrap_or(true),
-            paused_at_ms: None,
-            workdir: (workdir != DEFAULT_WORKDIR).then(|| workdir.clone()),
-            user: req.user.clone(),
-            timeout_secs: timeout,
-        };
-        let expires_at_ms = now_ms() + (timeout as i64) * 1000;
-        let (secure, public) = (req.secure, req.public);
-        // A pool's sandbox is running already and cannot get mounts any more.
-        if restore.is_none()
-            && plan.volumes.is_empty()
-            && let Some(rec) = self
-                .claim(owner, &plan.key, &req, &workdir, expires_at_ms, &life)
-                .await
-        {
-            if let Err(e) = crate::net::assign(self.net.get(), &rec, plan.network.clone()).await {
-                let _ = self.destroy(&rec).await;
-                return Err(e.into());
-            }
-            let rec = self.with_proxy_access(rec, secure, public).await?;
-            return self.with_secrets(rec, &secrets).await;
-        }
-        let rec = self
-            .start_new(NewSandbox {
-                owner,
-                pool: None,
-                plan,
-                env: req.env,
-                metadata: req.metadata,
-                workdir,
-                expires_at_ms,
-                life,
-            })
-            .await?;
-        let rec = self.with_proxy_access(rec, secure, public).await?;
-        self.with_secrets(rec, &secrets).await
-    }
-
-    /// Gives a new (or newly claimed) sandbox fresh proxy credentials; without them it goes.
-    async fn with_proxy_access(
-        &self,
-        rec: SandboxRecord,
-        secure: Option<bool>,
-        public: Option<bool>,
-    ) -> Result<SandboxRecord, CoreError> {
-        if let Err(e) = crate::access::on_create(self, &rec.id, secure, public).await {
-            let _ = self.destroy(&rec).await;
-            return Err(e);
-        }
-        Ok(rec)
-    }
-
-    /// Starts a new sandbox cold and applies its default user.
-    pub(crate) async fn start_new(&self, new: NewSandbox<'_>) -> Result<SandboxRecord, CoreError> {
-        let user = new.life.user.clone();
-        let rec = self.cold_create(new).await?;
-        if let Some(user) = user.as_deref()
-            && let Err(e) = self.set_default_user(&rec, user).await
-        {
-            let _ = self.destroy(&rec).await;
-            return Err(e);
-        }
-        Ok(rec)
-    }
-
-    /// Takes a ready sandbox from the pool matching `key`, hands it to `owner` and applies
-    /// the caller's settings through the agent's `/init`. `None` means start cold.
-    async fn claim(
-        self: &Arc<Self>,
-        owner: &str,
-        key: &PoolKey,
-        req: &CreateSandboxRequest,
-        workdir: &str,
-        expires_at_ms: i64,
-        life: &sandpit_store::Lifecycle,
-    ) -> Option<SandboxRecord> {
-        let mut pool_name = None;
-        while let Some((pool, member)) = self.pools.take(key) {
-            if let Ok(mut at) = self.last_claim.lock() {
-                *at = Some(std::time::Instant::now());
-            }
-            self.pool_wake.notify_one();
-            pool_name = Some(pool.clone());
-            let Some(id) = member else { break };
-            let claim = Claim {
-                owner,
-                env: &req.env,
-                metadata: &req.metadata,
-                expires_at_ms,
-                life,
-            };
-            let rec = match self.store.claim_pooled(&id, &pool, &claim).await {
-                Ok(Some(rec)) => rec,
-                Ok(None) => continue,
-                Err(e) => {
-                    tracing::warn!(id, error = %e, "claiming a pooled sandbox failed");
-                    if !self.pools.put_back(&pool, id.clone()) {
-                        self.destroy_ids(vec![id]).await;
-                    }
-                    break;
-                }
-            };
-            let init = AgentInit {
-                env: &req.env,
-                // Pool members start in the default workdir already.
-                workdir: (workdir != DEFAULT_WORKDIR).then_some(workdir),
-                user: req.user.as_deref(),
-            };
-            match self.init_agent(&rec, &init).await {
-                Ok(()) => {
-                    crate::usage::on_state(self, &rec, SandboxState::Running);
-                    self.count_pool(&pool, true);
-                    tracing::debug!(id, pool, "sandbox claimed from pool");
-                    return Some(rec);
-                }
-                Err(e) => {
-                    tracing::warn!(id, pool, error = %e.chain(), "pooled sandbox refused its settings; destroying it");
-                    let _ = self.destroy(&rec).await;
-                }
-            }
-        }
-        if let Some(pool) = pool_name {
-            self.count_pool(&pool, false);
-        }
-        None
-    }
-
-    fn count_pool(self: &Arc<Self>, pool: &str, hit: bool) {
-        self.pools.count(pool, hit);
-        let (me, pool) = (self.clone(), pool.to_string());
-        tokio::spawn(async move {
-            let (h, m) = if hit { (1, 0) } else { (0, 1) };
-            if let Err(e) = me.store.count_pool(&pool, h, m).await {
-                tracing::warn!(pool, error = %e, "counting a pool claim failed");
-            }
-        });
-    }
-
-    /// `POST /init` on the agent: the caller's env, default workdir and user.
-    async fn init_agent(&self, rec: &SandboxRecord, init: &AgentInit<'_>) -> Result<(), CoreError> {
-        if init.env.is_empty() && init.workdir.is_none() && init.user.is_none() {
-            // Nothing to change: spare the caller a round trip.
-            return Ok(());
-        }
-        let (_, h) = self.runtime_of(rec)?;
-        let conn = self.conn_for(&rec.id, &h);
-        let body = serde_json::json!({
-            "envVars": init.env,
-            "defaultWorkdir": init.workdir,
-            "defaultUser": init.user,
-        });
-        let request = http::Request::post(format!("{}/init", crate::agent_conn::AGENT_BASE))
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .body(crate::agent_conn::full_body(body.to_string()))
-            .map_err(|e| CoreError::internal(e.to_string()))?;
-        let answer = tokio::time::timeout(Duration::from_secs(5), conn.http.request(request))
-            .await
-            .map_err(|_| CoreError::unavailable("the sandbox agent did not answer /init"))?
-            .map_err(|e| CoreError::unavailable(format!("agent /init: {e}")))?;
-        if answer.status().is_success() {
-            Ok(())
-        } else {
-            Err(CoreError::unavailable(format!(
-                "agent /init answered {}",
-                answer.status()
-            )))
-        }
-    }
-
-    /// Starts a sandbox from nothing and records it; on failure nothing is left behind.
-    async fn cold_create(&self, new: NewSandbox<'_>) -> Result<SandboxRecord, CoreError> {
-        let NewSandbox {
-            owner,
-            pool,
-            plan,
-            env,
-            metadata,
-            workdir,
-            expires_at_ms,
-            life,
-        } = new;
-        let now = now_ms();
-        let limits = plan.key.limits;
-        let rec = SandboxRecord {
-            id: new_id(),
-            owner: owner.to_string(),
-            template: plan.key.template.clone(),
-            runtime: plan.key.runtime.clone(),
-            state: SandboxState::Creating,
-            cpu_millis: limits.cpu_millis as i64,
-            memory_bytes: limits.memory_bytes as i64,
-            disk_bytes: limits.disk_bytes as i64,
-            max_processes: limits.max_processes as i64,
-            env: env.clone(),
-            metadata,
-            created_at_ms: now,
-            updated_at_ms: now,
-            expires_at_ms,
-            runtime_state: serde_json::Value::Null,
-            error: None,
-            version: 0,
-            pool,
-            life,
-        };
-        let ca = self.broker.ca_pem_soon(&rec.id);
-        self.store.insert_sandbox(&rec).await?;
-        if let Err(e) = crate::net::assign(self.net.get(), &rec, plan.network.clone()).await {
-            let _ = self.store.delete_sandbox(&rec.id).await;
-            return Err(e.into());
-        }
-        let volumes = match self.attach_volumes(&rec.id, owner, &plan.volumes).await {
-            Ok(v) => v,
-            Err(e) => {
-                let _ = self.store.delete_sandbox(&rec.id).await;
-                return Err(e);
-            }
-        };
-        let spec = SandboxSpec {
-            id: rec.id.clone(),
-            template: plan.template,
-            limits: sandpit_runtime::Limits {
-                cpu_millis: limits.cpu_millis,
-                memory_bytes: limits.memory_bytes,
-                disk_bytes: limits.disk_bytes,
-                max_processes: limits.max_processes,
-            },
-            env,
-            workdir,
-            volumes,
-            layers: self.start_layers(&rec, &plan.defaults)?,
-            extra_ca_pem: ca.await,
-            net: None,
-        };
-        self.boot(&rec, plan.runtime, spec, Failed::Delete).await
-    }
-
-    /// Starts the runtime side of a record in `creating` and waits until its agent
-    /// answers. On failure the runtime side is gone again, and the record is deleted or
-    /// put back as `failed` says.
-    pub(crate) async fn boot(
-        &self,
-        rec: &SandboxRecord,
-        runtime: Arc<dyn Runtime>,
-        spec: SandboxSpec,
-        failed: Failed,
-    ) -> Result<SandboxRecord, CoreError> {
-        let forget_record = || async {
-            match failed {
-                Failed::Delete => {
-                    let _ = self.store.delete_sandbox(&rec.id).await;
-                }
-                Failed::Restore(state) => {
-                    let _ = self
-                        .store
-                        .transition(&rec.id, &[SandboxState::Creating], state, None)
-                        .await;
-                }
-            }
-        };
-        let rt = runtime.clone();
-        let created = tokio::task::spawn_blocking(move || {
-            let mut h = rt.create(&spec)?;
-            if let Err(e) = rt.start(&spec, &mut h) {
-                if let Err(c) = rt.destroy(&h) {
-                    tracing::error!(id = %spec.id, error = %c, "cleanup after a failed start");
-                }
-                return Err(e);
-            }
-            Ok(h)
-        })
-        .await;
-        let handle = match created {
-            Ok(Ok(h)) => h,
-            Ok(Err(e)) => {
-                forget_record().await;
-                return Err(e.into());
-            }
-            Err(e) => {
-                forget_record().await;
-                return Err(CoreError::internal(format!("create task: {e}")));
-            }
-        };
-        let destroy_now = || async {
-            let _ = run_destroy(runtime.clone(), handle.clone()).await;
-            self.forget(&rec.id);
-            forget_record().await;
-        };
-        let state =
-            serde_json::to_value(&handle).map_err(|e| CoreError::internal(e.to_string()))?;
-        if let Err(e) = self.store.set_runtime_state(&rec.id, &state).await {
-            // Deleted before the handle was recorded: that delete could not tear the
-            // sandbox down, so this create does.
-            let _ = run_destroy(runtime.clone(), handle.clone()).await;
-            self.forget(&rec.id);
-            if matches!(failed, Failed::Delete) {
-                let _ = self.store.delete_sandbox(&rec.id).await;
-            }
-            return Err(match e {
-                sandpit_store::StoreError::NotFound(_) => {
-                    CoreError::conflict("sandbox was deleted while it was being created")
-                }
-                other => other.into(),
-            });
-        }
-        let ready = async {
-            crate::templates::start_services(self, rec, &handle).await?;
-            self.wait_ready(rec, &handle).await
-        };
-        match ready.await {
-            Ok(r) => {
-                crate::usage::on_state(self, &r, SandboxState::Running);
-                Ok(r)
-            }
-            Err(e) => {
-                // Whoever moves the record out of `creating` tears it down; if a delete
-                // did, it holds the handle and does the work.
-                let ours = match failed {
-                    Failed::Delete => {
-                        self.store
-                            .transition(
-                                &rec.id,
-                                &[SandboxState::Creating],
-                                SandboxState::Stopping,
-                                None,
-                            )
-                            .await
-                    }
-                    Failed::Restore(_) => Ok(Some(rec.clone())),
-                };
-                if matches!(ours, Ok(Some(_)) | Err(_)) {
-                    destroy_now().await;
-                }
-                Err(e)
-            }
-        }
-    }
-
-    /// Waits for the agent to answer, then marks the sandbox running.
-    async fn wait_ready(
-        &self,
-        rec: &SandboxRecord,
-        handle: &SandboxHandle,
-    ) -> Result<SandboxRecord, CoreError> {
-        let conn = self.conn_for(&rec.id, handle);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        let mut delay = Duration::from_micros(200);
-        let deleted = || CoreError::conflict("sandbox was deleted while it was being created");
-        // An agent answers within milliseconds; only a slow one gets its record looked at
-        // (every 100 ms), so that a delete meanwhile ends the wait without costing every
-        // start a read of the store.
-        let mut next_check = tokio::time::Instant::now() + Duration::from_millis(100);
-        while !conn.healthy().await {
-            let now = tokio::time::Instant::now();
-            if now > deadline {
-                return Err(CoreError::unavailable(
-                    "the sandbox agent did not become ready",
-                ));
-            }
-            if now >= next_check {
-                next_check = now + Duration::from_millis(100);
-                match self.store.get_sandbox(&rec.id).await? {
-                    Some(r) if r.state == SandboxState::Creating => {}
-                    _ => return Err(deleted()),
-                }
-            }
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(Duration::from_millis(20));
-        }
-        self.store
-            .transition(
-                &rec.id,
-                &[SandboxState::Creating],
-                SandboxState::Running,
-                None,
-            )
-            .await?
-            .ok_or_else(deleted)
-    }
-
-    /// A sandbox's read-only layers at start: its own, then its template's.
-    pub(crate) fn start_layers(
-        &self,
-        rec: &SandboxRecord,
-        template: &crate::templates::Defaults,
-    ) -> Result<Vec<std::path::PathBuf>, CoreError> {
-        let mut layers = self.layer_paths(rec)?;
-        layers.extend(template.layers.iter().cloned());
-        Ok(layers)
-    }
-
     /// Whether a request is using the sandbox's agent right now (a long command, a
     /// stream): the connection is then held beyond the manager's own reference.
     pub(crate) fn has_requests_in_flight(&self, id: &str) -> bool {
@@ -844,20 +283,6 @@ impl Manager {
             .ok()
             .and_then(|c| c.get(id).map(|conn| Arc::strong_count(conn) > 1))
             .unwrap_or(false)
-    }
-
-    /// Makes `user` the default user of a running sandbox's commands.
-    pub(crate) async fn set_default_user(
-        &self,
-        rec: &SandboxRecord,
-        user: &str,
-    ) -> Result<(), CoreError> {
-        let init = AgentInit {
-            env: &BTreeMap::new(),
-            workdir: None,
-            user: Some(user),
-        };
-        self.init_agent(rec, &init).await
     }
 
     pub fn conn_for(&self, id: &str, handle: &SandboxHandle) -> Arc<AgentConn> {
@@ -931,98 +356,6 @@ impl Manager {
         Ok((rt, h))
     }
 
-    /// Makes a sandbox unreachable at once and removes its resources and record in the
-    /// background. A crash before that finishes leaves a `stopping` record, which the next
-    /// start's reconcile finishes off.
-    pub async fn destroy(&self, rec: &SandboxRecord) -> Result<(), CoreError> {
-        // The state change is the claim on the teardown: whoever moves the record to
-        // `stopping` tears the sandbox down, so it happens exactly once. `stopped` means
-        // the resources are gone already (the liveness sweep removed them).
-        let from = [
-            SandboxState::Creating,
-            SandboxState::Running,
-            SandboxState::Paused,
-            SandboxState::Hibernated,
-            SandboxState::Error,
-        ];
-        let Some(cur) = self
-            .store
-            .transition(&rec.id, &from, SandboxState::Stopping, None)
-            .await?
-        else {
-            if let Some(now) = self.store.get_sandbox(&rec.id).await?
-                && now.state == SandboxState::Stopped
-            {
-                self.store.delete_sandbox(&rec.id).await?;
-            }
-            return Ok(());
-        };
-        crate::usage::on_state(self, &cur, SandboxState::Stopping);
-        self.forget(&cur.id);
-        self.pools.forget(&cur.id);
-        // Set once the record is gone: its layers are unused from then on.
-        let gc = (!cur.life.layers.is_empty()).then(|| self.gc_wanted.clone());
-        let store = self.store.clone();
-        let id = cur.id.clone();
-        // The handle comes from the row just changed: a copy read before the create
-        // finished may not have it yet.
-        match (self.runtime(&cur.runtime).cloned(), handle_of(&cur)) {
-            (Ok(rt), Some(h)) => {
-                rt.begin_stop(&h);
-                let teardowns = self.teardowns.clone();
-                teardowns.fetch_add(1, Ordering::AcqRel);
-                tokio::spawn(async move {
-                    let done = match run_destroy(rt, h).await {
-                        Ok(()) => store.delete_sandbox(&id).await.map(drop),
-                        Err(why) => {
-                            tracing::error!(id, error = %why, "tearing down a sandbox failed");
-                            store
-                                .transition(
-                                    &id,
-                                    &[SandboxState::Stopping],
-                                    SandboxState::Error,
-                                    Some(&why),
-                                )
-                                .await
-                                .map(drop)
-                        }
-                    };
-                    if let Err(e) = done {
-                        tracing::warn!(id, error = %e, "recording a teardown failed");
-                    }
-                    if let Some(gc) = gc {
-                        gc.store(true, Ordering::Release);
-                    }
-                    teardowns.fetch_sub(1, Ordering::AcqRel);
-                });
-            }
-            // Never started (or its create is still under way and will find the record
-            // gone and clean up after itself).
-            _ => {
-                self.store.delete_sandbox(&id).await?;
-                if let Some(gc) = gc {
-                    gc.store(true, Ordering::Release);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// At shutdown: starts no more refills and waits (up to `max`) for those under way,
-    /// so that none finishes unrecorded or for a pool deleted meanwhile after the daemon
-    /// has gone (their own teardowns are then awaited by [`Self::drain_teardowns`]).
-    pub async fn stop_pools(&self, max: Duration) {
-        self.pools_stopped.store(true, Ordering::Release);
-        self.pool_wake.notify_one();
-        wait_for_zero(&self.refilling, max).await;
-    }
-
-    /// Waits (up to `max`) for background teardowns to finish; what is left is finished by
-    /// the next start's reconcile.
-    pub async fn drain_teardowns(&self, max: Duration) {
-        wait_for_zero(&self.teardowns, max).await;
-    }
-
     /// Sets the sandbox to expire `secs` from now.
     pub async fn set_timeout(&self, rec: &SandboxRecord, secs: u64) -> Result<(), CoreError> {
         let secs = self.timeout(Some(secs))?;
@@ -1032,473 +365,7 @@ impl Manager {
         Ok(())
     }
 
-    /// One pass of housekeeping: expire sandboxes past their TTL and clean up dead ones.
-    pub async fn tick(self: &Arc<Self>) {
-        let states = [
-            SandboxState::Running,
-            SandboxState::Paused,
-            SandboxState::Hibernated,
-            SandboxState::Error,
-        ];
-        match self.store.expired_sandboxes(now_ms(), &states).await {
-            Ok(expired) => {
-                for rec in expired {
-                    self.expire(&rec).await;
-                }
-            }
-            Err(e) => tracing::warn!(error = %e, "listing expired sandboxes failed"),
-        }
-        let Ok(live) = self.store.live_sandboxes().await else {
-            return;
-        };
-        self.lifecycle_tick(&live).await;
-        let running: Vec<(SandboxRecord, Arc<dyn Runtime>, SandboxHandle)> = live
-            .into_iter()
-            .filter(|r| r.state == SandboxState::Running)
-            .filter_map(|r| self.runtime_of(&r).ok().map(|(rt, h)| (r, rt, h)))
-            .collect();
-        // One blocking task for the whole sweep: with a thousand sandboxes, a task each
-        // would cost more than the /proc reads themselves.
-        let swept = tokio::task::spawn_blocking(move || {
-            let mut dead = Vec::new();
-            let mut unknown = Vec::new();
-            for (r, rt, h) in running {
-                match rt.liveness(&h) {
-                    Liveness::Alive => {}
-                    Liveness::Dead => dead.push(r),
-                    Liveness::Unknown(why) => unknown.push((r.id, why)),
-                }
-            }
-            (dead, unknown)
-        })
-        .await;
-        // A sweep that could not run proves nothing either.
-        let Ok((dead, unknown)) = swept else { return };
-        if let Some((id, why)) = unknown.first() {
-            // Under descriptor or memory pressure /proc cannot be read: the sandboxes are
-            // left alone until there is evidence (ENOENT, a zombie, a reused pid).
-            tracing::warn!(count = unknown.len(), first = %id, error = %why,
-                "cannot tell whether sandboxes are alive; leaving them running");
-        }
-        for rec in dead {
-            self.mark_dead(&rec, "the sandbox's agent exited").await;
-        }
-    }
-
-    /// Removes a dead sandbox's resources and records it as stopped (why), unless a
-    /// delete got to it first: moving the record to `stopping` claims the teardown.
-    async fn mark_dead(&self, rec: &SandboxRecord, why: &str) {
-        let from = [
-            SandboxState::Creating,
-            SandboxState::Running,
-            SandboxState::Paused,
-        ];
-        let cur = match self
-            .store
-            .transition(&rec.id, &from, SandboxState::Stopping, None)
-            .await
-        {
-            Ok(Some(cur)) => cur,
-            // Deleted meanwhile: the delete tears it down.
-            Ok(None) => return,
-            Err(e) => {
-                tracing::warn!(id = %rec.id, error = %e, "marking sandbox stopped failed");
-                return;
-            }
-        };
-        crate::usage::on_state(self, &cur, SandboxState::Stopping);
-        tracing::warn!(id = %cur.id, why, "sandbox stopped; cleaning up");
-        let (to, note) = match self.teardown_now(&cur).await {
-            Ok(()) => (SandboxState::Stopped, why.to_string()),
-            // Left in `error` so that a delete tries the teardown again.
-            Err(e) => (SandboxState::Error, format!("{why}; teardown failed: {e}")),
-        };
-        if cur.owner == POOL_OWNER && to == SandboxState::Stopped {
-            // Nobody can ever look at an unclaimed pool member's record.
-            let _ = self.store.delete_sandbox(&cur.id).await;
-            return;
-        }
-        if let Err(e) = self
-            .store
-            .transition(&cur.id, &[SandboxState::Stopping], to, Some(&note))
-            .await
-        {
-            tracing::warn!(id = %cur.id, error = %e, "recording a stopped sandbox failed");
-        }
-        if !cur.life.layers.is_empty() {
-            self.gc_wanted.store(true, Ordering::Release);
-        }
-    }
-
-    /// Removes a sandbox's resources and waits for it.
-    async fn teardown_now(&self, rec: &SandboxRecord) -> Result<(), String> {
-        self.forget(&rec.id);
-        self.pools.forget(&rec.id);
-        match self.runtime_of(rec) {
-            Ok((rt, h)) => run_destroy(rt, h).await.inspect_err(|e| {
-                tracing::warn!(id = %rec.id, error = %e, "teardown failed");
-            }),
-            Err(_) => Ok(()),
-        }
-    }
-
-    /// After a start: re-adopt live sandboxes, clean up dead and half-made ones, and sweep
-    /// runtime leftovers that the store does not know.
-    pub async fn reconcile(&self) -> Result<(), CoreError> {
-        // Archives half-written or half-downloaded when the daemon stopped.
-        let tmp = self.cfg.data_dir.join("tmp");
-        if tmp.exists()
-            && let Err(e) = std::fs::remove_dir_all(&tmp)
-        {
-            tracing::warn!(dir = %tmp.display(), error = %e, "removing leftover temporary files failed");
-        }
-        let live = self.store.live_sandboxes().await?;
-        let mut keep = Vec::new();
-        for rec in live {
-            if rec.state == SandboxState::Hibernated {
-                // Nothing of it runs; its files are in its layers.
-                continue;
-            }
-            if rec.state == SandboxState::Creating && rec.life.paused_at_ms.is_some() {
-                // A wake from hibernation cut short: whatever it started goes, and the
-                // sandbox is hibernated again on the files it had.
-                tracing::info!(id = %rec.id, "finishing an interrupted wake: back to hibernated");
-                if let Err(e) = self.teardown_now(&rec).await {
-                    tracing::warn!(id = %rec.id, error = %e, "removing a half-woken sandbox failed");
-                }
-                let _ = self
-                    .store
-                    .transition(
-                        &rec.id,
-                        &[SandboxState::Creating],
-                        SandboxState::Hibernated,
-                        None,
-                    )
-                    .await;
-                continue;
-            }
-            let usable = match self.runtime_of(&rec) {
-                Ok((rt, h)) => {
-                    let (rt2, h2) = (rt.clone(), h.clone());
-                    let liveness = settled_liveness(rt2, h2).await;
-                    // A paused sandbox's agent is frozen and cannot answer; it is adopted
-                    // on the strength of its process alone.
-                    let answers = rec.state == SandboxState::Paused
-                        || self.conn_for(&rec.id, &h).healthy().await;
-                    let settled =
-                        !matches!(rec.state, SandboxState::Creating | SandboxState::Stopping);
-                    match liveness {
-                        Liveness::Alive if settled && answers => {
-                            rt.adopt(&h);
-                            true
-                        }
-                        // No evidence either way: keep it (its resources too); the sweep
-                        // decides once /proc can be read again.
-                        Liveness::Unknown(why) if settled => {
-                            tracing::warn!(id = %rec.id, error = %why,
-                                "cannot tell whether a sandbox survived; keeping it");
-                            rt.adopt(&h);
-                            true
-                        }
-                        _ => false,
-                    }
-                }
-                Err(_) => false,
-            };
-            if rec.state == SandboxState::Stopping {
-                tracing::info!(id = %rec.id, "finishing an interrupted teardown");
-                match self.teardown_now(&rec).await {
-                    Ok(()) => {
-                        let _ = self.store.delete_sandbox(&rec.id).await;
-                    }
-                    Err(e) => {
-                        let _ = self
-                            .store
-                            .transition(
-                                &rec.id,
-                                &[SandboxState::Stopping],
-                                SandboxState::Error,
-                                Some(&format!("teardown failed: {e}")),
-                            )
-                            .await;
-                    }
-                }
-            } else if usable {
-                tracing::info!(id = %rec.id, "re-adopted sandbox");
-                keep.push(rec.id.clone());
-            } else if rec.state == SandboxState::Creating {
-                tracing::info!(id = %rec.id, "removing half-created sandbox");
-                self.mark_dead(&rec, "half-created").await;
-                let _ = self.store.delete_sandbox(&rec.id).await;
-            } else {
-                tracing::info!(id = %rec.id, "sandbox died while the daemon was down");
-                self.mark_dead(&rec, "the sandbox died while the daemon was not running")
-                    .await;
-            }
-        }
-        for rt in self.runtimes.values() {
-            let (rt, keep) = (rt.clone(), keep.clone());
-            match tokio::task::spawn_blocking(move || rt.remove_orphans(&keep)).await {
-                Ok(Ok(removed)) if !removed.is_empty() => {
-                    tracing::info!(?removed, "removed orphaned sandbox leftovers")
-                }
-                Ok(Err(e)) => tracing::warn!(error = %e, "sweeping orphans failed"),
-                _ => {}
-            }
-        }
-        Ok(())
-    }
-
     // ---- warm pools ----
-
-    /// Validates a pool definition into a store record.
-    async fn pool_record(&self, spec: &PoolSpec, source: &str) -> Result<PoolRecord, CoreError> {
-        let name_ok = !spec.name.is_empty()
-            && spec.name.len() <= 64
-            && spec
-                .name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-        if !name_ok {
-            return Err(CoreError::invalid(
-                "pool name must be 1 to 64 characters of [a-zA-Z0-9_-]",
-            ));
-        }
-        check_pool_size(spec.size)?;
-        let plan = self
-            .plan(
-                spec.template.as_deref(),
-                spec.runtime.as_deref(),
-                &spec.limits,
-            )
-            .await?;
-        let l = plan.key.limits;
-        Ok(PoolRecord {
-            name: spec.name.clone(),
-            template: plan.key.template,
-            runtime: plan.key.runtime,
-            cpu_millis: l.cpu_millis as i64,
-            memory_bytes: l.memory_bytes as i64,
-            disk_bytes: l.disk_bytes as i64,
-            max_processes: l.max_processes as i64,
-            size: spec.size as i64,
-            source: source.to_string(),
-            hits: 0,
-            misses: 0,
-            created_at_ms: now_ms(),
-        })
-    }
-
-    /// Creates a pool through the API; it fills in the background.
-    pub async fn create_pool(&self, spec: &PoolSpec) -> Result<PoolView, CoreError> {
-        let def = self.pool_record(spec, "api").await?;
-        let key = PoolKey::of(&def);
-        if let Some(other) = self
-            .pools
-            .views()
-            .into_iter()
-            .find(|v| PoolKey::of(&v.def) == key)
-        {
-            return Err(CoreError::conflict(format!(
-                "pool {} already keeps sandboxes of this template, runtime and limits",
-                other.def.name
-            )));
-        }
-        self.store.insert_pool(&def).await?;
-        let stale = self.pools.define(def);
-        self.destroy_ids(stale).await;
-        self.pool_wake.notify_one();
-        self.pools
-            .view(&spec.name)
-            .ok_or_else(|| CoreError::internal("pool vanished"))
-    }
-
-    /// Changes how many idle sandboxes a pool keeps; extra idle ones are destroyed.
-    pub async fn resize_pool(&self, name: &str, size: u32) -> Result<PoolView, CoreError> {
-        check_pool_size(size)?;
-        if !self.store.resize_pool(name, size as i64).await? {
-            return Err(CoreError::not_found(format!("pool {name} not found")));
-        }
-        let extra = self.pools.resize(name, size).unwrap_or_default();
-        self.destroy_ids(extra).await;
-        self.pool_wake.notify_one();
-        self.pools
-            .view(name)
-            .ok_or_else(|| CoreError::not_found(format!("pool {name} not found")))
-    }
-
-    /// Removes a pool and destroys its idle sandboxes (claimed ones stay their owners').
-    pub async fn delete_pool(&self, name: &str) -> Result<(), CoreError> {
-        if !self.store.delete_pool(name).await? {
-            return Err(CoreError::not_found(format!("pool {name} not found")));
-        }
-        let members = self.pools.remove(name).unwrap_or_default();
-        self.destroy_ids(members).await;
-        Ok(())
-    }
-
-    async fn destroy_ids(&self, ids: Vec<String>) {
-        for id in ids {
-            match self.store.get_sandbox(&id).await {
-                Ok(Some(rec)) => {
-                    if let Err(e) = self.destroy(&rec).await {
-                        tracing::warn!(id, error = %e.chain(), "destroying an idle pool member failed");
-                    }
-                }
-                Ok(None) => {}
-                Err(e) => tracing::warn!(id, error = %e, "reading an idle pool member failed"),
-            }
-        }
-    }
-
-    /// After reconcile: applies the config file's pools (which replace earlier config
-    /// pools), loads every pool, adopts surviving idle members and destroys the rest.
-    pub async fn load_pools(&self, from_config: &[PoolSpec]) -> Result<(), CoreError> {
-        let mut declared = Vec::new();
-        for spec in from_config {
-            // A refused entry (say, its template is missing just now) keeps what the store
-            // has: only a pool taken out of the file is removed.
-            declared.push(spec.name.clone());
-            match self.pool_record(spec, "config").await {
-                Ok(def) => self.store.upsert_pool(&def).await?,
-                Err(e) => {
-                    tracing::error!(pool = %spec.name, error = %e.chain(), "pool in the config file refused")
-                }
-            }
-        }
-        let mut keys: Vec<PoolKey> = Vec::new();
-        for def in self.store.list_pools().await? {
-            if def.source == "config" && !declared.contains(&def.name) {
-                tracing::info!(pool = %def.name, "pool removed from the config file");
-                self.store.delete_pool(&def.name).await?;
-                continue;
-            }
-            let key = PoolKey::of(&def);
-            if keys.contains(&key) {
-                tracing::error!(pool = %def.name, "another pool keeps sandboxes of the same template, runtime and limits; this one is not used");
-                continue;
-            }
-            keys.push(key);
-            self.pools.define(def);
-        }
-        match self.store.delete_final_pool_records().await {
-            Ok(n) if n > 0 => tracing::info!(n, "removed records of dead idle pool sandboxes"),
-            Ok(_) => {}
-            Err(e) => tracing::warn!(error = %e, "removing records of dead pool sandboxes failed"),
-        }
-        let mut unwanted = Vec::new();
-        let mut members: BTreeMap<String, Vec<String>> = BTreeMap::new();
-        for rec in self.store.live_sandboxes().await? {
-            if rec.owner != POOL_OWNER {
-                continue;
-            }
-            // A member is adopted only into a pool whose definition it still matches (the
-            // config file may have changed the limits while the daemon was down).
-            let own_key = PoolKey::of_sandbox(&rec);
-            let pool = rec.pool.clone().unwrap_or_default();
-            let fits = self.pools.key(&pool).is_some_and(|k| k == own_key);
-            if fits && rec.state == SandboxState::Running {
-                members.entry(pool).or_default().push(rec.id);
-            } else {
-                unwanted.push(rec.id);
-            }
-        }
-        for (pool, ids) in members {
-            let n = ids.len();
-            let extra = self.pools.adopt(&pool, ids);
-            tracing::info!(
-                pool,
-                adopted = n - extra.len(),
-                "re-adopted idle pool sandboxes"
-            );
-            unwanted.extend(extra);
-        }
-        self.destroy_ids(unwanted).await;
-        self.pool_wake.notify_one();
-        Ok(())
-    }
-
-    /// Keeps every pool at its size, a few starts at a time, until the daemon stops.
-    pub async fn run_pools(self: Arc<Self>) {
-        let mut held_since: Option<std::time::Instant> = None;
-        loop {
-            // A claimed sandbox's caller usually runs a command right away; a refill
-            // starting at that moment would take the CPU from it. Hold refills while claims
-            // are recent, but never for long, so that a stream of claims cannot starve them.
-            let recent = self
-                .last_claim
-                .lock()
-                .ok()
-                .and_then(|at| *at)
-                .map(|at| at.elapsed())
-                .filter(|e| *e < crate::pools::REFILL_QUIET);
-            if let Some(elapsed) = recent {
-                let since = *held_since.get_or_insert_with(std::time::Instant::now);
-                if since.elapsed() < crate::pools::REFILL_MAX_HOLD {
-                    tokio::time::sleep(crate::pools::REFILL_QUIET - elapsed).await;
-                    continue;
-                }
-            }
-            held_since = None;
-            if self.pools_stopped.load(Ordering::Acquire) {
-                return;
-            }
-            let budget = crate::pools::REFILL_CONCURRENCY
-                .saturating_sub(self.refilling.load(Ordering::Acquire));
-            for refill in self.pools.plan_refills(budget) {
-                self.refilling.fetch_add(1, Ordering::AcqRel);
-                let me = self.clone();
-                tokio::spawn(async move {
-                    let id = me.refill(&refill).await;
-                    if !me.pools.started(&refill, id.clone())
-                        && let Some(id) = id
-                    {
-                        me.destroy_ids(vec![id]).await;
-                    }
-                    me.refilling.fetch_sub(1, Ordering::AcqRel);
-                    me.pool_wake.notify_one();
-                });
-            }
-            // Woken by claims and finished refills; the timeout retries after a backoff.
-            let _ =
-                tokio::time::timeout(Duration::from_millis(500), self.pool_wake.notified()).await;
-        }
-    }
-
-    /// Starts one idle member of a pool.
-    async fn refill(&self, refill: &crate::pools::Refill) -> Option<String> {
-        let k = &refill.key;
-        let spec = sandpit_api::LimitsSpec {
-            cpu_millis: Some(k.limits.cpu_millis),
-            memory_bytes: Some(k.limits.memory_bytes),
-            disk_bytes: Some(k.limits.disk_bytes),
-            max_processes: Some(k.limits.max_processes),
-        };
-        let started = async {
-            let plan = self
-                .plan(Some(&k.template), Some(&k.runtime), &spec)
-                .await?;
-            self.cold_create(NewSandbox {
-                owner: POOL_OWNER,
-                pool: Some(refill.pool.clone()),
-                plan,
-                env: BTreeMap::new(),
-                metadata: BTreeMap::new(),
-                workdir: DEFAULT_WORKDIR.into(),
-                // Idle pool members never expire; a claim sets the caller's deadline.
-                expires_at_ms: i64::MAX,
-                life: Default::default(),
-            })
-            .await
-        };
-        match started.await {
-            Ok(rec) => Some(rec.id),
-            Err(e) => {
-                tracing::warn!(pool = %refill.pool, error = %e.chain(), "refilling a pool failed");
-                None
-            }
-        }
-    }
 }
 
 impl Manager {
@@ -1519,5 +386,69 @@ impl Manager {
             return Err(e.into());
         }
         Ok(rec)
+    }
+}
+
+/// What callers outside the core may read or do with the manager's parts; its fields stay
+/// its own.
+impl Manager {
+    /// The daemon-wide settings it was made with.
+    pub fn config(&self) -> &ManagerConfig {
+        &self.cfg
+    }
+
+    /// Sandbox networking, once attached (absent when the host cannot give sandboxes
+    /// networks of their own).
+    pub fn net(&self) -> Option<&Arc<crate::net::Net>> {
+        self.net.get()
+    }
+
+    /// Attaches sandbox networking; only the first call counts.
+    pub fn attach_net(&self, net: Arc<crate::net::Net>) {
+        let _ = self.net.set(net);
+    }
+
+    /// Whether sandboxes of this runtime are isolated from the host.
+    pub fn is_isolated(&self, runtime: &str) -> bool {
+        self.runtimes
+            .get(runtime)
+            .is_some_and(|r| r.capabilities().isolated)
+    }
+
+    /// The registered runtimes, by name (including ones not offered to clients).
+    pub fn runtimes(&self) -> impl Iterator<Item = (&str, &Arc<dyn Runtime>)> {
+        self.runtimes.iter().map(|(k, v)| (k.as_str(), v))
+    }
+
+    /// Warm pools as they are now.
+    pub fn pools(&self) -> &Pools {
+        &self.pools
+    }
+
+    /// The template registry and builds.
+    pub fn templates(&self) -> &crate::templates::Templates {
+        &self.templates
+    }
+
+    /// Metering: usage events and execution records.
+    pub fn usage(&self) -> &crate::usage::Usage {
+        &self.usage
+    }
+
+    /// Lets go of host resources held for the process's life (runtime helpers, volume
+    /// mounts) at shutdown; sandboxes keep running.
+    pub fn release_host(&self) {
+        for rt in self.runtimes.values() {
+            rt.release();
+        }
+        self.volumes.release();
+    }
+}
+
+impl Manager {
+    /// A sandbox's record by id, whoever owns it: for the ingress, which authorizes with
+    /// the sandbox's own tokens rather than an owner.
+    pub async fn find(&self, id: &str) -> Result<Option<SandboxRecord>, CoreError> {
+        Ok(self.store.get_sandbox(id).await?)
     }
 }

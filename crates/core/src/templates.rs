@@ -365,13 +365,12 @@ fn check_source(source: &TemplateSourceSpec, data_dir: &Path) -> Result<Source, 
             packages,
             mirror,
         } => {
-            debootstrap::check_suite(suite).map_err(CoreError::invalid)?;
-            debootstrap::check_packages(packages).map_err(CoreError::invalid)?;
+            debootstrap::check_suite(suite)?;
+            debootstrap::check_packages(packages)?;
             let mirror = mirror
                 .as_deref()
                 .map(debootstrap::check_mirror)
-                .transpose()
-                .map_err(CoreError::invalid)?;
+                .transpose()?;
             Ok(Source::Debootstrap {
                 suite: suite.clone(),
                 packages: packages.clone(),
@@ -565,8 +564,7 @@ impl Templates {
             Some(s) => s,
             None => check_source(&req.source, &self.data_dir)?,
         };
-        let source_json =
-            serde_json::to_value(&req.source).map_err(|e| CoreError::internal(e.to_string()))?;
+        let source_json = serde_json::to_value(&req.source)?;
         let id = new_build_id();
         let work = self.dir.join(format!("{}-{id}", req.name));
         let now = crate::manager::now_ms();
@@ -739,9 +737,7 @@ impl Templates {
         }
         if let Some(work) = self.owned_dir(&marked) {
             let w = work.clone();
-            let removed = tokio::task::spawn_blocking(move || remove::remove_tree(&w))
-                .await
-                .map_err(|e| CoreError::internal(e.to_string()))?;
+            let removed = tokio::task::spawn_blocking(move || remove::remove_tree(&w)).await?;
             if let Err(e) = removed {
                 let msg = format!("removing {} failed: {e}", work.display());
                 tracing::error!(template = name, "{msg}");
@@ -1305,7 +1301,7 @@ fn layered_base(t: &TemplateRecord) -> Option<String> {
 /// The layer directories of a template made from a snapshot, top first.
 fn layer_dirs(dir: &Path) -> Result<Vec<PathBuf>, CoreError> {
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| CoreError::internal(format!("read {}: {e}", dir.display())))?
+        .map_err(|e| CoreError::io(format!("read {}", dir.display()), e))?
         .flatten()
         .map(|e| e.path())
         .filter(|p| p.is_dir())

@@ -60,8 +60,8 @@ async fn host<T: Send + 'static>(
 ) -> Result<T, CoreError> {
     tokio::task::spawn_blocking(f)
         .await
-        .map_err(|e| CoreError::internal(format!("volume task: {e}")))?
-        .map_err(|e| CoreError::internal(e.to_string()))
+        .map_err(CoreError::from)?
+        .map_err(CoreError::from)
 }
 
 impl Manager {
@@ -113,7 +113,7 @@ impl Manager {
         // The image is sparse; refuse one that could not fill up even now.
         let free = nix::sys::statvfs::statvfs(self.volumes.images_dir())
             .map(|s| s.blocks_available() * s.fragment_size())
-            .map_err(|e| CoreError::internal(format!("statvfs of the volume directory: {e}")))?;
+            .map_err(|e| CoreError::internal_from("statvfs of the volume directory", e))?;
         if req.size_bytes > free {
             return Err(CoreError::InsufficientStorage(format!(
                 "the host has {free} bytes free, less than the {} asked for",

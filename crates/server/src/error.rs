@@ -183,7 +183,7 @@ impl From<sandpit_core::CoreError> for ApiError {
             E::Runtime(e) => e.into(),
             E::Net(e) => e.into(),
             E::Broker(e) => e.into(),
-            e @ E::Storage { .. } => ApiError::unavailable(e.chain()),
+            e @ E::Storage(_) => ApiError::unavailable(e.chain()),
             e @ (E::Image(_) | E::Io { .. } | E::Internal { .. }) => {
                 tracing::warn!(error = %e.chain(), "internal failure");
                 ApiError::internal(e.chain())

@@ -170,11 +170,12 @@ pub async fn prepare(
     let snapshot_store = snapshots::SnapshotStore::open(&file.snapshots, &cfg.data_dir)
         .map_err(|e| ServerError::Config(format!("snapshot storage: {e}")))?;
     tracing::info!(store = %snapshot_store.describe, "snapshot storage");
+    let broker = Arc::new(broker);
     let manager = Manager::new(
-        store,
+        store.clone(),
         runtimes,
         volumes,
-        Arc::new(broker),
+        broker.clone(),
         ManagerConfig {
             data_dir: cfg.data_dir.clone(),
             lifecycle: file.lifecycle.clone(),
@@ -185,10 +186,10 @@ pub async fn prepare(
         snapshot_store,
     );
     if let Some(n) = &net {
-        let _ = manager.net.set(n.clone());
+        manager.attach_net(n.clone());
         // Connections to hosts with a bound credential go through the broker; it wants
         // none while it has no key.
-        n.set_interceptor(manager.broker.clone());
+        n.set_interceptor(broker.clone());
     }
     if let Err(e) = manager.reconcile().await {
         tracing::warn!(error = %e.chain(), "reconcile failed");
@@ -200,12 +201,14 @@ pub async fn prepare(
     if let Err(e) = manager.reconcile_volumes().await {
         tracing::warn!(error = %e.chain(), "reconciling volumes failed");
     }
-    manager.templates.recover(&manager.store).await;
+    manager.templates().recover(&store).await;
     if let Err(e) = manager.load_pools(&file.pools).await {
         tracing::warn!(error = %e.chain(), "loading warm pools failed");
     }
     let state = api::AppState {
         manager: manager.clone(),
+        store,
+        broker,
         no_auth_owner: cfg
             .insecure_no_auth
             .then(|| api::pools::ADMIN_OWNER.to_string()),
@@ -228,7 +231,7 @@ pub async fn prepare(
 pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
     let (manager, state, http) = prepare(&cfg).await?;
     tokio::spawn(manager.clone().run_pools());
-    manager.broker.spawn_refresh();
+    state.broker.spawn_refresh();
     usage::start(&manager);
     let ticker = manager.clone();
     tokio::spawn(async move {
@@ -241,7 +244,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
         .await
         .map_err(|e| ServerError::Io(format!("listen on {}", cfg.listen), e))?;
     tracing::info!(listen = %cfg.listen, data_dir = %cfg.data_dir.display(), "sandpit serving");
-    let net = manager.net.get().cloned();
+    let net = manager.net().cloned();
     let shutdown = async move {
         use tokio::signal::unix::{SignalKind, signal};
         match (
@@ -261,10 +264,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
     listener::serve(listener, api::router(state), &http, shutdown).await;
     manager.stop_pools(Duration::from_secs(30)).await;
     manager.drain_teardowns(Duration::from_secs(30)).await;
-    manager.usage.flush(Duration::from_secs(10)).await;
-    for rt in manager.runtimes.values() {
-        rt.release();
-    }
-    manager.volumes.release();
+    manager.usage().flush(Duration::from_secs(10)).await;
+    manager.release_host();
     Ok(())
 }

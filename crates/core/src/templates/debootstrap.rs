@@ -4,6 +4,7 @@
 //! /proc and /sys it mounts inside the target vanish with it however it ends.
 
 use super::{Build, BuildError};
+use crate::error::CoreError;
 use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
@@ -15,7 +16,7 @@ const MAX_RUN: Duration = Duration::from_secs(3600);
 const MAX_PACKAGES: usize = 512;
 
 /// A suite (codename) such as `bookworm`: a lowercase letter, then letters, digits, `.`, `-`.
-pub fn check_suite(suite: &str) -> Result<(), String> {
+pub fn check_suite(suite: &str) -> Result<(), CoreError> {
     let ok = (1..=64).contains(&suite.len())
         && suite.as_bytes()[0].is_ascii_lowercase()
         && suite
@@ -24,17 +25,19 @@ pub fn check_suite(suite: &str) -> Result<(), String> {
     if ok {
         Ok(())
     } else {
-        Err(format!(
+        Err(CoreError::invalid(format!(
             "bad suite {suite:?}: a codename such as \"bookworm\" (a-z, 0-9, '.', '-')"
-        ))
+        )))
     }
 }
 
 /// Package names as Debian policy defines them: lowercase letters, digits, `+`, `-`, `.`,
 /// at least two characters, starting with a letter or digit.
-pub fn check_packages(packages: &[String]) -> Result<(), String> {
+pub fn check_packages(packages: &[String]) -> Result<(), CoreError> {
     if packages.len() > MAX_PACKAGES {
-        return Err(format!("at most {MAX_PACKAGES} packages"));
+        return Err(CoreError::invalid(format!(
+            "at most {MAX_PACKAGES} packages"
+        )));
     }
     for p in packages {
         let ok = (2..=128).contains(&p.len())
@@ -43,17 +46,17 @@ pub fn check_packages(packages: &[String]) -> Result<(), String> {
                 b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'+' | b'-' | b'.')
             });
         if !ok {
-            return Err(format!(
+            return Err(CoreError::invalid(format!(
                 "bad package name {p:?}: lowercase letters, digits, '+', '-' and '.'"
-            ));
+            )));
         }
     }
     Ok(())
 }
 
 /// An http(s) mirror URL without credentials, query or fragment; returns it normalized.
-pub fn check_mirror(mirror: &str) -> Result<String, String> {
-    let bad = |why: &str| Err(format!("bad mirror {mirror:?}: {why}"));
+pub fn check_mirror(mirror: &str) -> Result<String, CoreError> {
+    let bad = |why: &str| Err(CoreError::invalid(format!("bad mirror {mirror:?}: {why}")));
     if mirror.len() > 2048 || mirror.chars().any(|c| c.is_control() || c.is_whitespace()) {
         return bad("at most 2048 characters, no spaces or control characters");
     }

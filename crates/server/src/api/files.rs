@@ -151,7 +151,7 @@ pub async fn download(
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
     state
         .manager
-        .usage
+        .usage()
         .log(&owner.0, &id, crate::usage::FILE, 1, "download");
     let uri = files_uri(&q)?;
     let req = http::Request::get(uri)
@@ -186,7 +186,7 @@ pub async fn upload(
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
     state
         .manager
-        .usage
+        .usage()
         .log(&owner.0, &id, crate::usage::FILE, 1, "upload");
     let uri = files_uri(&q)?;
     let req = http::Request::post(uri)
@@ -221,7 +221,7 @@ pub async fn list(
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
     state
         .manager
-        .usage
+        .usage()
         .log(&owner.0, &id, crate::usage::FILE, 1, "list");
     let depth = q.depth.unwrap_or(1).clamp(1, 32);
     let req = pfs::ListDirRequest {
@@ -249,7 +249,7 @@ pub async fn stat(
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
     state
         .manager
-        .usage
+        .usage()
         .log(&owner.0, &id, crate::usage::FILE, 1, "stat");
     let resp = conn
         .fs
@@ -277,7 +277,7 @@ pub async fn mkdir(
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
     state
         .manager
-        .usage
+        .usage()
         .log(&owner.0, &id, crate::usage::FILE, 1, "mkdir");
     let resp = conn
         .fs
@@ -303,7 +303,7 @@ pub async fn move_path(
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
     state
         .manager
-        .usage
+        .usage()
         .log(&owner.0, &id, crate::usage::FILE, 1, "move");
     let resp = conn
         .fs
@@ -330,7 +330,7 @@ pub async fn copy(
     let (rec, conn) = state.manager.agent(&owner.0, &id).await?;
     state
         .manager
-        .usage
+        .usage()
         .log(&owner.0, &id, crate::usage::FILE, 1, "copy");
     // Resolve both through the agent first, so `..` escapes are refused the same way.
     let src = conn
@@ -342,11 +342,7 @@ pub async fn copy(
         .await?
         .into_owned();
     let (from, to) = (src.entry.path.clone(), req.to.clone());
-    let isolated = state
-        .manager
-        .runtimes
-        .get(&rec.runtime)
-        .is_some_and(|r| r.capabilities().isolated);
+    let isolated = state.manager.is_isolated(&rec.runtime);
     // Commands of the unisolated process runtime see host paths; map both under its root.
     let (from, to) = if isolated {
         (from, to)
@@ -397,7 +393,7 @@ pub async fn remove(
     let (_, conn) = state.manager.agent(&owner.0, &id).await?;
     state
         .manager
-        .usage
+        .usage()
         .log(&owner.0, &id, crate::usage::FILE, 1, "remove");
     conn.fs
         .remove_with_options(

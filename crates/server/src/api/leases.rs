@@ -18,7 +18,7 @@ pub async fn view(state: &AppState, rec: &LeaseRecord) -> Result<Lease, ApiError
     let mut paused = rec.paused;
     let mut current_ms = 0;
     if let Some(id) = &rec.sandbox_id {
-        if let Some(sb) = m.store.get_sandbox(id).await? {
+        if let Some(sb) = state.store.get_sandbox(id).await? {
             paused = !sb.state.is_final()
                 && !matches!(
                     sb.state,
@@ -63,11 +63,7 @@ pub async fn acquire(
         .leases
         .acquire(&state.manager, &owner.0, &user, req)
         .await?;
-    let isolated = state
-        .manager
-        .runtimes
-        .get(&got.sandbox.runtime)
-        .is_some_and(|r| r.capabilities().isolated);
+    let isolated = state.manager.is_isolated(&got.sandbox.runtime);
     Ok(Json(Acquired {
         lease: view(&state, &got.lease).await?,
         sandbox: super::sandboxes::to_api(&got.sandbox, isolated),
@@ -83,7 +79,7 @@ pub async fn list(
     owner: Owner,
 ) -> Result<Json<LeaseList>, ApiError> {
     let mut items = Vec::new();
-    for rec in state.manager.store.list_leases(&owner.0).await? {
+    for rec in state.store.list_leases(&owner.0).await? {
         items.push(view(&state, &rec).await?);
     }
     Ok(Json(LeaseList { items }))
@@ -98,7 +94,6 @@ pub async fn get(
 ) -> Result<Json<Lease>, ApiError> {
     check_user(&user)?;
     let rec = state
-        .manager
         .store
         .get_lease(&owner.0, &user)
         .await?

@@ -28,6 +28,10 @@ use utoipa::OpenApi;
 #[derive(Clone)]
 pub struct AppState {
     pub manager: Arc<Manager>,
+    /// The server's own handle on the store: keys, auth, listings and usage reads.
+    pub store: sandpit_store::Store,
+    /// The credential broker, for the secrets API.
+    pub broker: Arc<crate::broker::Broker>,
     /// When set, every request acts as this owner without a key (loopback only).
     pub no_auth_owner: Option<String>,
     /// Recently verified keys.
@@ -166,7 +170,7 @@ pub(crate) async fn resolve_owner(
     if let Some((owner, id)) = state.keys.get(&key) {
         return Ok((owner, Some(id)));
     }
-    let found = state.manager.store.authenticate(&key).await?;
+    let found = state.store.authenticate(&key).await?;
     let (owner, id) = found
         .map(|k| (k.owner, k.id))
         // The empty owner marks idle pool sandboxes; no key may act as it.

@@ -27,7 +27,7 @@ pub fn routes() -> Router<AppState> {
 }
 
 fn net(state: &AppState) -> Result<&std::sync::Arc<crate::net::Net>, ApiError> {
-    state.manager.net.get().ok_or_else(|| {
+    state.manager.net().ok_or_else(|| {
         ApiError::new(
             http::StatusCode::NOT_IMPLEMENTED,
             "unimplemented",
@@ -143,12 +143,11 @@ pub async fn audit(
                 .map_err(|_| ApiError::bad_request("invalid cursor"))
         })
         .transpose()?;
-    if let Some(net) = state.manager.net.get() {
+    if let Some(net) = state.manager.net() {
         // What was streamed is listed too.
         net.audit.flush().await;
     }
     let (items, next) = state
-        .manager
         .store
         .list_audit(&sandpit_store::AuditFilter {
             owner: scope(&owner),

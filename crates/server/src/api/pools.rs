@@ -52,7 +52,7 @@ pub async fn list(State(state): State<AppState>, _owner: Owner) -> Json<PoolList
     Json(PoolList {
         items: state
             .manager
-            .pools
+            .pools()
             .views()
             .into_iter()
             .map(to_api)
@@ -69,7 +69,7 @@ pub async fn get(
 ) -> Result<Json<Pool>, ApiError> {
     state
         .manager
-        .pools
+        .pools()
         .view(&name)
         .map(|v| Json(to_api(v)))
         .ok_or_else(|| ApiError::not_found(format!("pool {name} not found")))

@@ -50,13 +50,9 @@ pub fn to_api(rec: &SandboxRecord, isolated: bool) -> Sandbox {
 }
 
 fn bare_view(state: &AppState, rec: &SandboxRecord) -> Sandbox {
-    let isolated = state
-        .manager
-        .runtimes
-        .get(&rec.runtime)
-        .is_some_and(|r| r.capabilities().isolated);
+    let isolated = state.manager.is_isolated(&rec.runtime);
     let mut s = to_api(rec, isolated);
-    s.network = state.manager.net.get().and_then(|n| n.policy_of(&rec.id));
+    s.network = state.manager.net().and_then(|n| n.policy_of(&rec.id));
     s
 }
 
@@ -164,7 +160,7 @@ pub async fn list(
         limit: q.limit.unwrap_or(0),
         cursor: q.cursor,
     };
-    let page = state.manager.store.list_sandboxes(&filter).await?;
+    let page = state.store.list_sandboxes(&filter).await?;
     Ok(Json(SandboxList {
         items: views(&state, &page.items).await,
         next_cursor: page.next_cursor,
@@ -281,13 +277,13 @@ pub async fn keepalive(
     let rec = state.manager.get(&owner.0, &id).await?;
     state
         .manager
-        .usage
+        .usage()
         .log(&owner.0, &id, crate::usage::KEEPALIVE, 1, "");
     state
         .manager
         .set_timeout(
             &rec,
-            crate::manager::DEFAULT_TIMEOUT.min(state.manager.cfg.max_timeout_secs),
+            crate::manager::DEFAULT_TIMEOUT.min(state.manager.config().max_timeout_secs),
         )
         .await?;
     Ok(StatusCode::NO_CONTENT)
@@ -316,11 +312,11 @@ pub async fn stats(
 /// Daemon version and runtimes.
 #[utoipa::path(get, path = "/v1/info", responses((status = 200, body = DaemonInfo)))]
 pub async fn info(State(state): State<AppState>, _owner: Owner) -> Json<DaemonInfo> {
-    let allow_process = state.manager.cfg.allow_process_runtime;
+    let allow_process = state.manager.config().allow_process_runtime;
     let runtimes = state
         .manager
-        .runtimes
-        .values()
+        .runtimes()
+        .map(|(_, r)| r)
         .filter(|r| allow_process || r.capabilities().isolated)
         .map(|r| {
             let c = r.capabilities();
@@ -338,7 +334,7 @@ pub async fn info(State(state): State<AppState>, _owner: Owner) -> Json<DaemonIn
     Json(DaemonInfo {
         version: env!("CARGO_PKG_VERSION").to_string(),
         runtimes,
-        default_runtime: state.manager.cfg.default_runtime.clone(),
-        max_timeout: state.manager.cfg.max_timeout_secs,
+        default_runtime: state.manager.config().default_runtime.clone(),
+        max_timeout: state.manager.config().max_timeout_secs,
     })
 }

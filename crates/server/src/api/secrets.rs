@@ -46,7 +46,7 @@ pub async fn create(
     ApiJson(req): ApiJson<CreateSecretRequest>,
 ) -> Result<(StatusCode, Json<Secret>), ApiError> {
     let owner = acting_owner(&owner, &q)?;
-    let s = state.manager.broker.create_secret(&owner, &req).await?;
+    let s = state.broker.create_secret(&owner, &req).await?;
     Ok((StatusCode::CREATED, Json(s)))
 }
 
@@ -59,7 +59,7 @@ pub async fn list(
 ) -> Result<Json<SecretList>, ApiError> {
     let owner = acting_owner(&owner, &q)?;
     Ok(Json(SecretList {
-        items: state.manager.broker.list_secrets(&owner).await?,
+        items: state.broker.list_secrets(&owner).await?,
     }))
 }
 
@@ -72,7 +72,7 @@ pub async fn get_one(
     Path(name): Path<String>,
 ) -> Result<Json<Secret>, ApiError> {
     let owner = acting_owner(&owner, &q)?;
-    Ok(Json(state.manager.broker.get_secret(&owner, &name).await?))
+    Ok(Json(state.broker.get_secret(&owner, &name).await?))
 }
 
 /// Delete a secret; sandboxes that had it stop getting it at once.
@@ -84,7 +84,7 @@ pub async fn delete(
     Path(name): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     let owner = acting_owner(&owner, &q)?;
-    state.manager.broker.delete_secret(&owner, &name).await?;
+    state.broker.delete_secret(&owner, &name).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -97,7 +97,7 @@ pub async fn sandbox_get(
 ) -> Result<Json<SandboxSecrets>, ApiError> {
     let rec = state.manager.get(&owner.0, &id).await?;
     Ok(Json(SandboxSecrets {
-        secrets: state.manager.broker.attached(&rec.id).await?,
+        secrets: state.broker.attached(&rec.id).await?,
     }))
 }
 
@@ -116,12 +116,11 @@ pub async fn sandbox_put(
         return Err(ApiError::sandbox_stopped(&id, rec.state.as_str()));
     }
     state
-        .manager
         .broker
         .attach(&rec.id, &rec.owner, &req.secrets)
         .await?;
     Ok(Json(SandboxSecrets {
-        secrets: state.manager.broker.attached(&rec.id).await?,
+        secrets: state.broker.attached(&rec.id).await?,
     }))
 }
 

@@ -30,7 +30,7 @@ pub async fn list(
     State(state): State<AppState>,
     owner: Owner,
 ) -> Result<Json<SnapshotList>, ApiError> {
-    let items = state.manager.store.list_snapshots(Some(&owner.0)).await?;
+    let items = state.store.list_snapshots(Some(&owner.0)).await?;
     Ok(Json(SnapshotList {
         items: items.iter().map(to_api).collect(),
     }))
@@ -44,7 +44,6 @@ pub async fn get(
     Path(id): Path<String>,
 ) -> Result<Json<Snapshot>, ApiError> {
     let snap = state
-        .manager
         .store
         .get_snapshot(&owner.0, &id)
         .await?

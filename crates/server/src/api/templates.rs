@@ -17,15 +17,7 @@ pub async fn list(
     _owner: Owner,
 ) -> Result<Json<Vec<Template>>, ApiError> {
     let mut out = vec![host_template()];
-    out.extend(
-        state
-            .manager
-            .store
-            .list_templates()
-            .await?
-            .into_iter()
-            .map(to_api),
-    );
+    out.extend(state.store.list_templates().await?.into_iter().map(to_api));
     Ok(Json(out))
 }
 
@@ -39,11 +31,7 @@ pub async fn get(
     if name == "host" {
         return Ok(Json(host_template()));
     }
-    let rec = state
-        .manager
-        .templates
-        .get(&state.manager.store, &name)
-        .await?;
+    let rec = state.manager.templates().get(&state.store, &name).await?;
     Ok(Json(to_api(rec)))
 }
 
@@ -70,8 +58,8 @@ pub async fn build(
     };
     let t = state
         .manager
-        .templates
-        .build(&state.manager.store, req, prepared)
+        .templates()
+        .build(&state.store, req, prepared)
         .await?;
     Ok((StatusCode::ACCEPTED, Json(t)))
 }
@@ -98,9 +86,9 @@ pub async fn progress(
 ) -> Result<Json<TemplateBuild>, ApiError> {
     let b = state
         .manager
-        .templates
+        .templates()
         .progress(
-            &state.manager.store,
+            &state.store,
             &name,
             q.offset,
             Duration::from_millis(q.wait_ms),
@@ -121,8 +109,8 @@ pub async fn delete(
     super::pools::require_admin(&owner, "building and removing templates")?;
     state
         .manager
-        .templates
-        .delete(&state.manager.store, &name)
+        .templates()
+        .delete(&state.store, &name)
         .await?;
     Ok(StatusCode::NO_CONTENT)
 }

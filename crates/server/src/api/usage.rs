@@ -60,10 +60,10 @@ pub async fn summary(
     // is taken after that, and includes its own millisecond, so that what was recorded
     // before this request is inside the default period.
     crate::usage::sample_live(m, Some(&who)).await;
-    m.usage.flush(FLUSH_WAIT).await;
+    m.usage().flush(FLUSH_WAIT).await;
     let now = now_ms();
     let to = q.to.unwrap_or(now + 1).max(from);
-    let u = m.store.owner_usage(&who, from, to).await?;
+    let u = state.store.owner_usage(&who, from, to).await?;
     let until = to.min(now);
     let active: i64 = u
         .sandboxes
@@ -101,7 +101,7 @@ async fn metered(
     owner: &str,
     id: &str,
 ) -> Result<Option<SandboxUsageRecord>, ApiError> {
-    match state.manager.store.sandbox_usage(id).await? {
+    match state.store.sandbox_usage(id).await? {
         Some(u) if u.owner == owner => Ok(Some(u)),
         Some(_) => Err(ApiError::sandbox_not_found(id)),
         // Not metered yet (or never): it must at least be one of the caller's sandboxes.
@@ -123,7 +123,7 @@ pub async fn sandbox(
     if let Ok(rec) = m.get(&owner.0, &id).await {
         crate::usage::sample_one(m, &rec).await;
     }
-    m.usage.flush(FLUSH_WAIT).await;
+    m.usage().flush(FLUSH_WAIT).await;
     let Some(u) = metered(&state, &owner.0, &id).await? else {
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,
@@ -132,7 +132,7 @@ pub async fn sandbox(
         ));
     };
     let end = u.ended_at_ms.unwrap_or_else(now_ms);
-    let executions = m.store.count_executions(&id).await?;
+    let executions = state.store.count_executions(&id).await?;
     Ok(Json(SandboxUsage {
         sandbox_id: u.sandbox_id,
         owner: u.owner,
@@ -202,9 +202,8 @@ pub async fn executions(
     ApiQuery(q): ApiQuery<ExecutionsQuery>,
 ) -> Result<Json<ExecutionList>, ApiError> {
     metered(&state, &owner.0, &id).await?;
-    state.manager.usage.flush(FLUSH_WAIT).await;
+    state.manager.usage().flush(FLUSH_WAIT).await;
     let page = state
-        .manager
         .store
         .list_executions(&id, q.limit.unwrap_or(0), q.cursor.as_deref())
         .await?;

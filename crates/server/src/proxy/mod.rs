@@ -313,7 +313,7 @@ async fn handle(m: Arc<Manager>, https: bool, route: Route, req: Request) -> Res
             Some(route.port),
         );
     }
-    let rec = match m.store.get_sandbox(id).await {
+    let rec = match m.find(id).await {
         Ok(Some(r)) => r,
         Ok(None) => return not_found(id),
         Err(e) => {
@@ -375,9 +375,7 @@ async fn handle(m: Arc<Manager>, https: bool, route: Route, req: Request) -> Res
 }
 
 fn isolated(m: &Manager, runtime: &str) -> bool {
-    m.runtimes
-        .get(runtime)
-        .is_some_and(|r| r.capabilities().isolated)
+    m.is_isolated(runtime)
 }
 
 /// Whether the proxy may reach a sandbox in this state at all.

@@ -239,8 +239,7 @@ pub async fn access(
     let a = crate::access::access(&state.manager, &rec.id).await?;
     let internet = state
         .manager
-        .net
-        .get()
+        .net()
         .and_then(|n| n.policy_of(&rec.id))
         .map(|p| p.mode != sandpit_api::NetworkMode::None);
     Ok(Access {

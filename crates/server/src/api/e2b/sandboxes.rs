@@ -82,7 +82,7 @@ pub async fn create(
         return Err(E2bError::bad_request("iam is not supported by sandpit"));
     }
     // Without networking on this daemon, only an explicit request for it is an error.
-    let default_internet = state.e2b.internet_by_default && state.manager.net.get().is_some();
+    let default_internet = state.e2b.internet_by_default && state.manager.net().is_some();
     let network = crate::api::e2b::network_spec(&req, default_internet)?;
     let (template, snapshot) = resolve_template(&state, &owner, &req.template_id).await?;
     let on_timeout = match req.auto_pause {
@@ -128,7 +128,7 @@ async fn resolve_template(
     if let Some(t) = state.e2b.templates.get(id) {
         return Ok((Some(t.clone()), None));
     }
-    if let Some(s) = state.manager.store.get_snapshot(&owner.0, id).await? {
+    if let Some(s) = state.store.get_snapshot(&owner.0, id).await? {
         return Ok((None, Some(s.id)));
     }
     Ok((Some(id.to_string()), None))
@@ -221,7 +221,7 @@ pub async fn list(
         Some(t) => Some(parse_time(&t)?),
         None => None,
     };
-    let page = state.manager.store.list_sandboxes(&filter).await?;
+    let page = state.store.list_sandboxes(&filter).await?;
     let items: Vec<ListedSandbox> = page
         .items
         .iter()
@@ -269,7 +269,7 @@ pub async fn list_running(
     }
     let mut out = Vec::new();
     loop {
-        let page = state.manager.store.list_sandboxes(&filter).await?;
+        let page = state.store.list_sandboxes(&filter).await?;
         out.extend(page.items.iter().map(listed));
         match page.next_cursor {
             Some(c) => filter.cursor = Some(c),
@@ -289,7 +289,6 @@ pub async fn detail(
     let access = crate::api::e2b::access(&state, &rec).await?;
     let mut listed = listed(&rec);
     listed.volume_mounts = state
-        .manager
         .store
         .sandbox_volumes(&rec.id)
         .await?

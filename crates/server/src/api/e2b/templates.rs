@@ -74,7 +74,6 @@ pub async fn list_snapshots(
         }
     }
     let all: Vec<_> = state
-        .manager
         .store
         .list_snapshots(Some(&owner.0))
         .await?
@@ -198,7 +197,7 @@ pub async fn delete(
     owner: Owner,
     Path(id): Path<String>,
 ) -> Result<StatusCode, E2bError> {
-    if let Some(s) = state.manager.store.get_snapshot(&owner.0, &id).await? {
+    if let Some(s) = state.store.get_snapshot(&owner.0, &id).await? {
         state
             .manager
             .delete_snapshot(&owner.0, &s.id, false)
