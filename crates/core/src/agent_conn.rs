@@ -2,6 +2,7 @@
 //! stream that an [`AgentTransport`] opens. Unix sockets are the transport today; a vsock
 //! or virtio-console transport for microVMs implements the same trait.
 
+use crate::error::CoreError;
 use connectrpc::client::{ClientBody, ClientConfig, ServiceTransport};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::{Connected, Connection};
@@ -13,6 +14,7 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 /// A bidirectional byte stream to an agent.
@@ -124,6 +126,9 @@ pub fn full_body(bytes: impl Into<bytes::Bytes>) -> AgentBody {
         .boxed_unsync()
 }
 
+/// Body of a response from an agent.
+pub type ResponseBody = hyper::body::Incoming;
+
 /// Largest single Connect message accepted from an agent (a directory listing, say).
 pub const MAX_AGENT_MESSAGE: usize = 16 << 20;
 
@@ -171,6 +176,56 @@ impl AgentConn {
             fs: FilesystemClient::new(transport, config.with_default_timeout(FS_CALL_TIMEOUT)),
             http,
         }
+    }
+
+    /// Applies a sandbox's new settings (env, default workdir and user) through the
+    /// agent's `/init`, as a claimed pool member or a restored sandbox needs.
+    pub async fn init(&self, settings: &serde_json::Value) -> Result<(), CoreError> {
+        let request = http::Request::post(format!("{AGENT_BASE}/init"))
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(full_body(settings.to_string()))
+            .map_err(|e| CoreError::internal_from("build the /init request", e))?;
+        let answer = tokio::time::timeout(Duration::from_secs(5), self.http.request(request))
+            .await
+            .map_err(|_| CoreError::unavailable("the sandbox agent did not answer /init"))?
+            .map_err(|e| CoreError::unavailable(format!("agent /init: {e}")))?;
+        if answer.status().is_success() {
+            Ok(())
+        } else {
+            Err(CoreError::unavailable(format!(
+                "agent /init answered {}",
+                answer.status()
+            )))
+        }
+    }
+
+    /// The agent's count of a command's CPU time (µs) and memory peak (KiB).
+    pub async fn rusage(&self, pid: i64) -> Option<(u64, u64)> {
+        use http_body_util::BodyExt;
+        #[derive(serde::Deserialize)]
+        struct Answer {
+            cpu_time_us: u64,
+            max_rss_kb: u64,
+        }
+        let req = http::Request::get(format!("{AGENT_BASE}/rusage?pid={pid}"))
+            .body(empty_body())
+            .ok()?;
+        let resp = tokio::time::timeout(Duration::from_secs(5), self.http.request(req))
+            .await
+            .ok()?
+            .ok()?;
+        if !resp.status().is_success() {
+            return None;
+        }
+        // The agent runs inside the sandbox: what it answers is bounded and parsed, not trusted.
+        let body = http_body_util::Limited::new(resp.into_body(), crate::usage::RUSAGE_LIMIT);
+        let bytes = tokio::time::timeout(Duration::from_secs(5), body.collect())
+            .await
+            .ok()?
+            .ok()?
+            .to_bytes();
+        let a: Answer = serde_json::from_slice(&bytes).ok()?;
+        Some((a.cpu_time_us, a.max_rss_kb))
     }
 
     /// True once the agent answers its health check.

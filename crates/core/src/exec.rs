@@ -126,7 +126,7 @@ pub async fn write_stdin(
 }
 
 pub type StartStream = connectrpc::client::ServerStream<
-    hyper::body::Incoming,
+    crate::agent_conn::ResponseBody,
     __buffa::view::StartResponseView<'static>,
 >;
 
@@ -274,7 +274,7 @@ pub fn to_event(ev: ProcessEvent) -> Option<CommandEvent> {
 }
 
 pub type ConnectStream = connectrpc::client::ServerStream<
-    hyper::body::Incoming,
+    crate::agent_conn::ResponseBody,
     __buffa::view::ConnectResponseView<'static>,
 >;
 /// Command events of a Start or Connect call.

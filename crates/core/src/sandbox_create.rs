@@ -217,22 +217,7 @@ impl Manager {
             "defaultWorkdir": init.workdir,
             "defaultUser": init.user,
         });
-        let request = http::Request::post(format!("{}/init", crate::agent_conn::AGENT_BASE))
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .body(crate::agent_conn::full_body(body.to_string()))
-            .map_err(|e| CoreError::internal_from("build the /init request", e))?;
-        let answer = tokio::time::timeout(Duration::from_secs(5), conn.http.request(request))
-            .await
-            .map_err(|_| CoreError::unavailable("the sandbox agent did not answer /init"))?
-            .map_err(|e| CoreError::unavailable(format!("agent /init: {e}")))?;
-        if answer.status().is_success() {
-            Ok(())
-        } else {
-            Err(CoreError::unavailable(format!(
-                "agent /init answered {}",
-                answer.status()
-            )))
-        }
+        conn.init(&body).await
     }
 
     /// Starts a sandbox from nothing and records it; on failure nothing is left behind.

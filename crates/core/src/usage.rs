@@ -5,7 +5,7 @@
 //! with a warning if it is ever full) and one writer task commits them in batches, one
 //! transaction per batch, through the store's single writer connection.
 
-use crate::agent_conn::{AGENT_BASE, AgentConn};
+use crate::agent_conn::AgentConn;
 use crate::manager::{Manager, now_ms};
 use crate::pools::POOL_OWNER;
 use sandpit_api::{CommandEvent, RunCommandRequest};
@@ -23,7 +23,7 @@ const BATCH: usize = 1024;
 /// How often the counters of running sandboxes are sampled.
 pub const SAMPLE_EVERY: Duration = Duration::from_secs(30);
 /// Largest answer accepted from an agent's `/rusage`.
-const RUSAGE_LIMIT: usize = 4096;
+pub(crate) const RUSAGE_LIMIT: usize = 4096;
 
 /// Usage-log reasons.
 pub const COMMAND: &str = "command";
@@ -386,7 +386,7 @@ impl ExecMeter {
         m.rec.exit_code = Some(i64::from(exit_code));
         tokio::spawn(async move {
             if let Some(pid) = m.rec.pid
-                && let Some((cpu_us, rss_kb)) = fetch_rusage(&m.conn, pid).await
+                && let Some((cpu_us, rss_kb)) = m.conn.rusage(pid).await
             {
                 // Rounded to the nearest millisecond.
                 m.rec.cpu_time_ms =
@@ -423,35 +423,6 @@ fn write(manager: &Manager, rec: ExecutionRecord) {
 fn base64_len(b64: &str) -> usize {
     let pad = b64.bytes().rev().take_while(|b| *b == b'=').count().min(2);
     (b64.len() / 4 * 3).saturating_sub(pad)
-}
-
-/// The agent's count of a command's CPU time (µs) and memory peak (KiB).
-async fn fetch_rusage(conn: &AgentConn, pid: i64) -> Option<(u64, u64)> {
-    use http_body_util::BodyExt;
-    #[derive(serde::Deserialize)]
-    struct Answer {
-        cpu_time_us: u64,
-        max_rss_kb: u64,
-    }
-    let req = http::Request::get(format!("{AGENT_BASE}/rusage?pid={pid}"))
-        .body(crate::agent_conn::empty_body())
-        .ok()?;
-    let resp = tokio::time::timeout(Duration::from_secs(5), conn.http.request(req))
-        .await
-        .ok()?
-        .ok()?;
-    if !resp.status().is_success() {
-        return None;
-    }
-    // The agent runs inside the sandbox: what it answers is bounded and parsed, not trusted.
-    let body = http_body_util::Limited::new(resp.into_body(), RUSAGE_LIMIT);
-    let bytes = tokio::time::timeout(Duration::from_secs(5), body.collect())
-        .await
-        .ok()?
-        .ok()?
-        .to_bytes();
-    let a: Answer = serde_json::from_slice(&bytes).ok()?;
-    Some((a.cpu_time_us, a.max_rss_kb))
 }
 
 #[cfg(test)]
