@@ -161,6 +161,18 @@ async fn pem_files_written_by_the_test_ca_load_back_and_bad_ones_name_their_path
     assert!(missing.to_string().contains("nope.pem"));
 }
 
+/// Kills the child if the test fails before stopping it, so no server outlives the test.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
 /// The binary as a namespace test runs it: generated CA, request log, SIGTERM to stop.
 #[tokio::test]
 async fn the_binary_serves_https_from_a_script_file_and_logs_requests() {
@@ -172,19 +184,21 @@ async fn the_binary_serves_https_from_a_script_file_and_logs_requests() {
     )
     .unwrap();
     let log = dir.path().join("requests.jsonl");
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_sandpit-modelsim"))
-        .args(["--listen", "127.0.0.1:0", "--script"])
-        .arg(&script)
-        .arg("--tls-generate")
-        .arg(dir.path())
-        .arg("--log")
-        .arg(&log)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = KillOnDrop(
+        std::process::Command::new(env!("CARGO_BIN_EXE_sandpit-modelsim"))
+            .args(["--listen", "127.0.0.1:0", "--script"])
+            .arg(&script)
+            .arg("--tls-generate")
+            .arg(dir.path())
+            .arg("--log")
+            .arg(&log)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
+    BufReader::new(child.0.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
     let url = line
@@ -217,12 +231,12 @@ async fn the_binary_serves_https_from_a_script_file_and_logs_requests() {
     assert_eq!(logged["headers"]["x-api-key"], "sk-tls");
     assert_eq!(logged["query"], "beta=true");
     assert_eq!(logged["turn"], 0);
-    let pid = child.id().to_string();
+    let pid = child.0.id().to_string();
     std::process::Command::new("kill")
         .args(["-TERM", &pid])
         .status()
         .unwrap();
-    let status = child.wait().unwrap();
+    let status = child.0.wait().unwrap();
     assert!(status.success(), "{status}");
 
     // A script that does not parse stops the binary with the file named.
