@@ -15,10 +15,24 @@
 #   e2b, e2b-code-interpreter, pytest: the E2B Python SDK scenarios (tests/e2b/python)
 # and, into target/test-node, the E2B JavaScript SDK for tests/e2b/js (nodejs and npm
 # come from apt when node is missing).
+# With --harnesses it installs the coding-agent harnesses the agent-run tests drive, pinned,
+# into .deps/harnesses (outside target/, so `cargo clean` keeps the ~1.2 GB; gitignored);
+# their commands are then in .deps/harnesses/node_modules/.bin (pi, opencode, claude, codex):
+#   @mariozechner/pi-coding-agent 0.73.1, opencode-ai 1.18.33, @openai/codex 0.171.0,
+#   @anthropic-ai/claude-code 2.1.197 (the last release whose engines allow Node 20).
+# A second run asks npm nothing when the installed versions already match the pins.
+# The flags combine: `scripts/setup.sh --test --harnesses`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 for_tests=false
-[ "${1:-}" = "--test" ] && for_tests=true
+harnesses=false
+for arg in "$@"; do
+  case "$arg" in
+    --test) for_tests=true ;;
+    --harnesses) harnesses=true ;;
+    *) echo "setup: unknown option $arg (known: --test, --harnesses)" >&2; exit 2 ;;
+  esac
+done
 need=()
 for pkg in protobuf-compiler crun bubblewrap fonts-dejavu-core python3 python3-venv procps debootstrap e2fsprogs python3-matplotlib nftables iproute2 openssl curl; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need+=("$pkg")
@@ -39,6 +53,14 @@ if $for_tests; then
     fi
   done
 fi
+need_node() {
+  if ! command -v npm >/dev/null; then
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq nodejs npm
+  fi
+}
 if $for_tests; then
   venv=target/test-venv
   reqs=tests/e2b/requirements.txt
@@ -48,16 +70,31 @@ if $for_tests; then
     "$venv/bin/pip" install -q --disable-pip-version-check -r "$reqs"
     cp "$reqs" "$venv/.requirements"
   fi
-  if ! command -v npm >/dev/null; then
-    SUDO=""
-    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq nodejs npm
-  fi
+  need_node
   node_dir=target/test-node
   if ! cmp -s tests/e2b/js/package.json "$node_dir/package.json"; then
     mkdir -p "$node_dir"
     cp tests/e2b/js/package.json "$node_dir/package.json"
     npm install --silent --no-audit --no-fund --prefix "$node_dir"
+  fi
+fi
+if $harnesses; then
+  need_node
+  harness_dir=.deps/harnesses
+  pins=("@mariozechner/pi-coding-agent@0.73.1" "opencode-ai@1.18.33" "@anthropic-ai/claude-code@2.1.197" "@openai/codex@0.171.0")
+  stale=false
+  for pin in "${pins[@]}"; do
+    name="${pin%@*}"
+    manifest="$harness_dir/node_modules/$name/package.json"
+    # The installed package's own manifest is the truth; a stamp could outlive a removed tree.
+    have=$(node -e 'try { process.stdout.write(require(process.argv[1]).version) } catch (e) {}' "$PWD/$manifest")
+    [ "$have" = "${pin##*@}" ] || stale=true
+  done
+  if $stale; then
+    mkdir -p "$harness_dir"
+    [ -f "$harness_dir/package.json" ] || echo '{"name":"sandpit-harnesses","private":true}' >"$harness_dir/package.json"
+    # Claude Code's postinstall downloads nothing but copies its native binary out of an
+    # optional dependency, so install scripts must run; --save-exact keeps the pins exact.
+    npm install --silent --no-audit --no-fund --save-exact --prefix "$harness_dir" "${pins[@]}"
   fi
 fi
