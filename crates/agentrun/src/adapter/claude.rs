@@ -5,9 +5,10 @@
 //! `--include-partial-messages`), `assistant`, `user` (tool results) and `result` lines.
 //! The model is `ANTHROPIC_BASE_URL` (no `/v1`) with `ANTHROPIC_API_KEY`.
 //!
-//! Not yet checked against the binary (2.1.197): `--include-partial-messages` (without it
-//! there are no `stream_event` lines, only whole messages), and whether the stdio
-//! permission tool wants an `initialize` control request before the first `user` line.
+//! Checked against Claude Code 2.1.197 (Node 20) with a scripted Anthropic model on
+//! loopback: the launch, `stream_event` deltas, a Bash tool call and its result, the
+//! `result` line, `can_use_tool` answered allow and deny (no `initialize` request needed),
+//! the interrupt (it stops the tool's child), and `--resume`.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -25,7 +26,12 @@ use crate::event::{Event, FileChange, Usage};
 pub struct Claude {
     /// Tool uses seen, by id: name and input (for tool results and file changes).
     calls: HashMap<String, (String, Value)>,
+    /// Claude acknowledged our interrupt: the error result that follows is the abort.
+    interrupted: bool,
 }
+
+/// The request id of the interrupt [`Claude::abort`] sends.
+const INTERRUPT_ID: &str = "sandpit-interrupt";
 
 fn usage_of(u: &Value, cost: Option<f64>) -> Usage {
     Usage {
@@ -156,12 +162,13 @@ impl Adapter for Claude {
             steps: vec![Control::StdinLine(prompt.to_string())],
             permission_requests: spec.approvals,
             stays_up: false,
+            ready_output: None,
         })
     }
 
     fn abort(&self, _session_id: Option<&str>) -> Option<Control> {
         Some(Control::StdinLine(
-            json!({"type": "control_request", "request_id": "sandpit-interrupt",
+            json!({"type": "control_request", "request_id": INTERRUPT_ID,
                    "request": {"subtype": "interrupt"}})
             .to_string(),
         ))
@@ -221,6 +228,8 @@ impl Adapter for Claude {
                 let result = string_of(&v, "result");
                 out.outcome = Some(if subtype == "success" && !is_error {
                     Outcome::Succeeded { result }
+                } else if self.interrupted {
+                    Outcome::Aborted
                 } else {
                     let reason = match result.filter(|r| !r.is_empty()) {
                         Some(r) => format!("{subtype}: {r}"),
@@ -229,6 +238,14 @@ impl Adapter for Claude {
                     out.events.push(Event::error(reason.clone()));
                     Outcome::Failed { reason }
                 });
+            }
+            "control_response" => {
+                let r = v.get("response").unwrap_or(&Value::Null);
+                if str_of(r, "request_id") == Some(INTERRUPT_ID)
+                    && str_of(r, "subtype") == Some("success")
+                {
+                    self.interrupted = true;
+                }
             }
             "control_request" => {
                 let req = v.get("request").unwrap_or(&Value::Null);
@@ -419,6 +436,21 @@ mod tests {
             })
         );
         assert_eq!(out.events.last().unwrap().kind, EventKind::Error);
+    }
+
+    #[test]
+    fn the_error_result_after_an_acknowledged_interrupt_is_an_abort() {
+        // As Claude Code 2.1.197 answers an interrupt during a Bash call.
+        let mut c = Claude::default();
+        let ack = c.parse(
+            &json!({"type": "control_response", "response": {"subtype": "success", "request_id": "sandpit-interrupt"}}).to_string(),
+        );
+        assert_eq!(ack, Parsed::default());
+        let out = c.parse(
+            &json!({"type": "result", "subtype": "error_during_execution", "is_error": true, "num_turns": 3,
+                    "stop_reason": "tool_use", "session_id": "s"}).to_string(),
+        );
+        assert_eq!(out.outcome, Some(Outcome::Aborted));
     }
 
     #[test]

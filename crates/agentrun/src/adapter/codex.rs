@@ -4,8 +4,9 @@
 //! its key read from an environment variable. `exec` mode has no approval channel and no
 //! in-protocol abort: cancel kills the process tree. Continuing is `exec resume ID`.
 //!
-//! Not yet checked against the binary: `-` (task from stdin) after `exec resume ID`, and
-//! the `exec` options placed before `resume`.
+//! The parser has been run over a stream Codex 0.171.0 printed against a scripted model
+//! (`exec --json`, two shell commands and an answer). Not yet checked against the binary:
+//! `-` (the task from stdin), also after `exec resume ID`.
 
 use std::collections::{BTreeMap, HashSet};
 
@@ -168,7 +169,9 @@ impl Adapter for Codex {
         check_provider(&m.provider)?;
         let home = join(&spec.state_dir, "codex");
         let config = format!(
-            "model = {model}\nmodel_provider = {provider}\n\n[model_providers.{name}]\n\
+            // No update check or analytics: nothing but the model is to be reached.
+            "model = {model}\nmodel_provider = {provider}\ncheck_for_update_on_startup = false\n\n\
+             [analytics]\nenabled = false\n\n[model_providers.{name}]\n\
              name = {provider}\nbase_url = {url}\nenv_key = {key}\nwire_api = \"responses\"\n",
             model = toml_str(&m.model),
             provider = toml_str(&m.provider),
@@ -214,6 +217,7 @@ impl Adapter for Codex {
             steps: vec![Control::StdinLine(spec.task.clone())],
             permission_requests: false,
             stays_up: false,
+            ready_output: None,
         })
     }
 
@@ -312,7 +316,8 @@ mod tests {
         assert_eq!(l.files[0].path, "/home/user/.sandpit/rt4/codex/config.toml");
         assert_eq!(
             l.files[0].contents,
-            "model = \"gpt-test\"\nmodel_provider = \"sandpit\"\n\n[model_providers.sandpit]\n\
+            "model = \"gpt-test\"\nmodel_provider = \"sandpit\"\ncheck_for_update_on_startup = false\n\n\
+             [analytics]\nenabled = false\n\n[model_providers.sandpit]\n\
              name = \"sandpit\"\nbase_url = \"https://models.example/v1\"\n\
              env_key = \"SANDPIT_MODEL_API_KEY\"\nwire_api = \"responses\"\n"
         );

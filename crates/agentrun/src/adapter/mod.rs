@@ -278,6 +278,9 @@ pub struct Launch {
     pub permission_requests: bool,
     /// Whether the process stays up after the outcome (a server); stop it when done.
     pub stays_up: bool,
+    /// Text the harness prints on standard output once it accepts requests; wait for it
+    /// before subscribing and sending the steps.
+    pub ready_output: Option<String>,
 }
 
 /// Why a launch cannot be built.

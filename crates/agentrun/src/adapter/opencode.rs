@@ -6,9 +6,13 @@
 //! `permission.asked`, answered by `POST /permission/{id}/reply`. The server stays up after
 //! the run; the same session continues on it (or on a new server with the same data dir).
 //!
-//! Not yet checked against the binary: the reply body `{"reply": "once"|"always"|"reject"}`
-//! (the facts give only the path), sessions kept under `XDG_DATA_HOME`, and
-//! `"share": "disabled"` in the config.
+//! The parser has been run over the SSE stream opencode 1.18.33 `serve` sent for a
+//! scripted write-then-cat run (its `file.edited` carries the absolute path, so file
+//! changes come from there, not from the tool's input), and the launch driven against
+//! 1.18.33 with a scripted model on loopback: a bash call asked as `permission.asked` and
+//! answered allow and reject (the reply body below is accepted), and the abort (it stops
+//! the tool's child). The first request to a server that is still starting may hang:
+//! wait for [`Launch::ready_output`] and use short timeouts with retries.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -17,7 +21,7 @@ use serde_json::{Value, json};
 use super::{
     Adapter, Answer, Control, Harness, HttpCall, Launch, LaunchError, LaunchSpec, Outcome, Parsed,
     PermissionRequest, Resume, SESSION_PLACEHOLDER, Stdin, StreamSource, WireApi, check_provider,
-    join, json_or_return, sse_data, str_of, string_of, summarize, u64_of, written_path,
+    join, json_or_return, sse_data, str_of, string_of, summarize, u64_of,
 };
 use crate::event::{Event, FileChange, Usage};
 
@@ -46,8 +50,6 @@ pub struct OpenCode {
     aborted: bool,
     /// The last assistant text.
     last_text: Option<String>,
-    /// The file the last finished tool call wrote: its `file.edited` is not reported again.
-    last_written: Option<String>,
 }
 
 impl Default for OpenCode {
@@ -92,7 +94,6 @@ impl OpenCode {
             error: None,
             aborted: false,
             last_text: None,
-            last_written: None,
         }
     }
 
@@ -229,17 +230,10 @@ impl OpenCode {
         } else {
             string_of(state, "output").unwrap_or_default()
         };
-        out.events.push(Event::tool_result(
-            Some(call),
-            Some(tool.clone()),
-            output,
-            is_error,
-        ));
-        if !is_error && let Some(path) = written_path(&tool, &input) {
-            out.events
-                .push(Event::file_change(path.clone(), FileChange::Modified));
-            self.last_written = Some(path);
-        }
+        // No file change from the tool's input: opencode reports it as `file.edited`, with
+        // the absolute path (the input's may be relative).
+        out.events
+            .push(Event::tool_result(Some(call), Some(tool), output, is_error));
     }
 }
 
@@ -317,6 +311,9 @@ impl Adapter for OpenCode {
             steps,
             permission_requests: spec.approvals,
             stays_up: true,
+            // A request that arrives while the server is still starting may go unanswered
+            // (seen with 1.18.33): wait for this line, and retry with a short timeout.
+            ready_output: Some("opencode server listening on".into()),
         })
     }
 
@@ -424,9 +421,7 @@ impl Adapter for OpenCode {
                 }
             }
             "file.edited" => {
-                if let Some(file) = string_of(&props, "file")
-                    && self.last_written.take().as_ref() != Some(&file)
-                {
+                if let Some(file) = string_of(&props, "file") {
                     out.events
                         .push(Event::file_change(file, FileChange::Modified));
                 }
@@ -500,6 +495,10 @@ mod tests {
             }
         );
         assert!(l.stays_up && l.permission_requests);
+        assert_eq!(
+            l.ready_output.as_deref(),
+            Some("opencode server listening on")
+        );
         let [Control::Http(create), Control::Http(prompt)] = &l.steps[..] else {
             panic!("{:?}", l.steps)
         };

@@ -8,9 +8,10 @@
 //! `extension_ui_response`). pi also reads `--mode json` output: its `session` header
 //! line gives the session id there.
 //!
-//! Not yet checked against the binary: `--offline` together with `--mode rpc`, `-e` for
-//! the extension file, the `toolCallId` field of the extension's `tool_call` event, and
-//! `--session` taking the `sessionFile` that `get_state` reports.
+//! Checked against pi 0.73.1 with a scripted Chat Completions model on loopback: the
+//! launch (`--offline` with `--mode rpc`), the events of a bash tool call, the outcome,
+//! the extension's confirm answered allow and deny, `abort` (it stops the tool's child),
+//! and `--session` with the `sessionFile` that `get_state` reports.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -171,6 +172,7 @@ impl Adapter for Pi {
             steps,
             permission_requests: spec.approvals,
             stays_up: false,
+            ready_output: None,
         })
     }
 
