@@ -11,6 +11,16 @@ pub enum StoreError {
     #[error("conflict: {0}")]
     Conflict(String),
 
+    /// An agent runtime already has an active (not yet finished) run; a second start is
+    /// refused until it ends. Callers answer it like a conflict (HTTP 409).
+    #[error("agent runtime {runtime_id} already has an active run {run_id}")]
+    ActiveRun {
+        /// The runtime that was asked for a second run.
+        runtime_id: String,
+        /// Its run that is still active.
+        run_id: String,
+    },
+
     /// The row an update targeted does not exist.
     #[error("not found: {0}")]
     NotFound(String),

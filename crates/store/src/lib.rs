@@ -1,17 +1,24 @@
 //! Persistent state of the sandpit daemon (API keys, sandboxes, pools, templates,
-//! snapshots, volumes, leases, usage, secrets, network policies and the audit) behind a
-//! small repository API. SQLite is the embedded backend; SQL is kept portable for a later
+//! snapshots, volumes, leases, usage, secrets, network policies and the audit, agent
+//! runtimes with their runs, run events and approvals) behind a small repository API. SQLite is the embedded backend; SQL is kept portable for a later
 //! PostgreSQL one.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+#[macro_use]
+mod stored_enum;
+
 mod access;
+mod agents;
+mod approvals;
 mod error;
 mod keys;
 mod leases;
 mod model;
 mod network;
 mod pools;
+mod run_events;
+mod runs;
 mod sandboxes;
 mod schema;
 mod secrets;
@@ -28,6 +35,11 @@ use sqlx::SqlitePool;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 
 pub use access::SandboxAccess;
+pub use agents::{AgentRuntimeRecord, AgentRuntimeState, EndedAgents, NewAgentRuntime};
+pub use approvals::{
+    ApprovalRecord, ApprovalScope, ApprovalState, ApprovalTarget, Capability, Decided, Decision,
+    NewApproval,
+};
 pub use error::StoreError;
 pub use leases::{LeaseRecord, LeaseStatus};
 pub use model::{
@@ -36,6 +48,11 @@ pub use model::{
 };
 pub use network::{AuditFilter, AuditRecord, AuditWrite};
 pub use pools::Claim;
+pub use run_events::{
+    Appended, EVENT_APPROVAL_DECIDED, EVENT_APPROVAL_REQUESTED, EVENT_END, EVENT_TRUNCATED,
+    NewEvent, RunEvent,
+};
+pub use runs::{NewRun, RunMode, RunRecord, RunStart, RunState, RunUpdate};
 pub use schema::SCHEMA_VERSION;
 pub use secrets::{SecretAttachment, SecretRecord};
 pub use templates::TemplateUsers;

@@ -298,10 +298,99 @@ pub(crate) const MIGRATIONS: &[(i64, &[&str])] = &[
             "ALTER TABLE network_audit ADD COLUMN last_at_ms BIGINT",
         ],
     ),
+    (
+        11,
+        &[
+            // Agent runtimes: a harness in one sandbox. No foreign key to the sandbox: a
+            // runtime and its runs outlive the sandbox's record as history (ended).
+            "CREATE TABLE agent_runtimes (
+            id TEXT PRIMARY KEY NOT NULL,
+            sandbox_id TEXT NOT NULL,
+            owner TEXT NOT NULL,
+            harness TEXT NOT NULL,
+            harness_version TEXT,
+            harness_template TEXT,
+            approval_policy TEXT NOT NULL,
+            session_id TEXT,
+            state TEXT NOT NULL,
+            reason TEXT,
+            created_at_ms BIGINT NOT NULL,
+            updated_at_ms BIGINT NOT NULL,
+            ended_at_ms BIGINT
+        )",
+            "CREATE INDEX agent_runtimes_sandbox_idx ON agent_runtimes (sandbox_id, created_at_ms, id)",
+            "CREATE INDEX agent_runtimes_owner_idx ON agent_runtimes (owner, created_at_ms, id)",
+            // Runs of a runtime, numbered 1, 2, ... within it. `next_seq` is the sequence
+            // number the run's next event gets; `max_events` its cap, fixed at start.
+            "CREATE TABLE agent_runs (
+            id TEXT PRIMARY KEY NOT NULL,
+            runtime_id TEXT NOT NULL REFERENCES agent_runtimes (id) ON DELETE CASCADE,
+            number BIGINT NOT NULL,
+            sandbox_id TEXT NOT NULL,
+            owner TEXT NOT NULL,
+            task TEXT NOT NULL,
+            mode TEXT NOT NULL,
+            parent_run_id TEXT,
+            resume_session_id TEXT,
+            session_id TEXT,
+            idempotency_key TEXT,
+            state TEXT NOT NULL,
+            reason TEXT,
+            created_at_ms BIGINT NOT NULL,
+            started_at_ms BIGINT,
+            ended_at_ms BIGINT,
+            updated_at_ms BIGINT NOT NULL,
+            next_seq BIGINT NOT NULL,
+            max_events BIGINT NOT NULL,
+            events_dropped BIGINT NOT NULL,
+            UNIQUE (runtime_id, number)
+        )",
+            // NULL keys are distinct in SQLite and PostgreSQL alike: runs without a key
+            // never collide.
+            "CREATE UNIQUE INDEX agent_runs_idempotency_idx ON agent_runs (runtime_id, idempotency_key)",
+            // At most one active run per runtime, whatever path the insert took.
+            "CREATE UNIQUE INDEX agent_runs_active_idx ON agent_runs (runtime_id) \
+             WHERE state IN ('queued', 'running', 'waiting_approval')",
+            "CREATE INDEX agent_runs_sandbox_idx ON agent_runs (sandbox_id, state)",
+            "CREATE INDEX agent_runs_state_idx ON agent_runs (state)",
+            "CREATE TABLE agent_run_events (
+            run_id TEXT NOT NULL REFERENCES agent_runs (id) ON DELETE CASCADE,
+            seq BIGINT NOT NULL,
+            at_ms BIGINT NOT NULL,
+            kind TEXT NOT NULL,
+            payload TEXT NOT NULL,
+            PRIMARY KEY (run_id, seq)
+        )",
+            // Requests for a person's decision, kept after the decision.
+            "CREATE TABLE agent_approvals (
+            id TEXT PRIMARY KEY NOT NULL,
+            run_id TEXT NOT NULL REFERENCES agent_runs (id) ON DELETE CASCADE,
+            runtime_id TEXT NOT NULL,
+            sandbox_id TEXT NOT NULL,
+            owner TEXT NOT NULL,
+            capability TEXT NOT NULL,
+            host TEXT,
+            method TEXT,
+            path TEXT,
+            target_name TEXT,
+            summary TEXT NOT NULL,
+            detail TEXT NOT NULL,
+            scope TEXT NOT NULL,
+            state TEXT NOT NULL,
+            decided_by TEXT,
+            decided_at_ms BIGINT,
+            expires_at_ms BIGINT NOT NULL,
+            created_at_ms BIGINT NOT NULL
+        )",
+            "CREATE INDEX agent_approvals_owner_idx ON agent_approvals (owner, state, created_at_ms)",
+            "CREATE INDEX agent_approvals_run_idx ON agent_approvals (run_id, state)",
+            "CREATE INDEX agent_approvals_expiry_idx ON agent_approvals (state, expires_at_ms)",
+        ],
+    ),
 ];
 
 /// Highest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 10;
+pub const SCHEMA_VERSION: i64 = 11;
 
 /// Brings the database up to [`SCHEMA_VERSION`]; a no-op when it is already there.
 pub(crate) async fn apply(pool: &SqlitePool) -> Result<(), StoreError> {
