@@ -29,7 +29,7 @@ pub struct FileConfig {
     pub e2b: crate::api::e2b::E2bConfig,
     /// The sandbox data-plane proxy (`[proxy]`: domain of `{port}-{id}.{domain}` names).
     #[serde(default)]
-    pub proxy: crate::proxy::ProxyConfig,
+    pub proxy: crate::ingress::ProxyConfig,
     /// The credential broker's key and upstream trust (`[broker]`).
     #[serde(default)]
     pub broker: crate::broker::BrokerConfig,
@@ -116,7 +116,7 @@ size = 1
         assert_eq!(cfg.proxy.scheme, "http");
         let cfg = parse("").unwrap();
         assert!(cfg.proxy.any_domain);
-        assert_eq!(cfg.proxy.domain(), crate::proxy::DEFAULT_DOMAIN);
+        assert_eq!(cfg.proxy.domain(), crate::ingress::DEFAULT_DOMAIN);
         assert!(parse("[proxy]\ndomian = \"x\"\n").is_err());
         assert!(parse("[proxy]\nscheme = \"ftp\"\n").is_err());
         assert!(parse("[proxy]\ndomain = \"a b\"\n").is_err());

@@ -86,6 +86,7 @@ impl From<sandpit_store::StoreError> for ApiError {
             sandpit_store::StoreError::InvalidCursor => ApiError::bad_request("invalid cursor"),
             sandpit_store::StoreError::NotFound(m) => ApiError::not_found(m),
             sandpit_store::StoreError::Conflict(m) => ApiError::conflict(m),
+            e @ sandpit_store::StoreError::ActiveRun { .. } => ApiError::conflict(e.to_string()),
             other => ApiError::internal(format!("store: {other}")),
         }
     }

@@ -5,8 +5,8 @@
 pub mod api;
 pub mod config;
 pub mod error;
+pub mod ingress;
 pub mod listener;
-pub mod proxy;
 
 /// The credential broker lives in its own crate; the daemon composes it.
 pub use sandpit_broker as broker;
@@ -218,7 +218,7 @@ pub async fn prepare(
             ..Default::default()
         })),
         e2b: Arc::new(file.e2b.clone()),
-        ingress: Arc::new(proxy::ProxyConfig {
+        ingress: Arc::new(ingress::ProxyConfig {
             listen_port: cfg.listen.port(),
             ..file.proxy.clone()
         }),

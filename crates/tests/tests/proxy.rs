@@ -374,7 +374,7 @@ async fn private_ports_by_host_and_header_with_tokens_and_signed_urls() {
     assert_eq!(r.status(), 403);
     // Expired: signed with the real traffic token, an expiry in the past.
     let past = now_secs() - 5;
-    let sig = sandpit_server::proxy::auth::port_signature(&traffic, &id, ECHO_PORT, past);
+    let sig = sandpit_server::ingress::auth::port_signature(&traffic, &id, ECHO_PORT, past);
     let r = get_by_host(
         &d,
         &id,

@@ -37,7 +37,7 @@ pub struct AppState {
     /// Recently verified keys.
     pub keys: Arc<KeyCache>,
     /// How sandbox ports are addressed (`[proxy]`).
-    pub ingress: Arc<crate::proxy::ProxyConfig>,
+    pub ingress: Arc<crate::ingress::ProxyConfig>,
     /// Per-user leases.
     pub leases: Arc<crate::leases::Leases>,
     /// E2B compatibility settings.
@@ -210,7 +210,7 @@ async fn authenticate(
         templates::list, templates::get, templates::build, templates::progress, templates::delete,
         leases::acquire, leases::list, leases::get, leases::release,
         usage::summary, usage::sandbox, usage::executions,
-        crate::proxy::api::get, crate::proxy::api::update, crate::proxy::api::port_url,
+        crate::ingress::api::get, crate::ingress::api::update, crate::ingress::api::port_url,
         secrets::create, secrets::list, secrets::get_one, secrets::delete, secrets::sandbox_get, secrets::sandbox_put,
         network::get_policy, network::set_policy, network::audit, network::audit_stream,
     ),
@@ -243,7 +243,7 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
 
 /// The whole HTTP application: sandbox-port requests go to the proxy, the rest to the API.
 pub fn router(state: AppState) -> Router {
-    let ingress = Arc::new(crate::proxy::Ingress {
+    let ingress = Arc::new(crate::ingress::Ingress {
         manager: state.manager.clone(),
         config: state.ingress.clone(),
     });
@@ -251,7 +251,7 @@ pub fn router(state: AppState) -> Router {
         .fallback_service(api_router(state))
         .layer(axum::middleware::from_fn_with_state(
             ingress,
-            crate::proxy::dispatch,
+            crate::ingress::dispatch,
         ))
 }
 
@@ -300,11 +300,11 @@ fn api_router(state: AppState) -> Router {
         .route("/v1/sandboxes/{id}/stats", get(sandboxes::stats))
         .route(
             "/v1/sandboxes/{id}/access",
-            get(crate::proxy::api::get).patch(crate::proxy::api::update),
+            get(crate::ingress::api::get).patch(crate::ingress::api::update),
         )
         .route(
             "/v1/sandboxes/{id}/ports/{port}/url",
-            post(crate::proxy::api::port_url),
+            post(crate::ingress::api::port_url),
         )
         .route("/v1/leases", get(leases::list))
         .route(

@@ -1,4 +1,4 @@
-//! The sandbox data-plane proxy, on the daemon's own listener: requests addressed to a
+//! The ingress: the sandbox data-plane proxy on the daemon's own listener: requests addressed to a
 //! sandbox port, by host name `{port}-{sandboxId}.{domain}` or by E2B's headers
 //! `E2b-Sandbox-Id` / `E2b-Sandbox-Port`, go to that sandbox; everything else falls
 //! through to the REST API.
