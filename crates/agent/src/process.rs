@@ -10,7 +10,6 @@ use crate::users::{self, User};
 use connectrpc::{
     ConnectError, RequestContext, Response, ServiceRequest, ServiceResult, ServiceStream,
 };
-use nix::errno::Errno;
 use nix::sys::signal::{Signal as NixSignal, kill, killpg};
 use nix::unistd::Pid;
 use sandpit_proto::process::__buffa::oneof::process_event::Event;
@@ -28,6 +27,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
+
+pub use sandpit_abi::kill_tree;
 
 /// Output bytes kept for a process while no client is attached.
 pub const BACKLOG_LIMIT: usize = 64 << 20;
@@ -531,55 +532,6 @@ async fn finish(
         ..Default::default()
     };
     proc.publish(ev).await;
-}
-
-/// Sends `sig` to a process, its process group and every descendant.
-pub fn kill_tree(pid: u32, sig: NixSignal) {
-    let mut victims = descendants(pid);
-    victims.push(pid);
-    let _ = killpg(Pid::from_raw(pid as i32), sig);
-    for v in victims {
-        match kill(Pid::from_raw(v as i32), sig) {
-            Ok(()) | Err(Errno::ESRCH) => {}
-            Err(e) => tracing::debug!(pid = v, error = %e, "kill failed"),
-        }
-    }
-}
-
-/// Pids below `root` in the parent tree, read from /proc.
-fn descendants(root: u32) -> Vec<u32> {
-    let mut parent_of: Vec<(u32, u32)> = Vec::new();
-    if let Ok(rd) = std::fs::read_dir("/proc") {
-        for e in rd.flatten() {
-            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-                continue;
-            };
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-                continue;
-            };
-            // The command name may contain spaces and parens; fields resume after the last ')'.
-            let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
-                continue;
-            };
-            let ppid = rest
-                .split_whitespace()
-                .nth(1)
-                .and_then(|s| s.parse::<u32>().ok())
-                .unwrap_or(0);
-            parent_of.push((pid, ppid));
-        }
-    }
-    let mut out = Vec::new();
-    let mut frontier = vec![root];
-    while let Some(p) = frontier.pop() {
-        for (child, _) in parent_of.iter().filter(|(_, pp)| *pp == p) {
-            if !out.contains(child) {
-                out.push(*child);
-                frontier.push(*child);
-            }
-        }
-    }
-    out
 }
 
 /// Request header (sandpit's own) asking Start to return after the start event and keep

@@ -20,7 +20,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 /// Name under which the sandpit binary runs as the in-sandbox agent.
-pub const AGENT_ARGV0: &str = "sandpit-agent";
+pub use sandpit_abi::AGENT_ARGV0;
 /// Where the agent binary appears inside every container sandbox.
 pub const AGENT_PATH: &str = "/.sandpit/agent";
 /// Size of each sandbox's uid/gid range.
@@ -404,12 +404,8 @@ fn exec_agent(cfg: &InitConfig) -> R<()> {
     let path = CString::new(AGENT_PATH).map_err(|e| e.to_string())?;
     let argv = [CString::new(AGENT_ARGV0).map_err(|e| e.to_string())?];
     let env = [
-        CString::new(format!(
-            "{}={}",
-            sandpit_agent::config::CONFIG_ENV,
-            cfg.agent_config
-        ))
-        .map_err(|e| e.to_string())?,
+        CString::new(format!("{}={}", sandpit_abi::CONFIG_ENV, cfg.agent_config))
+            .map_err(|e| e.to_string())?,
         CString::new("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
             .map_err(|e| e.to_string())?,
     ];
@@ -670,7 +666,7 @@ const HOST_WRITABLE: &[(&str, u32)] = &[
 /// inside the sandbox, where its symlinks cannot reach the host.
 fn populate_upper(cfg: &InitConfig, upper: &Path) -> R<()> {
     let uroot = cfg.uid_base;
-    let uuser = cfg.uid_base + sandpit_agent::USER_UID;
+    let uuser = cfg.uid_base + sandpit_abi::USER_UID;
     for (d, mode, uid) in [
         ("tmp", 0o1777, uroot),
         ("root", 0o700, uroot),
@@ -945,7 +941,10 @@ fn ensure_user_account(root: &Path, uroot: u32) -> R<()> {
         };
         write_owned(
             &passwd,
-            &format!("{base}user:x:1000:1000:user:/home/user:/bin/sh\n"),
+            &format!(
+                "{base}user:x:{u}:{u}:user:/home/user:/bin/sh\n",
+                u = sandpit_abi::USER_UID
+            ),
             uroot,
         )?;
     }
@@ -957,7 +956,11 @@ fn ensure_user_account(root: &Path, uroot: u32) -> R<()> {
         } else {
             cur
         };
-        write_owned(&group, &format!("{base}user:x:1000:\n"), uroot)?;
+        write_owned(
+            &group,
+            &format!("{base}user:x:{}:\n", sandpit_abi::USER_UID),
+            uroot,
+        )?;
     }
     Ok(())
 }

@@ -312,10 +312,7 @@ pub fn pid_start_time(pid: i32) -> Option<u64> {
 
 /// The state letter (field 3) and start time (field 22) of a `/proc/PID/stat` line.
 fn stat_state_and_start(stat: &str) -> Option<(&str, u64)> {
-    // The command name may hold anything, ")" included: the fields restart after the last.
-    let mut fields = stat.rsplit_once(')')?.1.split_whitespace();
-    let state = fields.next()?;
-    Some((state, fields.nth(18)?.parse().ok()?))
+    sandpit_abi::proc::Stat::parse(stat).map(|s| (s.state, s.start_time))
 }
 
 /// What is known of a sandbox's process. Only [`Liveness::Dead`] is evidence: a failed

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 /// Inner uid and gid owning a new volume's root directory: the sandbox's `user`, who
 /// runs commands by default and so can write to a fresh volume; root can too.
-pub const ROOT_OWNER: u32 = sandpit_agent::USER_UID;
+pub const ROOT_OWNER: u32 = sandpit_abi::USER_UID;
 /// Longest mount path accepted, in bytes.
 pub const MAX_TARGET_LEN: usize = 1024;
 /// Where no volume may be mounted: what the runtime itself mounts or needs.

@@ -9,7 +9,7 @@ use crate::init::{ID_RANGE, InitConfig};
 use crate::{
     Capabilities, Runtime, RuntimeError, SandboxHandle, SandboxSpec, Stats, TemplateSource,
 };
-use sandpit_agent::{AgentConfig, IsolationMode};
+use sandpit_abi::{AgentConfig, IsolationMode};
 use std::collections::BTreeSet;
 use std::io::{BufRead, Write};
 use std::os::fd::AsRawFd;
