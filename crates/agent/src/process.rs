@@ -12,6 +12,7 @@ use connectrpc::{
 };
 use nix::sys::signal::{Signal as NixSignal, kill, killpg};
 use nix::unistd::Pid;
+use parking_lot::Mutex;
 use sandpit_proto::process::__buffa::oneof::process_event::Event;
 use sandpit_proto::process::__buffa::oneof::process_event::data_event::Output;
 use sandpit_proto::process::__buffa::oneof::process_input::Input;
@@ -23,7 +24,7 @@ use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::process::Stdio;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
@@ -118,7 +119,7 @@ impl Proc {
     /// Hands an event to the attached streams, or keeps it until someone attaches.
     async fn publish(&self, ev: ProcessEvent) {
         let subs = {
-            let Ok(mut out) = self.out.lock() else { return };
+            let mut out = self.out.lock();
             out.subscribers.retain(|s| !s.is_closed());
             if matches!(ev.event, Some(Event::End(_))) {
                 out.end = Some(ev.clone());
@@ -135,8 +136,8 @@ impl Proc {
             // Awaiting a full channel is the back-pressure: a slow reader slows the process.
             delivered |= s.send(ev.clone()).await.is_ok();
         }
-        if let (false, Ok(mut out)) = (delivered, self.out.lock()) {
-            Self::keep(&mut out, ev);
+        if !delivered {
+            Self::keep(&mut self.out.lock(), ev);
         }
     }
 
@@ -156,9 +157,7 @@ impl Proc {
 
     /// Attaches a stream: returns what was missed and a channel for what follows.
     fn subscribe(&self) -> (Vec<ProcessEvent>, Option<mpsc::Receiver<ProcessEvent>>) {
-        let Ok(mut out) = self.out.lock() else {
-            return (Vec::new(), None);
-        };
+        let mut out = self.out.lock();
         let mut missed: Vec<ProcessEvent> = out.backlog.drain(..).collect();
         out.backlog_bytes = 0;
         if let Some(end) = &out.end {
@@ -219,14 +218,11 @@ impl ProcessTable {
 
     /// Whether `pid` is a command the agent started (and has not forgotten).
     pub fn is_command(&self, pid: u32) -> bool {
-        self.procs.lock().is_ok_and(|p| p.contains_key(&pid))
+        self.procs.lock().contains_key(&pid)
     }
 
     fn get(&self, sel: &ProcessSelector) -> Result<Arc<Proc>, ConnectError> {
-        let procs = self
-            .procs
-            .lock()
-            .map_err(|_| ConnectError::internal("process table poisoned"))?;
+        let procs = self.procs.lock();
         let found = match &sel.selector {
             Some(Selector::Pid(pid)) => procs.get(pid).cloned(),
             Some(Selector::Tag(tag)) => procs
@@ -240,30 +236,26 @@ impl ProcessTable {
 
     /// Called by the reaper for every child it collected.
     pub fn on_exit(&self, pid: u32, code: i32, signal: Option<i32>) {
-        let proc = self.procs.lock().ok().and_then(|p| p.get(&pid).cloned());
+        let proc = self.procs.lock().get(&pid).cloned();
         match proc {
             Some(p) => {
                 let _ = p.exit.send(Some((code, signal)));
             }
             None => {
-                if let Ok(mut u) = self.unclaimed.lock() {
-                    // Orphans re-parented to PID 1 land here too; keep the map small.
-                    if u.len() > 4096 {
-                        u.clear();
-                    }
-                    u.insert(pid, (code, signal));
+                let mut u = self.unclaimed.lock();
+                // Orphans re-parented to PID 1 land here too; keep the map small.
+                if u.len() > 4096 {
+                    u.clear();
                 }
+                u.insert(pid, (code, signal));
             }
         }
     }
 
     /// Drops ended processes whose output was collected or that are too old.
     fn gc(&self) {
-        let Ok(mut procs) = self.procs.lock() else {
-            return;
-        };
-        procs.retain(|_, p| {
-            let Ok(out) = p.out.lock() else { return true };
+        self.procs.lock().retain(|_, p| {
+            let out = p.out.lock();
             match out.ended_at {
                 None => true,
                 Some(at) => {
@@ -421,10 +413,9 @@ impl ProcessTable {
             out: Mutex::default(),
             exit: exit_tx,
         });
-        if let Ok(mut procs) = self.procs.lock() {
-            procs.insert(pid, proc.clone());
-        }
-        if let Some(early) = self.unclaimed.lock().ok().and_then(|mut u| u.remove(&pid)) {
+        self.procs.lock().insert(pid, proc.clone());
+        let early = self.unclaimed.lock().remove(&pid);
+        if let Some(early) = early {
             let _ = proc.exit.send(Some(early));
         }
         let (missed, rx) = proc.subscribe();
@@ -637,11 +628,7 @@ impl Process for ProcessService {
         _ctx: RequestContext,
         _request: ServiceRequest<'_, ListRequest>,
     ) -> ServiceResult<ListResponse> {
-        let procs = self
-            .table
-            .procs
-            .lock()
-            .map_err(|_| ConnectError::internal("process table poisoned"))?;
+        let procs = self.table.procs.lock();
         let mut processes: Vec<ProcessInfo> = procs
             .values()
             .filter(|p| p.is_running())

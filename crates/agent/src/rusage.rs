@@ -11,9 +11,10 @@
 use crate::process::ProcessTable;
 use nix::errno::Errno;
 use nix::sys::wait::{Id, WaitPidFlag, WaitStatus, waitid};
+use parking_lot::Mutex;
 use serde::Serialize;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Commands whose usage is remembered; the oldest are forgotten beyond this.
@@ -64,18 +65,15 @@ impl UsageTable {
     /// A command with this pid was spawned at `spawned_at`: usage recorded under the pid
     /// before then belongs to an earlier process that had the same pid.
     pub fn begin(&self, pid: u32, spawned_at: Instant) {
-        if let Ok(mut map) = self.entries.lock()
-            && map.get(&pid).is_some_and(|e| e.created < spawned_at)
-        {
+        let mut map = self.entries.lock();
+        if map.get(&pid).is_some_and(|e| e.created < spawned_at) {
             map.remove(&pid);
         }
     }
 
     /// Adds one reaped process's rusage to command `key`.
     fn add(&self, key: u32, ru: &libc::rusage) {
-        let Ok(mut map) = self.entries.lock() else {
-            return;
-        };
+        let mut map = self.entries.lock();
         if map.len() >= MAX_ENTRIES && !map.contains_key(&key) {
             // Forget the entry that changed longest ago (an old, long-read command).
             if let Some(old) = map.iter().min_by_key(|(_, e)| e.updated).map(|(k, _)| *k) {
@@ -107,7 +105,7 @@ impl UsageTable {
 
     /// The usage counted so far for command `pid`.
     pub fn get(&self, pid: u32) -> Option<CommandUsage> {
-        self.entries.lock().ok()?.get(&pid).map(|e| e.usage)
+        self.entries.lock().get(&pid).map(|e| e.usage)
     }
 }
 
@@ -279,7 +277,7 @@ mod tests {
         for pid in 0..(MAX_ENTRIES as u32 + 10) {
             t.add(pid, &ru(1, 0, 1));
         }
-        let n = t.entries.lock().unwrap().len();
+        let n = t.entries.lock().len();
         assert_eq!(n, MAX_ENTRIES);
         // The newest are kept.
         assert!(t.get(MAX_ENTRIES as u32 + 9).is_some());

@@ -75,7 +75,7 @@ pub const LAYER_MOUNT: &str = ".sandpit/layer";
 type R<T> = Result<T, String>;
 
 static TIMING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-static MARKS: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
+static MARKS: parking_lot::Mutex<String> = parking_lot::Mutex::new(String::new());
 
 /// CLOCK_MONOTONIC in microseconds: one clock for the daemon, the helper and PID 1.
 pub fn mono_us() -> u64 {
@@ -90,19 +90,14 @@ pub fn mono_us() -> u64 {
 
 /// Notes the end of a setup phase when the daemon asked for timings.
 pub(crate) fn mark(label: &str) {
-    if TIMING.load(std::sync::atomic::Ordering::Relaxed)
-        && let Ok(mut m) = MARKS.lock()
-    {
+    if TIMING.load(std::sync::atomic::Ordering::Relaxed) {
         use std::fmt::Write as _;
-        let _ = write!(m, " {label}={}", mono_us());
+        let _ = write!(MARKS.lock(), " {label}={}", mono_us());
     }
 }
 
 fn take_marks() -> String {
-    MARKS
-        .lock()
-        .map(|mut m| std::mem::take(&mut *m))
-        .unwrap_or_default()
+    std::mem::take(&mut *MARKS.lock())
 }
 
 fn ctx<T, E: std::fmt::Display>(r: Result<T, E>, what: impl FnOnce() -> String) -> R<T> {
@@ -127,11 +122,9 @@ pub fn init_main() -> i32 {
         }
     };
     TIMING.store(cfg.timing, std::sync::atomic::Ordering::Relaxed);
-    if cfg.timing
-        && let Ok(mut m) = MARKS.lock()
-    {
+    if cfg.timing {
         use std::fmt::Write as _;
-        let _ = write!(m, " main={started}");
+        let _ = write!(MARKS.lock(), " main={started}");
     }
     mark("config");
     if let Err(e) = enter_sandbox(&cfg, listener, netns) {
@@ -324,9 +317,7 @@ fn parent(
     mark("exec");
     let mut rest = rest.as_str();
     if let Some((marks, after)) = rest.strip_prefix('T').and_then(|r| r.split_once('\n')) {
-        if let Ok(mut m) = MARKS.lock() {
-            m.push_str(marks);
-        }
+        MARKS.lock().push_str(marks);
         rest = after;
     }
     if let Some(msg) = rest.strip_prefix('E') {

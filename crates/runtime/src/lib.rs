@@ -242,7 +242,7 @@ pub trait Runtime: Send + Sync {
 /// by `create` and handed to the agent by `start`.
 #[derive(Default)]
 pub struct PendingSockets(
-    std::sync::Mutex<std::collections::HashMap<String, std::os::unix::net::UnixListener>>,
+    parking_lot::Mutex<std::collections::HashMap<String, std::os::unix::net::UnixListener>>,
 );
 
 impl PendingSockets {
@@ -251,29 +251,20 @@ impl PendingSockets {
         let socket = dir.join("agent.sock");
         let listener = std::os::unix::net::UnixListener::bind(&socket)
             .map_err(|e| RuntimeError::io("bind agent socket", e))?;
-        self.0
-            .lock()
-            .map_err(|_| RuntimeError::Setup("pending table poisoned".into()))?
-            .insert(id.to_string(), listener);
+        self.0.lock().insert(id.to_string(), listener);
         Ok(socket)
     }
 
     /// Takes the listener of a created sandbox.
     pub fn take(&self, id: &str) -> Result<std::os::unix::net::UnixListener, RuntimeError> {
-        self.0
-            .lock()
-            .map_err(|_| RuntimeError::Setup("pending table poisoned".into()))?
-            .remove(id)
-            .ok_or_else(|| {
-                RuntimeError::Setup(format!("sandbox {id} was not created or already started"))
-            })
+        self.0.lock().remove(id).ok_or_else(|| {
+            RuntimeError::Setup(format!("sandbox {id} was not created or already started"))
+        })
     }
 
     /// Drops the listener of a sandbox that will never start.
     pub fn forget(&self, id: &str) {
-        if let Ok(mut m) = self.0.lock() {
-            m.remove(id);
-        }
+        self.0.lock().remove(id);
     }
 }
 
