@@ -8,29 +8,50 @@ use nix::unistd::Pid;
 
 /// The fields of a `/proc/PID/stat` line that sandpit reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Stat<'a> {
+pub struct Stat {
     /// The state letter (field 3): `R`, `S`, `T`, `Z`, ...
-    pub state: &'a str,
+    pub state: char,
     /// The parent's pid (field 4).
     pub ppid: u32,
+    /// The session id (field 6).
+    pub session: u32,
+    /// The kernel's `PF_*` flags (field 9).
+    pub flags: u64,
     /// Start time in clock ticks since boot (field 22).
     pub start_time: u64,
 }
 
-impl<'a> Stat<'a> {
+impl Stat {
     /// Parses a `/proc/PID/stat` line; `None` when a field is missing or malformed.
-    pub fn parse(line: &'a str) -> Option<Self> {
+    pub fn parse(line: &str) -> Option<Self> {
         // The command name may hold anything, ")" included: the fields restart after the last.
         let mut fields = line.rsplit_once(')')?.1.split_whitespace();
-        let state = fields.next()?;
+        let mut letters = fields.next()?.chars();
+        let state = match (letters.next(), letters.next()) {
+            (Some(c), None) => c,
+            _ => return None,
+        };
         let ppid = fields.next()?.parse().ok()?;
-        // Fields 5 to 21 lie between the parent and the start time.
-        let start_time = fields.nth(17)?.parse().ok()?;
+        fields.next()?; // pgrp
+        let session = fields.next()?.parse().ok()?;
+        fields.next()?; // tty_nr
+        fields.next()?; // tpgid
+        let flags = fields.next()?.parse().ok()?;
+        // Fields 10 to 21 lie between the flags and the start time.
+        let start_time = fields.nth(12)?.parse().ok()?;
         Some(Stat {
             state,
             ppid,
+            session,
+            flags,
             start_time,
         })
+    }
+
+    /// Reads and parses `/proc/PID/stat`; `None` when the process is gone or its line
+    /// cannot be read.
+    pub fn of(pid: u32) -> Option<Self> {
+        Self::parse(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
     }
 }
 
@@ -56,10 +77,7 @@ pub fn descendants(root: u32) -> Vec<u32> {
                 continue;
             };
             // A process may end between the listing and the read; it has no children then.
-            let Ok(line) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-                continue;
-            };
-            if let Some(stat) = Stat::parse(&line) {
+            if let Some(stat) = Stat::of(pid) {
                 parent_of.push((pid, stat.ppid));
             }
         }
@@ -83,38 +101,40 @@ mod tests {
     use std::time::{Duration, Instant};
 
     fn stat_line(state: &str, ppid: &str, start: u64) -> String {
-        // pid (comm with ") (" in it) state ppid, then fields 5..=21, then starttime (22).
-        let middle: Vec<String> = (5..=21).map(|n| n.to_string()).collect();
+        // pid (comm with ") (" in it) state ppid pgrp session tty tpgid flags, then fields
+        // 10..=21, then starttime (22).
+        let middle: Vec<String> = (10..=21).map(|n| n.to_string()).collect();
         format!(
-            "42 (a) (b) {state} {ppid} {} {start} 99 100",
+            "42 (a) (b) {state} {ppid} 5 6 -1 -1 4194560 {} {start} 99 100",
             middle.join(" ")
         )
     }
 
     #[test]
-    fn a_stat_line_gives_state_parent_and_start() {
+    fn a_stat_line_gives_its_fields() {
         assert_eq!(
             Stat::parse(&stat_line("S", "7", 777)),
             Some(Stat {
-                state: "S",
+                state: 'S',
                 ppid: 7,
+                session: 6,
+                flags: 4194560,
                 start_time: 777
             })
         );
         assert_eq!(Stat::parse(&stat_line("S", "x", 777)), None);
+        assert_eq!(Stat::parse(&stat_line("SS", "7", 777)), None);
         assert_eq!(Stat::parse("42 (a"), None);
         assert_eq!(Stat::parse("42 (a) S 1"), None);
-        let own = std::fs::read_to_string("/proc/self/stat").unwrap();
-        let own = Stat::parse(&own).expect("own stat line");
+        let own = Stat::of(std::process::id()).expect("own stat line");
         assert_eq!(own.ppid, std::os::unix::process::parent_id());
+        let session = nix::unistd::getsid(None).unwrap().as_raw() as u32;
+        assert_eq!(own.session, session);
     }
 
     /// Whether `pid` is gone or a zombie (its parent may not have reaped it yet).
     fn ended(pid: u32) -> bool {
-        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-            Ok(line) => Stat::parse(&line).is_some_and(|s| s.state == "Z"),
-            Err(_) => true,
-        }
+        Stat::of(pid).is_none_or(|s| s.state == 'Z')
     }
 
     #[test]

@@ -298,12 +298,7 @@ pub fn pass_fd(fd: i32, target: i32) -> std::io::Result<()> {
 /// Start time of a process in clock ticks since boot, from /proc/PID/stat.
 pub fn pid_start_time(pid: i32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat_state_and_start(&stat).map(|(_, start)| start)
-}
-
-/// The state letter (field 3) and start time (field 22) of a `/proc/PID/stat` line.
-fn stat_state_and_start(stat: &str) -> Option<(&str, u64)> {
-    sandpit_abi::proc::Stat::parse(stat).map(|s| (s.state, s.start_time))
+    sandpit_abi::proc::Stat::parse(&stat).map(|s| s.start_time)
 }
 
 /// What is known of a sandbox's process. Only [`Liveness::Dead`] is evidence: a failed
@@ -346,8 +341,8 @@ pub fn process_liveness(pid: i32, start: u64) -> Liveness {
 
 /// Reads a `/proc/PID/stat` line: dead when a zombie or started at another time.
 fn liveness_of_stat(stat: &str, start: u64) -> Liveness {
-    match stat_state_and_start(stat) {
-        Some(("Z" | "X" | "x", _)) => Liveness::Dead,
+    match sandpit_abi::proc::Stat::parse(stat).map(|s| (s.state, s.start_time)) {
+        Some(('Z' | 'X' | 'x', _)) => Liveness::Dead,
         Some((_, s)) if s == start => Liveness::Alive,
         // The pid was reused by another process.
         Some(_) => Liveness::Dead,
