@@ -1,54 +1,10 @@
-//! What the daemon tells the agent at start: passed as JSON in one environment variable
-//! so that nothing has to exist in the sandbox's filesystem beforehand.
+//! The agent's start-up config, whose shape the daemon shares through `sandpit-abi`, and
+//! `POST /init`, which changes its live settings after start.
 
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::sync::{Arc, RwLock};
 
-/// Environment variable holding the JSON [`AgentConfig`]; removed before any command runs.
-pub const CONFIG_ENV: &str = "SANDPIT_AGENT_CONFIG";
-
-/// How the agent is confined, which decides how users and paths are interpreted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum IsolationMode {
-    /// Inside its own namespaces: `/` is the sandbox root and uids can be switched.
-    Container,
-    /// A plain host process: paths live under `root` and every command runs as the daemon's user.
-    Process,
-}
-
-/// Agent start-up configuration.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct AgentConfig {
-    /// Isolation of this agent.
-    pub mode: IsolationMode,
-    /// Directory that the file API and command paths are confined to (`/` in a container).
-    pub root: PathBuf,
-    /// Default working directory of commands, as seen inside the sandbox.
-    pub workdir: String,
-    /// Environment every command starts with (the sandbox's env).
-    #[serde(default)]
-    pub env: BTreeMap<String, String>,
-    /// An inherited, already listening unix socket.
-    #[serde(default)]
-    pub listen_fd: Option<i32>,
-    /// A path to bind a unix socket on, when no socket is inherited.
-    #[serde(default)]
-    pub listen_path: Option<PathBuf>,
-    /// Settings applied after start by `POST /init` (shared by clones of this config).
-    #[serde(skip)]
-    pub live: Arc<RwLock<Live>>,
-}
-
-/// What `POST /init` changes after start: a pooled sandbox learns its caller's settings.
-#[derive(Debug, Default)]
-pub struct Live {
-    env: BTreeMap<String, String>,
-    workdir: Option<String>,
-    user: Option<String>,
-}
+pub use sandpit_abi::config::{AgentConfig, CONFIG_ENV, IsolationMode, Live};
 
 /// Body of `POST /init`, in the shape of E2B's envd.
 #[derive(Debug, Default, Deserialize)]
@@ -69,60 +25,25 @@ pub struct InitRequest {
     pub timestamp: Option<String>,
 }
 
-impl AgentConfig {
-    /// The environment every command starts with.
-    pub fn env(&self) -> BTreeMap<String, String> {
-        let mut env = self.env.clone();
-        if let Ok(live) = self.live.read() {
-            env.extend(live.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+/// Validates and applies an init request to `cfg`; nothing changes when it is refused.
+pub fn apply_init(cfg: &AgentConfig, req: InitRequest) -> Result<(), String> {
+    for (k, v) in &req.env_vars {
+        if k.is_empty() || k.len() > 256 || k.contains(['=', '\0']) || v.contains('\0') {
+            return Err(format!("invalid environment variable {k:?}"));
         }
-        env
     }
-
-    /// Working directory of commands that name none.
-    pub fn workdir(&self) -> String {
-        self.live
-            .read()
-            .ok()
-            .and_then(|l| l.workdir.clone())
-            .unwrap_or_else(|| self.workdir.clone())
+    if let Some(w) = &req.default_workdir
+        && (!w.starts_with('/') || w.contains('\0') || w.split('/').any(|c| c == ".."))
+    {
+        return Err("defaultWorkdir must be an absolute path without '..'".into());
     }
-
-    /// User of requests that name none, if `POST /init` set one.
-    pub fn default_user(&self) -> Option<String> {
-        self.live.read().ok().and_then(|l| l.user.clone())
+    if let Some(u) = &req.default_user
+        && crate::users::resolve(cfg, Some(u)).is_none()
+    {
+        return Err(format!("unknown user {u:?}"));
     }
-
-    /// Validates and applies an init request; nothing changes when it is refused.
-    pub fn apply_init(&self, req: InitRequest) -> Result<(), String> {
-        for (k, v) in &req.env_vars {
-            if k.is_empty() || k.len() > 256 || k.contains(['=', '\0']) || v.contains('\0') {
-                return Err(format!("invalid environment variable {k:?}"));
-            }
-        }
-        if let Some(w) = &req.default_workdir
-            && (!w.starts_with('/') || w.contains('\0') || w.split('/').any(|c| c == ".."))
-        {
-            return Err("defaultWorkdir must be an absolute path without '..'".into());
-        }
-        if let Some(u) = &req.default_user
-            && crate::users::resolve(self, Some(u)).is_none()
-        {
-            return Err(format!("unknown user {u:?}"));
-        }
-        let mut live = self
-            .live
-            .write()
-            .map_err(|_| "agent settings are poisoned".to_string())?;
-        live.env.extend(req.env_vars);
-        if req.default_workdir.is_some() {
-            live.workdir = req.default_workdir;
-        }
-        if req.default_user.is_some() {
-            live.user = req.default_user;
-        }
-        Ok(())
-    }
+    cfg.update_live(req.env_vars, req.default_workdir, req.default_user);
+    Ok(())
 }
 
 #[cfg(test)]
@@ -146,12 +67,18 @@ mod tests {
         let c = cfg();
         assert_eq!(c.workdir(), "/home/user");
         assert_eq!(c.default_user(), None);
-        c.apply_init(InitRequest {
-            env_vars: BTreeMap::from([("A".into(), "claimed".into()), ("C".into(), "new".into())]),
-            default_user: Some("root".into()),
-            default_workdir: Some("/work".into()),
-            ..Default::default()
-        })
+        apply_init(
+            &c,
+            InitRequest {
+                env_vars: BTreeMap::from([
+                    ("A".into(), "claimed".into()),
+                    ("C".into(), "new".into()),
+                ]),
+                default_user: Some("root".into()),
+                default_workdir: Some("/work".into()),
+                ..Default::default()
+            },
+        )
         .unwrap();
         let env = c.env();
         assert_eq!(env["A"], "claimed");
@@ -191,7 +118,7 @@ mod tests {
             },
         ];
         for req in bad {
-            assert!(c.apply_init(req).is_err());
+            assert!(apply_init(&c, req).is_err());
         }
         assert_eq!(c.workdir(), "/home/user");
         assert_eq!(c.env().len(), 2);

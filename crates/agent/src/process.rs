@@ -10,9 +10,9 @@ use crate::users::{self, User};
 use connectrpc::{
     ConnectError, RequestContext, Response, ServiceRequest, ServiceResult, ServiceStream,
 };
-use nix::errno::Errno;
 use nix::sys::signal::{Signal as NixSignal, kill, killpg};
 use nix::unistd::Pid;
+use parking_lot::Mutex;
 use sandpit_proto::process::__buffa::oneof::process_event::Event;
 use sandpit_proto::process::__buffa::oneof::process_event::data_event::Output;
 use sandpit_proto::process::__buffa::oneof::process_input::Input;
@@ -24,10 +24,12 @@ use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::process::Stdio;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
+
+pub use sandpit_abi::kill_tree;
 
 /// Output bytes kept for a process while no client is attached.
 pub const BACKLOG_LIMIT: usize = 64 << 20;
@@ -117,7 +119,7 @@ impl Proc {
     /// Hands an event to the attached streams, or keeps it until someone attaches.
     async fn publish(&self, ev: ProcessEvent) {
         let subs = {
-            let Ok(mut out) = self.out.lock() else { return };
+            let mut out = self.out.lock();
             out.subscribers.retain(|s| !s.is_closed());
             if matches!(ev.event, Some(Event::End(_))) {
                 out.end = Some(ev.clone());
@@ -134,8 +136,8 @@ impl Proc {
             // Awaiting a full channel is the back-pressure: a slow reader slows the process.
             delivered |= s.send(ev.clone()).await.is_ok();
         }
-        if let (false, Ok(mut out)) = (delivered, self.out.lock()) {
-            Self::keep(&mut out, ev);
+        if !delivered {
+            Self::keep(&mut self.out.lock(), ev);
         }
     }
 
@@ -155,9 +157,7 @@ impl Proc {
 
     /// Attaches a stream: returns what was missed and a channel for what follows.
     fn subscribe(&self) -> (Vec<ProcessEvent>, Option<mpsc::Receiver<ProcessEvent>>) {
-        let Ok(mut out) = self.out.lock() else {
-            return (Vec::new(), None);
-        };
+        let mut out = self.out.lock();
         let mut missed: Vec<ProcessEvent> = out.backlog.drain(..).collect();
         out.backlog_bytes = 0;
         if let Some(end) = &out.end {
@@ -218,14 +218,11 @@ impl ProcessTable {
 
     /// Whether `pid` is a command the agent started (and has not forgotten).
     pub fn is_command(&self, pid: u32) -> bool {
-        self.procs.lock().is_ok_and(|p| p.contains_key(&pid))
+        self.procs.lock().contains_key(&pid)
     }
 
     fn get(&self, sel: &ProcessSelector) -> Result<Arc<Proc>, ConnectError> {
-        let procs = self
-            .procs
-            .lock()
-            .map_err(|_| ConnectError::internal("process table poisoned"))?;
+        let procs = self.procs.lock();
         let found = match &sel.selector {
             Some(Selector::Pid(pid)) => procs.get(pid).cloned(),
             Some(Selector::Tag(tag)) => procs
@@ -239,30 +236,26 @@ impl ProcessTable {
 
     /// Called by the reaper for every child it collected.
     pub fn on_exit(&self, pid: u32, code: i32, signal: Option<i32>) {
-        let proc = self.procs.lock().ok().and_then(|p| p.get(&pid).cloned());
+        let proc = self.procs.lock().get(&pid).cloned();
         match proc {
             Some(p) => {
                 let _ = p.exit.send(Some((code, signal)));
             }
             None => {
-                if let Ok(mut u) = self.unclaimed.lock() {
-                    // Orphans re-parented to PID 1 land here too; keep the map small.
-                    if u.len() > 4096 {
-                        u.clear();
-                    }
-                    u.insert(pid, (code, signal));
+                let mut u = self.unclaimed.lock();
+                // Orphans re-parented to PID 1 land here too; keep the map small.
+                if u.len() > 4096 {
+                    u.clear();
                 }
+                u.insert(pid, (code, signal));
             }
         }
     }
 
     /// Drops ended processes whose output was collected or that are too old.
     fn gc(&self) {
-        let Ok(mut procs) = self.procs.lock() else {
-            return;
-        };
-        procs.retain(|_, p| {
-            let Ok(out) = p.out.lock() else { return true };
+        self.procs.lock().retain(|_, p| {
+            let out = p.out.lock();
             match out.ended_at {
                 None => true,
                 Some(at) => {
@@ -420,10 +413,9 @@ impl ProcessTable {
             out: Mutex::default(),
             exit: exit_tx,
         });
-        if let Ok(mut procs) = self.procs.lock() {
-            procs.insert(pid, proc.clone());
-        }
-        if let Some(early) = self.unclaimed.lock().ok().and_then(|mut u| u.remove(&pid)) {
+        self.procs.lock().insert(pid, proc.clone());
+        let early = self.unclaimed.lock().remove(&pid);
+        if let Some(early) = early {
             let _ = proc.exit.send(Some(early));
         }
         let (missed, rx) = proc.subscribe();
@@ -533,55 +525,6 @@ async fn finish(
     proc.publish(ev).await;
 }
 
-/// Sends `sig` to a process, its process group and every descendant.
-pub fn kill_tree(pid: u32, sig: NixSignal) {
-    let mut victims = descendants(pid);
-    victims.push(pid);
-    let _ = killpg(Pid::from_raw(pid as i32), sig);
-    for v in victims {
-        match kill(Pid::from_raw(v as i32), sig) {
-            Ok(()) | Err(Errno::ESRCH) => {}
-            Err(e) => tracing::debug!(pid = v, error = %e, "kill failed"),
-        }
-    }
-}
-
-/// Pids below `root` in the parent tree, read from /proc.
-fn descendants(root: u32) -> Vec<u32> {
-    let mut parent_of: Vec<(u32, u32)> = Vec::new();
-    if let Ok(rd) = std::fs::read_dir("/proc") {
-        for e in rd.flatten() {
-            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-                continue;
-            };
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-                continue;
-            };
-            // The command name may contain spaces and parens; fields resume after the last ')'.
-            let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
-                continue;
-            };
-            let ppid = rest
-                .split_whitespace()
-                .nth(1)
-                .and_then(|s| s.parse::<u32>().ok())
-                .unwrap_or(0);
-            parent_of.push((pid, ppid));
-        }
-    }
-    let mut out = Vec::new();
-    let mut frontier = vec![root];
-    while let Some(p) = frontier.pop() {
-        for (child, _) in parent_of.iter().filter(|(_, pp)| *pp == p) {
-            if !out.contains(child) {
-                out.push(*child);
-                frontier.push(*child);
-            }
-        }
-    }
-    out
-}
-
 /// Request header (sandpit's own) asking Start to return after the start event and keep
 /// all output for a later Connect.
 pub const DETACH_HEADER: &str = "sandpit-detach";
@@ -685,11 +628,7 @@ impl Process for ProcessService {
         _ctx: RequestContext,
         _request: ServiceRequest<'_, ListRequest>,
     ) -> ServiceResult<ListResponse> {
-        let procs = self
-            .table
-            .procs
-            .lock()
-            .map_err(|_| ConnectError::internal("process table poisoned"))?;
+        let procs = self.table.procs.lock();
         let mut processes: Vec<ProcessInfo> = procs
             .values()
             .filter(|p| p.is_running())

@@ -11,9 +11,11 @@
 use crate::process::ProcessTable;
 use nix::errno::Errno;
 use nix::sys::wait::{Id, WaitPidFlag, WaitStatus, waitid};
+use parking_lot::Mutex;
+use sandpit_abi::proc::Stat;
 use serde::Serialize;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Commands whose usage is remembered; the oldest are forgotten beyond this.
@@ -64,18 +66,15 @@ impl UsageTable {
     /// A command with this pid was spawned at `spawned_at`: usage recorded under the pid
     /// before then belongs to an earlier process that had the same pid.
     pub fn begin(&self, pid: u32, spawned_at: Instant) {
-        if let Ok(mut map) = self.entries.lock()
-            && map.get(&pid).is_some_and(|e| e.created < spawned_at)
-        {
+        let mut map = self.entries.lock();
+        if map.get(&pid).is_some_and(|e| e.created < spawned_at) {
             map.remove(&pid);
         }
     }
 
     /// Adds one reaped process's rusage to command `key`.
     fn add(&self, key: u32, ru: &libc::rusage) {
-        let Ok(mut map) = self.entries.lock() else {
-            return;
-        };
+        let mut map = self.entries.lock();
         if map.len() >= MAX_ENTRIES && !map.contains_key(&key) {
             // Forget the entry that changed longest ago (an old, long-read command).
             if let Some(old) = map.iter().min_by_key(|(_, e)| e.updated).map(|(k, _)| *k) {
@@ -107,22 +106,8 @@ impl UsageTable {
 
     /// The usage counted so far for command `pid`.
     pub fn get(&self, pid: u32) -> Option<CommandUsage> {
-        self.entries.lock().ok()?.get(&pid).map(|e| e.usage)
+        self.entries.lock().get(&pid).map(|e| e.usage)
     }
-}
-
-/// Fields of `/proc/PID/stat` after the command name: state, ppid, session, flags.
-fn proc_stat(pid: i32) -> Option<(char, i32, u32, u64)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The name may hold spaces and parentheses; the fields start after the last ')'.
-    let rest = stat.rsplit_once(')')?.1;
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    // state ppid pgrp session tty_nr tpgid flags
-    let state = f.first()?.chars().next()?;
-    let ppid = f.get(1)?.parse().ok()?;
-    let session = f.get(3)?.parse().ok()?;
-    let flags = f.get(6)?.parse().ok()?;
-    Some((state, ppid, session, flags))
 }
 
 /// Collects every child that has exited, charging its rusage to the command of its
@@ -141,7 +126,7 @@ pub fn reap_pass(table: &ProcessTable) {
                 return;
             }
         };
-        let session = proc_stat(pid).map(|(_, _, s, _)| s);
+        let session = Stat::of(pid as u32).map(|s| s.session);
         let mut status = 0;
         // SAFETY: all-zero is a valid rusage, filled in by wait4.
         let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
@@ -174,18 +159,18 @@ pub fn reap_pass(table: &ProcessTable) {
 /// Whether a child of the agent in `session` is dying right now: its usage will be ours
 /// to collect within microseconds.
 fn member_exiting(session: u32) -> bool {
-    let me = std::process::id() as i32;
+    let me = std::process::id();
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return false;
     };
     dir.flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
         // Pids grow: a process older than the command cannot descend from it, and skipping
         // those keeps this cheap in a sandbox full of long-lived processes.
-        .filter(|pid| *pid > session as i32)
-        .filter_map(proc_stat)
-        .any(|(state, ppid, s, flags)| {
-            s == session && ppid == me && (state == 'Z' || flags & PF_EXITING != 0)
+        .filter(|pid| *pid > session)
+        .filter_map(Stat::of)
+        .any(|s| {
+            s.session == session && s.ppid == me && (s.state == 'Z' || s.flags & PF_EXITING != 0)
         })
 }
 
@@ -279,19 +264,9 @@ mod tests {
         for pid in 0..(MAX_ENTRIES as u32 + 10) {
             t.add(pid, &ru(1, 0, 1));
         }
-        let n = t.entries.lock().unwrap().len();
+        let n = t.entries.lock().len();
         assert_eq!(n, MAX_ENTRIES);
         // The newest are kept.
         assert!(t.get(MAX_ENTRIES as u32 + 9).is_some());
-    }
-
-    #[test]
-    fn own_stat_parses() {
-        let me = std::process::id() as i32;
-        let (state, ppid, session, _flags) = proc_stat(me).unwrap();
-        assert!(matches!(state, 'R' | 'S'));
-        assert_eq!(ppid as u32, std::os::unix::process::parent_id());
-        // SAFETY: getsid(0) only reads this process's session id.
-        assert_eq!(session as i32, unsafe { libc::getsid(0) });
     }
 }

@@ -76,7 +76,7 @@ async fn init(
     } else {
         serde_json::from_slice(&body).map_err(|e| format!("bad init body: {e}"))
     };
-    match req.and_then(|r| cfg.apply_init(r)) {
+    match req.and_then(|r| crate::config::apply_init(&cfg, r)) {
         Ok(()) => axum::http::StatusCode::NO_CONTENT.into_response(),
         Err(msg) => (axum::http::StatusCode::BAD_REQUEST, msg).into_response(),
     }

@@ -17,8 +17,7 @@ pub struct User {
     pub switch: bool,
 }
 
-/// Uid of the unprivileged `user` account inside container sandboxes.
-pub const USER_UID: u32 = 1000;
+pub use sandpit_abi::{ROOT_UID, USER_UID};
 
 /// Resolves a user name from the API; `None` means an unknown user.
 pub fn resolve(cfg: &AgentConfig, name: Option<&str>) -> Option<User> {
@@ -28,7 +27,7 @@ pub fn resolve(cfg: &AgentConfig, name: Option<&str>) -> Option<User> {
         Some(n) => n,
     };
     let (name, uid, home) = match name {
-        "root" => ("root", 0, "/root"),
+        "root" => ("root", ROOT_UID, "/root"),
         "user" => ("user", USER_UID, "/home/user"),
         _ => return None,
     };
@@ -69,7 +68,7 @@ pub fn from_headers(headers: &http::HeaderMap) -> Option<String> {
 pub fn name_of(cfg: &AgentConfig, uid: u32) -> String {
     match cfg.mode {
         IsolationMode::Container => match uid {
-            0 => "root".into(),
+            ROOT_UID => "root".into(),
             USER_UID => "user".into(),
             other => other.to_string(),
         },

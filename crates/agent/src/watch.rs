@@ -4,12 +4,13 @@
 use crate::fs::{FsError, FsRoot, SandboxPath, watch_target};
 use connectrpc::{ConnectError, ServiceStream};
 use notify::{EventKind, RecursiveMode, Watcher as _};
+use parking_lot::{Mutex, MutexGuard};
 use sandpit_proto::filesystem::__buffa::oneof::watch_dir_response::Event as WatchEvent;
 use sandpit_proto::filesystem::*;
 use std::collections::{HashMap, HashSet};
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 
@@ -96,7 +97,8 @@ impl Watchers {
         let emit = {
             let seen = seen.clone();
             Arc::new(move |path: PathBuf, kind: EventType| {
-                if let Ok(mut seen) = seen.lock() {
+                {
+                    let mut seen = seen.lock();
                     match kind {
                         EventType::EVENT_TYPE_CREATE => {
                             if seen.len() >= MAX_SEEN {
@@ -175,9 +177,7 @@ impl Watchers {
                     .collect();
                 for dir in created {
                     scan_created(&dir, 0, &mut paths);
-                    if let Ok(tx) = rescan_tx.lock() {
-                        let _ = tx.send(dir);
-                    }
+                    let _ = rescan_tx.lock().send(dir);
                 }
             }
             for path in paths {
@@ -251,15 +251,14 @@ impl Watchers {
         let events: Arc<Mutex<Vec<FilesystemEvent>>> = Arc::default();
         let sink_events = events.clone();
         let live = self.start(&p, recursive, include_entry, move |fe| {
-            if let Ok(mut v) = sink_events.lock() {
-                if v.len() >= MAX_PENDING_EVENTS {
-                    v.remove(0);
-                }
-                v.push(fe);
+            let mut v = sink_events.lock();
+            if v.len() >= MAX_PENDING_EVENTS {
+                v.remove(0);
             }
+            v.push(fe);
         })?;
         let id = uuid::Uuid::new_v4().to_string();
-        self.lock()?.insert(
+        self.lock().insert(
             id.clone(),
             Polling {
                 _live: live,
@@ -271,28 +270,22 @@ impl Watchers {
 
     /// Returns and clears the events a polling watcher has gathered.
     pub fn drain(&self, id: &str) -> Result<Vec<FilesystemEvent>, ConnectError> {
-        let map = self.lock()?;
+        let map = self.lock();
         let w = map
             .get(id)
             .ok_or_else(|| ConnectError::not_found(format!("watcher {id} not found")))?;
-        let mut ev = w
-            .events
-            .lock()
-            .map_err(|_| ConnectError::internal("watcher state poisoned"))?;
-        Ok(std::mem::take(&mut *ev))
+        Ok(std::mem::take(&mut *w.events.lock()))
     }
 
     /// Stops a polling watcher.
     pub fn remove(&self, id: &str) -> Result<(), ConnectError> {
-        self.lock()?
+        self.lock()
             .remove(id)
             .map(|_| ())
             .ok_or_else(|| ConnectError::not_found(format!("watcher {id} not found")))
     }
 
-    fn lock(&self) -> Result<std::sync::MutexGuard<'_, HashMap<String, Polling>>, ConnectError> {
-        self.polling
-            .lock()
-            .map_err(|_| ConnectError::internal("watcher table poisoned"))
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, Polling>> {
+        self.polling.lock()
     }
 }

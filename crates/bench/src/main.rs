@@ -28,11 +28,12 @@ mod report;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, anyhow, bail};
+use parking_lot::Mutex;
 use sandpit_api::{CreateSandboxRequest, LimitsSpec, RunCommandRequest, Sandbox};
 use sandpit_client::Client;
 
@@ -428,22 +429,15 @@ impl Tracker {
     }
 
     fn insert(&self, id: &str) {
-        if let Ok(mut live) = self.live.lock() {
-            live.insert(id.to_string());
-        }
+        self.live.lock().insert(id.to_string());
     }
 
     fn remove(&self, id: &str) {
-        if let Ok(mut live) = self.live.lock() {
-            live.remove(id);
-        }
+        self.live.lock().remove(id);
     }
 
     fn take(&self) -> Vec<String> {
-        match self.live.lock() {
-            Ok(mut live) => std::mem::take(&mut *live).into_iter().collect(),
-            Err(_) => Vec::new(),
-        }
+        std::mem::take(&mut *self.live.lock()).into_iter().collect()
     }
 }
 

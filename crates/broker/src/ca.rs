@@ -5,13 +5,14 @@
 
 use super::BrokerError;
 use super::crypto::Keys;
+use parking_lot::Mutex;
 use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
     Issuer, KeyPair, KeyUsagePurpose, PKCS_ECDSA_P256_SHA256, SerialNumber,
 };
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long a leaf certificate is valid, and how long the broker reuses it (less, so
@@ -96,27 +97,27 @@ impl Authority {
         host: &str,
     ) -> Result<Arc<rustls::ServerConfig>, BrokerError> {
         let key = (sandbox_id.to_string(), host.to_string());
-        if let Ok(cache) = self.leaves.lock()
-            && let Some((cfg, at)) = cache.get(&key)
-            && at.elapsed() < LEAF_REUSE
-        {
-            return Ok(cfg.clone());
+        let reused = self
+            .leaves
+            .lock()
+            .get(&key)
+            .filter(|(_, at)| at.elapsed() < LEAF_REUSE)
+            .map(|(cfg, _)| cfg.clone());
+        if let Some(cfg) = reused {
+            return Ok(cfg);
         }
         let cfg = Arc::new(self.mint(sandbox_id, host)?);
-        if let Ok(mut cache) = self.leaves.lock() {
-            if cache.len() >= LEAF_CACHE_MAX {
-                cache.clear();
-            }
-            cache.insert(key, (cfg.clone(), Instant::now()));
+        let mut cache = self.leaves.lock();
+        if cache.len() >= LEAF_CACHE_MAX {
+            cache.clear();
         }
+        cache.insert(key, (cfg.clone(), Instant::now()));
         Ok(cfg)
     }
 
     /// Forgets the leaf certificates of a sandbox.
     pub fn forget(&self, sandbox_id: &str) {
-        if let Ok(mut cache) = self.leaves.lock() {
-            cache.retain(|(id, _), _| id != sandbox_id);
-        }
+        self.leaves.lock().retain(|(id, _), _| id != sandbox_id);
     }
 
     /// A leaf certificate for `host` signed by sandbox `sandbox_id`'s CA, and its key.

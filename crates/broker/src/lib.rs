@@ -13,6 +13,7 @@ pub mod rules;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
+use parking_lot::RwLock;
 use rules::Secret;
 use sandpit_api::secrets::CreateSecretRequest;
 use sandpit_net::intercept::{BoxedIo, Carried, Destination, Interceptor, Outbound};
@@ -20,7 +21,7 @@ use sandpit_store::{SecretRecord, Store};
 use serde::Deserialize;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 use zeroize::Zeroizing;
 
@@ -224,12 +225,7 @@ impl Broker {
         if broker.enabled() {
             broker.check_stored();
         } else {
-            let stored = broker
-                .inner
-                .cache
-                .read()
-                .map(|c| c.secrets.len())
-                .unwrap_or(0);
+            let stored = broker.inner.cache.read().secrets.len();
             if stored > 0 {
                 tracing::warn!(
                     stored,
@@ -247,10 +243,7 @@ impl Broker {
 
     /// Logs secrets that do not decrypt with the configured key (made with another one).
     fn check_stored(&self) {
-        let Ok(cache) = self.inner.cache.read() else {
-            return;
-        };
-        for s in cache.secrets.values() {
+        for s in self.inner.cache.read().secrets.values() {
             if self.inner.open(s).is_err() {
                 tracing::warn!(owner = %s.owner, secret = %s.name,
                     "a stored secret does not decrypt with the configured broker key; requests needing it are refused");
@@ -276,9 +269,7 @@ impl Broker {
                 .1
                 .push(a.name);
         }
-        if let Ok(mut cache) = self.inner.cache.write() {
-            *cache = fresh;
-        }
+        *self.inner.cache.write() = fresh;
         Ok(())
     }
 
@@ -365,12 +356,10 @@ impl Broker {
         }
         let secret = secret_from_record(rec).map_err(|e| BrokerError::Internal(e.to_string()))?;
         let view = to_api(&secret);
-        if let Ok(mut cache) = self.inner.cache.write() {
-            cache.secrets.insert(
-                (secret.owner.clone(), secret.name.clone()),
-                Arc::new(secret),
-            );
-        }
+        self.inner.cache.write().secrets.insert(
+            (secret.owner.clone(), secret.name.clone()),
+            Arc::new(secret),
+        );
         tracing::info!(owner, secret = %req.name, "secret stored");
         Ok(view)
     }
@@ -414,7 +403,8 @@ impl Broker {
         if !self.inner.store.delete_secret(owner, name).await? {
             return Err(BrokerError::NotFound(format!("secret {name} not found")));
         }
-        if let Ok(mut cache) = self.inner.cache.write() {
+        {
+            let mut cache = self.inner.cache.write();
             cache.secrets.remove(&(owner.to_string(), name.to_string()));
             for (o, names) in cache.attached.values_mut() {
                 if o == owner {
@@ -462,7 +452,8 @@ impl Broker {
         let mut sorted = names.to_vec();
         sorted.sort();
         sorted.dedup();
-        if let Ok(mut cache) = self.inner.cache.write() {
+        {
+            let mut cache = self.inner.cache.write();
             if sorted.is_empty() {
                 cache.attached.remove(id);
             } else {
@@ -486,11 +477,12 @@ impl Broker {
     pub async fn copy_attachments(&self, from: &str, to: &[String]) -> Result<(), BrokerError> {
         let _w = self.inner.writes.lock().await;
         self.inner.store.copy_sandbox_secrets(from, to).await?;
-        if let Ok(mut cache) = self.inner.cache.write()
-            && let Some(entry) = cache.attached.get(from).cloned()
         {
-            for id in to {
-                cache.attached.insert(id.clone(), entry.clone());
+            let mut cache = self.inner.cache.write();
+            if let Some(entry) = cache.attached.get(from).cloned() {
+                for id in to {
+                    cache.attached.insert(id.clone(), entry.clone());
+                }
             }
         }
         Ok(())
@@ -500,9 +492,7 @@ impl Broker {
 impl Inner {
     /// The secrets sandbox `id` may use now.
     fn attached_secrets(&self, id: &str) -> Vec<Arc<Secret>> {
-        let Ok(cache) = self.cache.read() else {
-            return Vec::new();
-        };
+        let cache = self.cache.read();
         let Some((owner, names)) = cache.attached.get(id) else {
             return Vec::new();
         };

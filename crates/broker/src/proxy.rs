@@ -58,7 +58,7 @@ struct ConnCtx {
     /// The upstream connection, kept between requests of a keep-alive connection.
     sender: tokio::sync::Mutex<Option<SendRequest<Incoming>>>,
     /// Spliced upgraded connections (WebSocket), awaited before the byte counts are final.
-    upgrades: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    upgrades: parking_lot::Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
 fn io_other(e: impl std::fmt::Display) -> io::Error {
@@ -99,7 +99,7 @@ pub(super) async fn serve(
         resolved: upstream.resolved,
         counters: counters.clone(),
         sender: tokio::sync::Mutex::new(None),
-        upgrades: std::sync::Mutex::default(),
+        upgrades: parking_lot::Mutex::default(),
     });
     let svc_ctx = ctx.clone();
     let service = hyper::service::service_fn(move |req| {
@@ -115,11 +115,7 @@ pub(super) async fn serve(
     if let Err(e) = served {
         tracing::debug!(sandbox = %ctx.sandbox_id, host = %ctx.host, error = %e, "intercepted connection ended");
     }
-    let upgrades = ctx
-        .upgrades
-        .lock()
-        .map(|mut u| std::mem::take(&mut *u))
-        .unwrap_or_default();
+    let upgrades = std::mem::take(&mut *ctx.upgrades.lock());
     for u in upgrades {
         let _ = u.await;
     }
@@ -380,9 +376,7 @@ impl ConnCtx {
                         let _ = tokio::io::copy_bidirectional(&mut c, &mut u).await;
                     }
                 });
-                if let Ok(mut u) = self.upgrades.lock() {
-                    u.push(task);
-                }
+                self.upgrades.lock().push(task);
             }
         } else {
             *slot = Some(sender);

@@ -6,6 +6,7 @@ use bytes::Bytes;
 use http::{HeaderMap, Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
+use parking_lot::Mutex;
 use rcgen::{CertificateParams, IsCa, Issuer, KeyPair};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
@@ -14,7 +15,7 @@ use sandpit_broker::{Broker, BrokerConfig};
 use sandpit_net::intercept::{Carried, Destination, Interceptor, Outbound};
 use sandpit_store::{SandboxRecord, SandboxState, Store};
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 const VALUE: &str = "ghp_TopSecretValue_0123456789";
 const TOKEN_VALUE: &str = "tok_AnotherSecret_9876543210";
@@ -56,7 +57,7 @@ async fn echo(
             String::from_utf8_lossy(v.as_bytes()).into_owned().into(),
         );
     }
-    log.lock().unwrap().push(Seen {
+    log.lock().push(Seen {
         method: req.method().clone(),
         path: req.uri().path().to_string(),
         headers: req.headers().clone(),
@@ -352,7 +353,7 @@ async fn credentials_go_in_for_matching_requests_and_never_back_out() {
         .send(Method::GET, "/repos/x", &[("authorization", "Bearer fake")])
         .await;
     assert_eq!(status, StatusCode::OK, "{body}");
-    let seen = up.seen.lock().unwrap().last().cloned().unwrap();
+    let seen = up.seen.lock().last().cloned().unwrap();
     assert_eq!(seen.method, Method::GET);
     assert_eq!(seen.path, "/repos/x");
     assert_eq!(
@@ -364,7 +365,7 @@ async fn credentials_go_in_for_matching_requests_and_never_back_out() {
     assert!(body.contains("Bearer ****"), "{body}");
     let echoed = headers.get("x-echo-auth").unwrap().to_str().unwrap();
     assert_no_secret("response header", echoed);
-    let seen_before = up.seen.lock().unwrap().len();
+    let seen_before = up.seen.lock().len();
 
     // Wrong method, wrong path, path tricks: 403 saying what did not match, nothing sent.
     for (method, path, reason) in [
@@ -383,7 +384,7 @@ async fn credentials_go_in_for_matching_requests_and_never_back_out() {
         assert!(r["message"].as_str().unwrap().contains(method.as_str()) || reason == "path");
         assert_no_secret("refusal", &body);
     }
-    assert_eq!(up.seen.lock().unwrap().len(), seen_before);
+    assert_eq!(up.seen.lock().len(), seen_before);
 
     // A placeholder in a header is replaced with the secret.
     let (status, _, body) = c
@@ -394,7 +395,7 @@ async fn credentials_go_in_for_matching_requests_and_never_back_out() {
         )
         .await;
     assert_eq!(status, StatusCode::OK, "{body}");
-    let seen = up.seen.lock().unwrap().last().cloned().unwrap();
+    let seen = up.seen.lock().last().cloned().unwrap();
     assert_eq!(
         seen.headers.get("x-api-key").unwrap(),
         &format!("key={TOKEN_VALUE};v=1")
@@ -456,7 +457,7 @@ async fn an_expired_secret_is_refused() {
         .unwrap();
     let (status, _, body) = c.send(Method::GET, "/repos/a", &[]).await;
     assert_eq!(status, StatusCode::OK, "{body}");
-    let before = up.seen.lock().unwrap().len();
+    let before = up.seen.lock().len();
     // Past the expiry (on the same keep-alive connection): refused, not sent.
     let wait = s.expires_at_ms.unwrap() - sandpit_store::now_ms() + 50;
     tokio::time::sleep(std::time::Duration::from_millis(wait.max(0) as u64)).await;
@@ -466,7 +467,7 @@ async fn an_expired_secret_is_refused() {
     assert_eq!(r["reason"], "expired");
     assert_eq!(r["secret"], "short");
     assert_no_secret("refusal", &body);
-    assert_eq!(up.seen.lock().unwrap().len(), before);
+    assert_eq!(up.seen.lock().len(), before);
     c.close().await;
 }
 
@@ -493,7 +494,7 @@ async fn an_upstream_the_broker_cannot_verify_gets_no_credential() {
     assert_eq!(status, StatusCode::BAD_GATEWAY, "{body}");
     assert_eq!(refusal(&body)["code"], "upstream_unreachable");
     assert_no_secret("error", &body);
-    assert!(up.seen.lock().unwrap().is_empty());
+    assert!(up.seen.lock().is_empty());
     c.close().await;
 }
 
@@ -567,7 +568,7 @@ async fn secrets_are_sealed_at_rest_and_survive_a_restart() {
     .unwrap();
     let other_ca = other.ca_pem("sbx1").unwrap();
     assert_ne!(other_ca, ca);
-    let before = up.seen.lock().unwrap().len();
+    let before = up.seen.lock().len();
     let mut c = connect(
         &other,
         outbound("sbx1", "api.test", true),
@@ -579,7 +580,7 @@ async fn secrets_are_sealed_at_rest_and_survive_a_restart() {
     let (status, _, body) = c.send(Method::GET, "/repos/a", &[]).await;
     assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
     assert_eq!(refusal(&body)["reason"], "unavailable");
-    assert_eq!(up.seen.lock().unwrap().len(), before);
+    assert_eq!(up.seen.lock().len(), before);
     c.close().await;
 }
 
@@ -612,7 +613,7 @@ async fn plain_http_only_where_the_secret_allows_it() {
         )
         .await;
     assert_eq!(status, StatusCode::OK, "{body}");
-    let seen = up.seen.lock().unwrap().last().cloned().unwrap();
+    let seen = up.seen.lock().last().cloned().unwrap();
     assert_eq!(seen.headers.get("x-api-key").unwrap(), TOKEN_VALUE);
     // The HTTPS-only header secret is not sent over plain HTTP.
     assert!(seen.headers.get("authorization").is_none());
@@ -646,7 +647,7 @@ async fn an_upgraded_connection_carries_its_bytes_both_ways() {
     c.sender.ready().await.unwrap();
     let resp = c.sender.send_request(req).await.unwrap();
     assert_eq!(resp.status(), StatusCode::SWITCHING_PROTOCOLS);
-    let seen = up.seen.lock().unwrap().last().cloned().unwrap();
+    let seen = up.seen.lock().last().cloned().unwrap();
     assert_eq!(
         seen.headers.get("authorization").unwrap(),
         &format!("Bearer {VALUE}")
@@ -704,7 +705,7 @@ async fn no_credential_goes_to_an_address_the_host_does_not_resolve_to() {
         assert_eq!(r["reason"], "destination", "{r}");
         assert_no_secret("refusal", &body);
     }
-    assert!(up.seen.lock().unwrap().is_empty());
+    assert!(up.seen.lock().is_empty());
     assert_eq!(c.close().await, (0, 0));
 
     // Plain HTTP, and a request with nothing to put in: carried untouched.
@@ -724,7 +725,7 @@ async fn no_credential_goes_to_an_address_the_host_does_not_resolve_to() {
     assert_eq!(refusal(&body)["reason"], "destination");
     let (status, _, body) = c.send(Method::GET, "/x", &[("x-api-key", "mine")]).await;
     assert_eq!(status, StatusCode::OK, "{body}");
-    let seen = plain.seen.lock().unwrap().clone();
+    let seen = plain.seen.lock().clone();
     assert_eq!(seen.len(), 1, "{seen:?}");
     assert_eq!(seen[0].headers.get("x-api-key").unwrap(), "mine");
     c.close().await;

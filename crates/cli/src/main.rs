@@ -28,7 +28,7 @@ fn main() -> std::process::ExitCode {
     let argv0 = std::env::args_os().next().unwrap_or_default();
     if std::path::Path::new(&argv0)
         .file_name()
-        .is_some_and(|n| n == "sandpit-agent")
+        .is_some_and(|n| n == sandpit_abi::AGENT_ARGV0)
     {
         return match sandpit_agent::run_from_env() {
             Ok(()) => ExitCode::SUCCESS,

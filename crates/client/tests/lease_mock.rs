@@ -3,7 +3,7 @@
 //! the wrapper retries exactly once for those and never for anything else.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use axum::Json;
 use axum::Router;
@@ -11,6 +11,7 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
+use parking_lot::Mutex;
 use sandpit_api::leases::{Acquired, Lease};
 use sandpit_api::{
     CreateSandboxRequest, ErrorBody, Limits, RunCommandRequest, RunCommandResponse, Sandbox,
@@ -77,7 +78,7 @@ async fn acquire(
     Path(user): Path<String>,
     Json(req): Json<CreateSandboxRequest>,
 ) -> Json<Acquired> {
-    let mut inner = m.0.lock().unwrap();
+    let mut inner = m.0.lock();
     inner.acquires += 1;
     inner.templates.push(req.template);
     let id = format!("{user}-sb{}", inner.acquires);
@@ -102,7 +103,7 @@ async fn acquire(
 
 async fn run(State(m): State<Mock>, Path(id): Path<String>) -> Response {
     let answer = {
-        let mut inner = m.0.lock().unwrap();
+        let mut inner = m.0.lock();
         inner.calls.push(id.clone());
         inner.answers.get(&id).copied().unwrap_or(Answer::Ok)
     };
@@ -140,11 +141,11 @@ async fn start(mock: Mock) -> Client {
 }
 
 fn set(mock: &Mock, id: &str, a: Answer) {
-    mock.0.lock().unwrap().answers.insert(id.into(), a);
+    mock.0.lock().answers.insert(id.into(), a);
 }
 
 fn counts(mock: &Mock) -> (u32, Vec<String>) {
-    let inner = mock.0.lock().unwrap();
+    let inner = mock.0.lock();
     (inner.acquires, inner.calls.clone())
 }
 
@@ -202,7 +203,7 @@ async fn a_vanished_sandbox_is_replaced_once_and_the_call_repeated() {
     );
     // Both acquires carried the caller's create options.
     assert_eq!(
-        mock.0.lock().unwrap().templates,
+        mock.0.lock().templates,
         vec![Some("py".to_string()), Some("py".to_string())]
     );
     // The new id is cached: the next call acquires nothing.

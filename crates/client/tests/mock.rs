@@ -2,7 +2,7 @@
 //! error bodies, streaming bodies and the command WebSocket.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use axum::Json;
 use axum::Router;
@@ -14,6 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as B64;
+use parking_lot::Mutex;
 use sandpit_api::{
     ClientMessage, CommandEvent, ErrorBody, Limits, RunCommandRequest, Sandbox, SandboxList,
 };
@@ -117,7 +118,7 @@ async fn delete_one(Path(_id): Path<String>) -> StatusCode {
 
 async fn get_file(Query(q): Query<BTreeMap<String, String>>, State(m): State<Mock>) -> Response {
     let path = q.get("path").cloned().unwrap_or_default();
-    match m.uploads.lock().unwrap().get(&path) {
+    match m.uploads.lock().get(&path) {
         Some(data) => data.clone().into_response(),
         None => (StatusCode::NOT_FOUND, "plain text, not json").into_response(),
     }
@@ -129,7 +130,7 @@ async fn put_file(
     body: Bytes,
 ) -> StatusCode {
     let path = q.get("path").cloned().unwrap_or_default();
-    m.uploads.lock().unwrap().insert(path, body.to_vec());
+    m.uploads.lock().insert(path, body.to_vec());
     StatusCode::NO_CONTENT
 }
 

@@ -8,6 +8,8 @@
 //! sandbox is reached through [`agent_conn`] (Connect RPC and HTTP over the agent's own
 //! socket, which is a transport, not the public API).
 
+#![forbid(unsafe_code)]
+
 pub mod access;
 pub mod agent_conn;
 pub mod error;

@@ -12,11 +12,12 @@
 //! connection's byte counts follow as an update, and its bytes sent feed usage metering;
 //! neither is ever dropped.
 
+use parking_lot::{Mutex, MutexGuard};
 use sandpit_api::network::{NetworkAuditEntry, Verdict};
 use sandpit_store::{AuditRecord, AuditWrite, Store};
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, broadcast, oneshot};
 
@@ -313,8 +314,7 @@ struct Shared {
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
-        // Nothing panics while holding it; should something, the state is still whole.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.lock()
     }
 }
 

@@ -17,10 +17,11 @@ use super::policy::Attempt;
 use super::{Entry, Net, NetworkConfig};
 use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
 use hickory_proto::rr::{Name, RData, RecordType};
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -378,16 +379,15 @@ impl Resolver {
     }
 
     /// Sandbox `id`'s share (made on its first question).
-    fn quota(&self, id: &str, owner: &str) -> Option<Arc<Quota>> {
-        let mut m = self.quotas.lock().ok()?;
+    fn quota(&self, id: &str, owner: &str) -> Arc<Quota> {
+        let mut m = self.quotas.lock();
         if let Some(q) = m.get(id) {
-            if let Ok(mut o) = q.owner.lock()
-                && *o != owner
-            {
+            let mut o = q.owner.lock();
+            if *o != owner {
                 // A warm pool's sandbox, claimed since.
                 *o = owner.to_string();
             }
-            return Some(q.clone());
+            return q.clone();
         }
         let q = Arc::new(Quota {
             owner: Mutex::new(owner.to_string()),
@@ -399,26 +399,24 @@ impl Resolver {
             gone: AtomicBool::new(false),
         });
         m.insert(id.to_string(), q.clone());
-        Some(q)
+        q
     }
 
     /// What the owner of `q`'s sandbox has in flight.
-    fn owner_of(&self, q: &Quota) -> Option<Arc<OwnerQuota>> {
-        let owner = q.owner.lock().ok()?.clone();
-        let mut m = self.owners.lock().ok()?;
-        Some(m.entry(owner).or_default().clone())
+    fn owner_of(&self, q: &Quota) -> Arc<OwnerQuota> {
+        let owner = q.owner.lock().clone();
+        self.owners.lock().entry(owner).or_default().clone()
     }
 
     /// Lets one more question of `q` in, or says why not (the refusal is counted).
     fn admit(&self, q: &Arc<Quota>) -> Option<Held> {
         let l = &self.limits;
-        let owner = self.owner_of(q)?;
+        let owner = self.owner_of(q);
         let r = (|| {
-            let within_rate = q
-                .bucket
-                .lock()
-                .map(|mut b| b.take(l.queries_per_second, l.query_burst, Instant::now()))
-                .unwrap_or(false);
+            let within_rate =
+                q.bucket
+                    .lock()
+                    .take(l.queries_per_second, l.query_burst, Instant::now());
             if !within_rate {
                 return Err(Refusal::Rate);
             }
@@ -448,7 +446,7 @@ impl Resolver {
 
     /// Lets one more TCP connection of `q` in, or says why not (the refusal is counted).
     fn admit_tcp(&self, q: &Arc<Quota>) -> Option<Held> {
-        let owner = self.owner_of(q)?;
+        let owner = self.owner_of(q);
         let l = &self.limits;
         match hold(&[
             (&q.tcp, l.tcp_per_sandbox, Refusal::Tcp),
@@ -470,7 +468,7 @@ impl Resolver {
 
     /// Forgets sandbox `id`: its cache goes at once, its last drops with the next report.
     pub fn forget(&self, id: &str) {
-        let q = self.quotas.lock().ok().and_then(|mut m| m.remove(id));
+        let q = self.quotas.lock().remove(id);
         if let Some(q) = q {
             self.retire(id.to_string(), q);
         }
@@ -478,14 +476,12 @@ impl Resolver {
 
     /// Forgets every sandbox `keep` says no to.
     pub fn retain(&self, keep: impl Fn(&str) -> bool) {
-        let gone: Vec<(String, Arc<Quota>)> = match self.quotas.lock() {
-            Ok(mut m) => {
-                let ids: Vec<String> = m.keys().filter(|id| !keep(id)).cloned().collect();
-                ids.into_iter()
-                    .filter_map(|id| m.remove(&id).map(|q| (id, q)))
-                    .collect()
-            }
-            Err(_) => return,
+        let gone: Vec<(String, Arc<Quota>)> = {
+            let mut m = self.quotas.lock();
+            let ids: Vec<String> = m.keys().filter(|id| !keep(id)).cloned().collect();
+            ids.into_iter()
+                .filter_map(|id| m.remove(&id).map(|q| (id, q)))
+                .collect()
         };
         for (id, q) in gone {
             self.retire(id, q);
@@ -493,30 +489,28 @@ impl Resolver {
     }
 
     fn retire(&self, id: String, q: Arc<Quota>) {
-        if let Ok(mut c) = q.cache.lock() {
+        {
+            let mut c = q.cache.lock();
             q.gone.store(true, Ordering::Release);
             self.cached.fetch_sub(c.len(), Ordering::AcqRel);
             c.clear();
         }
-        if let Ok(mut g) = self.gone.lock() {
-            g.push((id, q));
-        }
+        self.gone.lock().push((id, q));
     }
 
     /// Each sandbox's drops since the last call: (sandbox, owner, audit rule).
     fn take_drops(&self) -> Vec<(String, String, String)> {
-        let mut all: Vec<(String, Arc<Quota>)> = self
-            .gone
-            .lock()
-            .map(|mut g| std::mem::take(&mut *g))
-            .unwrap_or_default();
-        if let Ok(m) = self.quotas.lock() {
-            all.extend(m.iter().map(|(id, q)| (id.clone(), q.clone())));
-        }
+        let mut all: Vec<(String, Arc<Quota>)> = std::mem::take(&mut *self.gone.lock());
+        all.extend(
+            self.quotas
+                .lock()
+                .iter()
+                .map(|(id, q)| (id.clone(), q.clone())),
+        );
         all.into_iter()
             .filter_map(|(id, q)| {
                 let rule = q.drops.take_summary(&self.limits)?;
-                let owner = q.owner.lock().map(|o| o.clone()).unwrap_or_default();
+                let owner = q.owner.lock().clone();
                 Some((id, owner, rule))
             })
             .collect()
@@ -531,11 +525,14 @@ impl Resolver {
         qtype: RecordType,
     ) -> Result<Message, String> {
         let key = (name.to_lowercase(), qtype);
-        if let Ok(c) = q.cache.lock()
-            && let Some((until, m)) = c.get(&key)
-            && *until > Instant::now()
-        {
-            return Ok(m.clone());
+        let fresh = q
+            .cache
+            .lock()
+            .get(&key)
+            .filter(|(until, _)| *until > Instant::now())
+            .map(|(_, m)| m.clone());
+        if let Some(m) = fresh {
+            return Ok(m);
         }
         let m = self.query(name, qtype).await?;
         if matches!(
@@ -551,7 +548,7 @@ impl Resolver {
     /// Caches an answer for sandbox `q`, within its bound and the total one.
     fn cache_put(&self, q: &Quota, key: CacheKey, until: Instant, m: Message) {
         let over = {
-            let Ok(mut c) = q.cache.lock() else { return };
+            let mut c = q.cache.lock();
             if q.gone.load(Ordering::Acquire) {
                 return;
             }
@@ -579,26 +576,20 @@ impl Resolver {
     /// go, then the largest caches, so that one sandbox filling its share does not push
     /// out the others' answers.
     fn shrink_caches(&self) {
-        let quotas: Vec<Arc<Quota>> = match self.quotas.lock() {
-            Ok(m) => m.values().cloned().collect(),
-            Err(_) => return,
-        };
+        let quotas: Vec<Arc<Quota>> = self.quotas.lock().values().cloned().collect();
         let now = Instant::now();
         for q in &quotas {
-            if let Ok(mut c) = q.cache.lock() {
-                let before = c.len();
-                c.retain(|_, (u, _)| *u > now);
-                self.cached.fetch_sub(before - c.len(), Ordering::AcqRel);
-            }
+            let mut c = q.cache.lock();
+            let before = c.len();
+            c.retain(|_, (u, _)| *u > now);
+            self.cached.fetch_sub(before - c.len(), Ordering::AcqRel);
         }
         while self.cached.load(Ordering::Acquire) > self.limits.cache {
-            let len = |q: &Arc<Quota>| q.cache.lock().map(|c| c.len()).unwrap_or(0);
+            let len = |q: &Arc<Quota>| q.cache.lock().len();
             let Some(biggest) = quotas.iter().max_by_key(|q| len(q)) else {
                 return;
             };
-            let Ok(mut c) = biggest.cache.lock() else {
-                return;
-            };
+            let mut c = biggest.cache.lock();
             if c.is_empty() {
                 return;
             }
@@ -837,7 +828,7 @@ fn udp_limit(req: &[u8]) -> usize {
 fn who(net: &Net, from: IpAddr) -> Option<(String, Arc<Entry>, Arc<Quota>)> {
     let IpAddr::V4(src) = from else { return None };
     let (sandbox, entry) = net.sandbox_of(src)?;
-    let quota = net.resolver.quota(&sandbox, &entry.owner)?;
+    let quota = net.resolver.quota(&sandbox, &entry.owner);
     Some((sandbox, entry, quota))
 }
 
@@ -1012,8 +1003,8 @@ mod tests {
                 ..limits()
             },
         );
-        let a = r.quota("a", "alice").unwrap();
-        let b = r.quota("b", "bob").unwrap();
+        let a = r.quota("a", "alice");
+        let b = r.quota("b", "bob");
         let a1 = r.admit(&a).unwrap();
         let _a2 = r.admit(&a).unwrap();
         assert!(r.admit(&a).is_none(), "a third in flight for a");
@@ -1058,9 +1049,9 @@ mod tests {
                 ..limits()
             },
         );
-        let a = r.quota("a", "alice").unwrap();
-        let b = r.quota("b", "alice").unwrap();
-        let c = r.quota("c", "carol").unwrap();
+        let a = r.quota("a", "alice");
+        let b = r.quota("b", "alice");
+        let c = r.quota("c", "carol");
         let held: Vec<Held> = [&a, &a, &b].iter().map(|q| r.admit(q).unwrap()).collect();
         assert!(r.admit(&b).is_none(), "a fourth in flight for alice");
         let _c = r.admit(&c).unwrap();
@@ -1094,8 +1085,8 @@ mod tests {
                 ..limits()
             },
         );
-        let a = r.quota("a", "alice").unwrap();
-        let b = r.quota("b", "bob").unwrap();
+        let a = r.quota("a", "alice");
+        let b = r.quota("b", "bob");
         // Answered at once, so nothing stays in flight: only the rate refuses.
         let admitted = (0..10).filter(|_| r.admit(&a).is_some()).count();
         assert_eq!(admitted, 3);
@@ -1121,9 +1112,9 @@ mod tests {
                 ..limits()
             },
         );
-        let a = r.quota("a", "alice").unwrap();
-        let b = r.quota("b", "bob").unwrap();
-        let c = r.quota("c", "carol").unwrap();
+        let a = r.quota("a", "alice");
+        let b = r.quota("b", "bob");
+        let c = r.quota("c", "carol");
         let a1 = r.admit_tcp(&a).unwrap();
         assert!(r.admit_tcp(&a).is_none());
         let _b1 = r.admit_tcp(&b).unwrap();
@@ -1193,8 +1184,8 @@ mod tests {
         let (up, asked) = counting_upstream().await;
         let r = Resolver::new(vec![up], limits());
         let name = Name::from_ascii("seen.example.").unwrap();
-        let a = r.quota("a", "alice").unwrap();
-        let b = r.quota("b", "bob").unwrap();
+        let a = r.quota("a", "alice");
+        let b = r.quota("b", "bob");
         let first = r.query_for(&a, &name, RecordType::A).await.unwrap();
         assert_eq!(first_a(&first), Ipv4Addr::new(192, 0, 2, 1));
         let again = r.query_for(&a, &name, RecordType::A).await.unwrap();
@@ -1217,7 +1208,7 @@ mod tests {
         assert_eq!(r.cached.load(Ordering::Acquire), 2);
         r.forget("a");
         assert_eq!(r.cached.load(Ordering::Acquire), 1);
-        let a = r.quota("a", "alice").unwrap();
+        let a = r.quota("a", "alice");
         let fresh = r.query_for(&a, &name, RecordType::A).await.unwrap();
         assert_eq!(first_a(&fresh), Ipv4Addr::new(192, 0, 2, 4));
     }
@@ -1230,10 +1221,8 @@ mod tests {
     }
 
     fn sizes(r: &Resolver, ids: &[&str]) -> Vec<usize> {
-        let m = r.quotas.lock().unwrap();
-        ids.iter()
-            .map(|id| m[*id].cache.lock().unwrap().len())
-            .collect()
+        let m = r.quotas.lock();
+        ids.iter().map(|id| m[*id].cache.lock().len()).collect()
     }
 
     #[test]
@@ -1247,7 +1236,7 @@ mod tests {
             },
         );
         let until = Instant::now() + Duration::from_secs(60);
-        let x = r.quota("x", "xavier").unwrap();
+        let x = r.quota("x", "xavier");
         for i in 0..10 {
             let (k, m) = answer_for(&format!("n{i}.x.example."));
             r.cache_put(&x, k, until, m);
@@ -1255,8 +1244,8 @@ mod tests {
         }
         r.forget("x");
         assert_eq!(r.cached.load(Ordering::Acquire), 0);
-        let a = r.quota("a", "alice").unwrap();
-        let b = r.quota("b", "bob").unwrap();
+        let a = r.quota("a", "alice");
+        let b = r.quota("b", "bob");
         for i in 0..4 {
             let (k, m) = answer_for(&format!("n{i}.a.example."));
             r.cache_put(&a, k, until, m);
@@ -1271,7 +1260,7 @@ mod tests {
         assert_eq!(r.cached.load(Ordering::Acquire), s[0] + s[1]);
         // Expired answers go first.
         let past = Instant::now();
-        let c = r.quota("c", "carol").unwrap();
+        let c = r.quota("c", "carol");
         for i in 0..4 {
             let (k, m) = answer_for(&format!("n{i}.c.example."));
             r.cache_put(&c, k, past, m);
@@ -1294,7 +1283,7 @@ mod tests {
         let server = tokio::spawn(async move {
             let mut buf = vec![0u8; 4096];
             while let Ok((_, from)) = sock.recv_from(&mut buf).await {
-                seen.lock().unwrap().insert(from.port());
+                seen.lock().insert(from.port());
             }
         });
         let r = Arc::new(Resolver::new(
@@ -1315,7 +1304,7 @@ mod tests {
             .collect();
         // Well within the upstream timeout: three questions are out, the others wait.
         tokio::time::sleep(Duration::from_millis(1000)).await;
-        assert_eq!(ports.lock().unwrap().len(), 3);
+        assert_eq!(ports.lock().len(), 3);
         assert_eq!(r.sockets.available_permits(), 0);
         for a in asks {
             assert!(a.await.unwrap().is_err());

@@ -23,6 +23,7 @@ pub mod sniff;
 
 pub use error::NetError;
 use link::{InnerLink, Prepared};
+use parking_lot::{Mutex, RwLock};
 use policy::{Cidr, OperatorAllow, Policy};
 use sandpit_api::network::{NetworkMode, NetworkPolicy, PortSpec};
 use sandpit_store::Store;
@@ -31,7 +32,7 @@ use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::os::fd::OwnedFd;
 use std::path::Path;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The `[network]` section of the config file.
@@ -302,11 +303,10 @@ fn count_down(m: &mut HashMap<String, usize>, key: &str) {
 
 impl Drop for ConnSlot<'_> {
     fn drop(&mut self) {
-        if let Ok(mut c) = self.net.conns.lock() {
-            c.total = c.total.saturating_sub(1);
-            count_down(&mut c.per_sandbox, &self.id);
-            count_down(&mut c.per_owner, &self.owner);
-        }
+        let mut c = self.net.conns.lock();
+        c.total = c.total.saturating_sub(1);
+        count_down(&mut c.per_sandbox, &self.id);
+        count_down(&mut c.per_owner, &self.owner);
     }
 }
 
@@ -496,9 +496,7 @@ impl Net {
         // now, not by every create.
         match pool.acquire() {
             Ok(p) => {
-                if let Ok(mut a) = alloc.lock() {
-                    a.release(p.address);
-                }
+                alloc.lock().release(p.address);
             }
             Err(e) => {
                 let _ = nft::delete(&rules.table);
@@ -686,23 +684,18 @@ impl Net {
                         }
                     }
                 }
-                if let Ok(mut p) = self.policies.write() {
-                    p.extend(map);
-                }
+                self.policies.write().extend(map);
             }
             Err(e) => tracing::warn!(error = %e, "loading network policies failed"),
         }
-        let ids: Vec<String> = self
-            .slots
-            .lock()
-            .map(|s| s.keys().cloned().collect())
-            .unwrap_or_default();
+        let ids: Vec<String> = self.slots.lock().keys().cloned().collect();
         for id in ids {
             if let Err(e) = self.apply_route(&id) {
                 tracing::warn!(id, error = %e, "applying a re-adopted sandbox's network policy failed");
             }
         }
-        let Some(l) = self.listeners.lock().ok().and_then(|mut l| l.take()) else {
+        let listeners = self.listeners.lock().take();
+        let Some(l) = listeners else {
             return Ok(());
         };
         let io = |e| NetError::Io("network listeners".into(), e);
@@ -737,12 +730,8 @@ impl Net {
     async fn housekeeping(&self) {
         if let Ok(live) = self.store.live_sandboxes().await {
             let ids: std::collections::HashSet<String> = live.into_iter().map(|r| r.id).collect();
-            if let Ok(mut p) = self.policies.write() {
-                p.retain(|id, _| ids.contains(id));
-            }
-            if let Ok(mut s) = self.seen.lock() {
-                s.retain(|id, _| ids.contains(id));
-            }
+            self.policies.write().retain(|id, _| ids.contains(id));
+            self.seen.lock().retain(|id, _| ids.contains(id));
             self.resolver.retain(|id| ids.contains(id));
         }
         if self.cfg.audit_retention_days > 0 {
@@ -775,10 +764,9 @@ impl Net {
     }
 
     fn refresh_host(&self) {
-        let Ok(mut nl) = self.host_nl.lock() else {
+        let Ok(addrs) = self.host_nl.lock().addresses_v4() else {
             return;
         };
-        let Ok(addrs) = nl.addresses_v4() else { return };
         let mut view = HostView::default();
         for (local, len, peer) in addrs {
             view.addrs.push(local);
@@ -788,17 +776,12 @@ impl Net {
                 view.nets.push(Cidr::new(peer, len));
             }
         }
-        if let Ok(mut h) = self.host.write() {
-            *h = view;
-        }
+        *self.host.write() = view;
     }
 
     /// Why no sandbox may reach `ip` (on `port`, when known), if it may not.
     pub fn blocked(&self, ip: Ipv4Addr, port: Option<u16>) -> Option<&'static str> {
-        // Fails closed: without the host's addresses nothing can be told apart from them.
-        let Ok(host) = self.host.read() else {
-            return Some("the host's addresses are unknown");
-        };
+        let host = self.host.read();
         policy::blocked(
             ip,
             port,
@@ -811,26 +794,23 @@ impl Net {
 
     /// The sandbox at address `ip` and its policy.
     pub fn sandbox_of(&self, ip: Ipv4Addr) -> Option<(String, Arc<Entry>)> {
-        let id = self.by_ip.read().ok()?.get(&ip).cloned()?;
+        let id = self.by_ip.read().get(&ip).cloned()?;
         let entry = self.entry(&id);
         Some((id, entry))
     }
 
     /// A sandbox's policy (mode `none` when it has none, as idle pool members).
     fn entry(&self, id: &str) -> Arc<Entry> {
-        self.policies
-            .read()
-            .ok()
-            .and_then(|p| p.get(id).cloned())
-            .unwrap_or_else(|| self.none_entry.clone())
+        let found = self.policies.read().get(id).cloned();
+        found.unwrap_or_else(|| self.none_entry.clone())
     }
 
     /// The policy a sandbox has, as the API shows it.
     pub fn policy_of(&self, id: &str) -> Option<NetworkPolicy> {
         self.policies
             .read()
-            .ok()
-            .and_then(|p| p.get(id).map(|e| e.policy.source.clone()))
+            .get(id)
+            .map(|e| e.policy.source.clone())
     }
 
     /// The policy of a sandbox created without one.
@@ -844,27 +824,22 @@ impl Net {
     /// Sets a sandbox's policy in force (new connections follow it; its link comes up or
     /// goes down at once when it runs).
     pub fn set_policy(&self, id: &str, owner: &str, policy: Policy) -> Result<(), String> {
-        if let Ok(mut p) = self.policies.write() {
-            p.insert(
-                id.to_string(),
-                Arc::new(Entry {
-                    owner: owner.to_string(),
-                    policy: Arc::new(policy),
-                }),
-            );
-        }
+        self.policies.write().insert(
+            id.to_string(),
+            Arc::new(Entry {
+                owner: owner.to_string(),
+                policy: Arc::new(policy),
+            }),
+        );
         self.apply_route(id)
     }
 
     /// Brings a running sandbox's link up with its route, or down, as its policy says.
     fn apply_route(&self, id: &str) -> Result<(), String> {
         let routed = self.entry(id).policy.mode() != NetworkMode::None;
-        let inner = match self.slots.lock() {
-            Ok(s) => s.get(id).map(|s| s.inner.clone()),
-            Err(_) => None,
-        };
+        let inner = self.slots.lock().get(id).map(|s| s.inner.clone());
         let Some(inner) = inner else { return Ok(()) };
-        let mut l = inner.lock().map_err(|_| "link poisoned".to_string())?;
+        let mut l = inner.lock();
         if l.routed == routed {
             return Ok(());
         }
@@ -876,36 +851,30 @@ impl Net {
     pub fn note_resolved(&self, id: &str, name: &str, ips: &[Ipv4Addr], ttl: u32) {
         let now = Instant::now();
         let until = now + Duration::from_secs(u64::from(ttl.max(60)));
-        let Ok(mut seen) = self.seen.lock() else {
-            return;
-        };
-        seen.entry(id.to_string())
+        self.seen
+            .lock()
+            .entry(id.to_string())
             .or_default()
             .note(name, ips, now, until);
     }
 
     /// The name a sandbox last resolved `ip` from.
     pub fn resolved_name(&self, id: &str, ip: Ipv4Addr) -> Option<String> {
-        let seen = self.seen.lock().ok()?;
-        seen.get(id)?.name_of(ip, Instant::now())
+        self.seen.lock().get(id)?.name_of(ip, Instant::now())
     }
 
     /// Whether the resolver gave a sandbox `ip` for `name`, in an answer that still holds.
     pub fn was_resolved(&self, id: &str, name: &str, ip: Ipv4Addr) -> bool {
-        let Ok(seen) = self.seen.lock() else {
-            return false;
-        };
-        seen.get(id)
+        self.seen
+            .lock()
+            .get(id)
             .is_some_and(|s| s.has(name, ip, Instant::now()))
     }
 
     /// Counts a new proxied connection of sandbox `id` of `owner`; past its limit, its
     /// owner's or the limit of all sandboxes together, the reason it is refused.
     pub fn connection_slot(&self, id: &str, owner: &str) -> Result<ConnSlot<'_>, &'static str> {
-        let mut c = self
-            .conns
-            .lock()
-            .map_err(|_| "the connection count is unavailable")?;
+        let mut c = self.conns.lock();
         if c.total >= self.max_conns {
             return Err("too many open connections of all sandboxes");
         }
@@ -927,20 +896,18 @@ impl Net {
 
     /// Installs what takes over connections it wants (the credential broker).
     pub fn set_interceptor(&self, i: Arc<dyn intercept::Interceptor>) {
-        if let Ok(mut slot) = self.interceptor.write() {
-            *slot = Some(i);
-        }
+        *self.interceptor.write() = Some(i);
     }
 
     /// The interceptor, if one is installed.
     pub fn interceptor(&self) -> Option<Arc<dyn intercept::Interceptor>> {
-        self.interceptor.read().ok().and_then(|i| i.clone())
+        self.interceptor.read().clone()
     }
 
     /// The address of a running sandbox's link (reachable from the host while its policy
     /// is not `none`).
     pub fn address_of(&self, id: &str) -> Option<Ipv4Addr> {
-        self.slots.lock().ok()?.get(id).map(|s| s.address)
+        self.slots.lock().get(id).map(|s| s.address)
     }
 
     /// The gateway address (the sandboxes' resolver).
@@ -973,62 +940,49 @@ impl Net {
     /// A prepared namespace for a new sandbox (blocking when the pool is empty).
     fn acquire(&self) -> std::io::Result<Prepared> {
         let p = self.pool.acquire()?;
-        if let Ok(mut f) = self.in_flight.lock() {
-            f.insert(p.host_if.clone());
-        }
+        self.in_flight.lock().insert(p.host_if.clone());
         Ok(p)
     }
 
     /// Ties a prepared namespace to sandbox `id`.
     fn attach(&self, id: &str, p: Prepared) {
-        if let Ok(mut f) = self.in_flight.lock() {
-            f.remove(&p.host_if);
-        }
-        if let Ok(mut m) = self.by_ip.write() {
-            m.insert(p.address, id.to_string());
-        }
-        if let Ok(mut s) = self.slots.lock() {
-            s.insert(
-                id.to_string(),
-                Slot {
-                    address: p.address,
-                    host_if: p.host_if,
-                    netns: p.netns,
-                    inner: p.inner,
-                },
-            );
-        }
+        self.in_flight.lock().remove(&p.host_if);
+        self.by_ip.write().insert(p.address, id.to_string());
+        self.slots.lock().insert(
+            id.to_string(),
+            Slot {
+                address: p.address,
+                host_if: p.host_if,
+                netns: p.netns,
+                inner: p.inner,
+            },
+        );
     }
 
     /// Lets go of a namespace that was never attached (its link goes with it).
     fn discard(&self, p: Prepared) {
-        if let Ok(mut f) = self.in_flight.lock() {
-            f.remove(&p.host_if);
-        }
-        if let Ok(mut a) = self.alloc.lock() {
-            a.release(p.address);
-        }
+        self.in_flight.lock().remove(&p.host_if);
+        self.alloc.lock().release(p.address);
     }
 
     /// The namespace of sandbox `id`, for its start.
     fn netns_of(&self, id: &str) -> Option<Arc<OwnedFd>> {
-        self.slots.lock().ok()?.get(id).map(|s| s.netns.clone())
+        self.slots.lock().get(id).map(|s| s.netns.clone())
     }
 
     /// Drops a sandbox's hold on its namespace; the kernel removes it (and the link)
     /// once the sandbox's processes are gone.
     fn detach(&self, id: &str) {
-        let slot = self.slots.lock().ok().and_then(|mut s| s.remove(id));
+        let slot = self.slots.lock().remove(id);
         self.resolver.forget(id);
         if let Some(slot) = slot {
-            if let Ok(mut m) = self.by_ip.write()
-                && m.get(&slot.address).is_some_and(|holder| holder == id)
             {
-                m.remove(&slot.address);
+                let mut m = self.by_ip.write();
+                if m.get(&slot.address).is_some_and(|holder| holder == id) {
+                    m.remove(&slot.address);
+                }
             }
-            if let Ok(mut a) = self.alloc.lock() {
-                a.release(slot.address);
-            }
+            self.alloc.lock().release(slot.address);
             tracing::debug!(id, link = %slot.host_if, "sandbox network released");
         }
     }
@@ -1057,15 +1011,9 @@ impl Net {
         })();
         match opened {
             Ok(slot) => {
-                if let Ok(mut a) = self.alloc.lock() {
-                    a.mark(net.address);
-                }
-                if let Ok(mut m) = self.by_ip.write() {
-                    m.insert(net.address, id.to_string());
-                }
-                if let Ok(mut s) = self.slots.lock() {
-                    s.insert(id.to_string(), slot);
-                }
+                self.alloc.lock().mark(net.address);
+                self.by_ip.write().insert(net.address, id.to_string());
+                self.slots.lock().insert(id.to_string(), slot);
             }
             Err(e) => tracing::warn!(id, error = %e, "re-adopting a sandbox's network failed"),
         }
@@ -1077,15 +1025,12 @@ impl Net {
         let mut known: Vec<String> = self
             .slots
             .lock()
-            .map(|s| s.values().map(|s| s.host_if.clone()).collect())
-            .unwrap_or_default();
+            .values()
+            .map(|s| s.host_if.clone())
+            .collect();
         known.extend(self.pool.names());
-        if let Ok(f) = self.in_flight.lock() {
-            known.extend(f.iter().cloned());
-        }
-        let Ok(mut nl) = self.host_nl.lock() else {
-            return;
-        };
+        known.extend(self.in_flight.lock().iter().cloned());
+        let mut nl = self.host_nl.lock();
         let Ok(links) = nl.links() else { return };
         for (index, name) in links {
             if name.starts_with(&self.if_prefix) && !known.contains(&name) {
@@ -1101,7 +1046,7 @@ impl Net {
 
     /// On a clean stop with no sandbox left: removes the nftables table.
     fn release(&self) {
-        let idle = self.slots.lock().map(|s| s.is_empty()).unwrap_or(false);
+        let idle = self.slots.lock().is_empty();
         if !idle {
             return;
         }

@@ -19,10 +19,11 @@ use netlink_packet_route::route::{
     RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType,
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+use parking_lot::Mutex;
 use std::io;
 use std::net::Ipv4Addr;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// Name of the sandbox's end of its veth pair.
 pub const SANDBOX_IF: &str = "eth0";

@@ -5,13 +5,14 @@
 //! once when a create finds none (a few milliseconds instead of nothing).
 
 use super::link::{self, Netlink, Prepared};
+use parking_lot::Mutex;
 use std::collections::{HashSet, VecDeque};
 use std::io;
 use std::net::Ipv4Addr;
 use std::os::fd::OwnedFd;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, SyncSender, TryRecvError, sync_channel};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Sandbox addresses of the subnet, handed out round-robin so that an address (and its
@@ -124,10 +125,7 @@ impl Worker {
         let mut last = None;
         for _ in 0..16 {
             let (o, addr) = {
-                let mut a = self
-                    .alloc
-                    .lock()
-                    .map_err(|_| io::Error::other("address table poisoned"))?;
+                let mut a = self.alloc.lock();
                 let o = a
                     .take()
                     .ok_or_else(|| io::Error::other("no free sandbox address in the subnet"))?;
@@ -143,9 +141,7 @@ impl Worker {
             ) {
                 Ok(p) => return Ok(p),
                 Err(e) => {
-                    if let Ok(mut a) = self.alloc.lock() {
-                        a.release(addr);
-                    }
+                    self.alloc.lock().release(addr);
                     // A link of that name is still being removed: the next address.
                     if e.raw_os_error() != Some(libc::EEXIST) {
                         return Err(e);
@@ -158,21 +154,15 @@ impl Worker {
     }
 
     fn below_target(&self) -> bool {
-        self.ready.lock().map(|r| r.len()).unwrap_or(usize::MAX)
-            < self.target.load(Ordering::Acquire)
+        self.ready.lock().len() < self.target.load(Ordering::Acquire)
     }
 
     /// How long a refill should still hold back: making a namespace holds the kernel's
     /// network locks, which the sandbox just taken from the pool needs for its start.
     /// Only while there is a spare left.
     fn hold_back(&self) -> Duration {
-        let spare = self.ready.lock().map(|r| !r.is_empty()).unwrap_or(false);
-        let since = self
-            .last_take
-            .lock()
-            .ok()
-            .and_then(|t| *t)
-            .map(|t| t.elapsed());
+        let spare = !self.ready.lock().is_empty();
+        let since = self.last_take.lock().as_ref().map(|t| t.elapsed());
         match since {
             Some(e) if spare => REFILL_QUIET.saturating_sub(e),
             _ => Duration::ZERO,
@@ -218,9 +208,7 @@ impl Worker {
                 None => match self.make() {
                     Ok(p) => {
                         failures = 0;
-                        if let Ok(mut r) = self.ready.lock() {
-                            r.push_back(p);
-                        }
+                        self.ready.lock().push_back(p);
                     }
                     Err(e) => {
                         failures += 1;
@@ -265,7 +253,6 @@ impl Pool {
     fn send(&self, job: Job) -> io::Result<()> {
         self.tx
             .lock()
-            .map_err(|_| io::Error::other("pool poisoned"))?
             .send(job)
             .map_err(|_| io::Error::other("the network worker has stopped"))
     }
@@ -278,15 +265,13 @@ impl Pool {
 
     /// Prepared namespaces waiting.
     pub fn ready(&self) -> usize {
-        self.ready.lock().map(|r| r.len()).unwrap_or(0)
+        self.ready.lock().len()
     }
 
     /// A prepared namespace: from the pool, else made now (blocking).
     pub fn acquire(&self) -> io::Result<Prepared> {
-        let pooled = self.ready.lock().ok().and_then(|mut r| r.pop_front());
-        if let Ok(mut t) = self.last_take.lock() {
-            *t = Some(std::time::Instant::now());
-        }
+        let pooled = self.ready.lock().pop_front();
+        *self.last_take.lock() = Some(std::time::Instant::now());
         let got = match pooled {
             Some(p) => Ok(p),
             None => {
@@ -312,8 +297,9 @@ impl Pool {
     pub fn names(&self) -> Vec<String> {
         self.ready
             .lock()
-            .map(|r| r.iter().map(|p| p.host_if.clone()).collect())
-            .unwrap_or_default()
+            .iter()
+            .map(|p| p.host_if.clone())
+            .collect()
     }
 }
 

@@ -20,7 +20,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 /// Name under which the sandpit binary runs as the in-sandbox agent.
-pub const AGENT_ARGV0: &str = "sandpit-agent";
+pub use sandpit_abi::AGENT_ARGV0;
 /// Where the agent binary appears inside every container sandbox.
 pub const AGENT_PATH: &str = "/.sandpit/agent";
 /// Size of each sandbox's uid/gid range.
@@ -75,7 +75,7 @@ pub const LAYER_MOUNT: &str = ".sandpit/layer";
 type R<T> = Result<T, String>;
 
 static TIMING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-static MARKS: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
+static MARKS: parking_lot::Mutex<String> = parking_lot::Mutex::new(String::new());
 
 /// CLOCK_MONOTONIC in microseconds: one clock for the daemon, the helper and PID 1.
 pub fn mono_us() -> u64 {
@@ -90,19 +90,14 @@ pub fn mono_us() -> u64 {
 
 /// Notes the end of a setup phase when the daemon asked for timings.
 pub(crate) fn mark(label: &str) {
-    if TIMING.load(std::sync::atomic::Ordering::Relaxed)
-        && let Ok(mut m) = MARKS.lock()
-    {
+    if TIMING.load(std::sync::atomic::Ordering::Relaxed) {
         use std::fmt::Write as _;
-        let _ = write!(m, " {label}={}", mono_us());
+        let _ = write!(MARKS.lock(), " {label}={}", mono_us());
     }
 }
 
 fn take_marks() -> String {
-    MARKS
-        .lock()
-        .map(|mut m| std::mem::take(&mut *m))
-        .unwrap_or_default()
+    std::mem::take(&mut *MARKS.lock())
 }
 
 fn ctx<T, E: std::fmt::Display>(r: Result<T, E>, what: impl FnOnce() -> String) -> R<T> {
@@ -127,11 +122,9 @@ pub fn init_main() -> i32 {
         }
     };
     TIMING.store(cfg.timing, std::sync::atomic::Ordering::Relaxed);
-    if cfg.timing
-        && let Ok(mut m) = MARKS.lock()
-    {
+    if cfg.timing {
         use std::fmt::Write as _;
-        let _ = write!(m, " main={started}");
+        let _ = write!(MARKS.lock(), " main={started}");
     }
     mark("config");
     if let Err(e) = enter_sandbox(&cfg, listener, netns) {
@@ -324,9 +317,7 @@ fn parent(
     mark("exec");
     let mut rest = rest.as_str();
     if let Some((marks, after)) = rest.strip_prefix('T').and_then(|r| r.split_once('\n')) {
-        if let Ok(mut m) = MARKS.lock() {
-            m.push_str(marks);
-        }
+        MARKS.lock().push_str(marks);
         rest = after;
     }
     if let Some(msg) = rest.strip_prefix('E') {
@@ -404,12 +395,8 @@ fn exec_agent(cfg: &InitConfig) -> R<()> {
     let path = CString::new(AGENT_PATH).map_err(|e| e.to_string())?;
     let argv = [CString::new(AGENT_ARGV0).map_err(|e| e.to_string())?];
     let env = [
-        CString::new(format!(
-            "{}={}",
-            sandpit_agent::config::CONFIG_ENV,
-            cfg.agent_config
-        ))
-        .map_err(|e| e.to_string())?,
+        CString::new(format!("{}={}", sandpit_abi::CONFIG_ENV, cfg.agent_config))
+            .map_err(|e| e.to_string())?,
         CString::new("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
             .map_err(|e| e.to_string())?,
     ];
@@ -670,7 +657,7 @@ const HOST_WRITABLE: &[(&str, u32)] = &[
 /// inside the sandbox, where its symlinks cannot reach the host.
 fn populate_upper(cfg: &InitConfig, upper: &Path) -> R<()> {
     let uroot = cfg.uid_base;
-    let uuser = cfg.uid_base + sandpit_agent::USER_UID;
+    let uuser = cfg.uid_base + sandpit_abi::USER_UID;
     for (d, mode, uid) in [
         ("tmp", 0o1777, uroot),
         ("root", 0o700, uroot),
@@ -945,7 +932,10 @@ fn ensure_user_account(root: &Path, uroot: u32) -> R<()> {
         };
         write_owned(
             &passwd,
-            &format!("{base}user:x:1000:1000:user:/home/user:/bin/sh\n"),
+            &format!(
+                "{base}user:x:{u}:{u}:user:/home/user:/bin/sh\n",
+                u = sandpit_abi::USER_UID
+            ),
             uroot,
         )?;
     }
@@ -957,7 +947,11 @@ fn ensure_user_account(root: &Path, uroot: u32) -> R<()> {
         } else {
             cur
         };
-        write_owned(&group, &format!("{base}user:x:1000:\n"), uroot)?;
+        write_owned(
+            &group,
+            &format!("{base}user:x:{}:\n", sandpit_abi::USER_UID),
+            uroot,
+        )?;
     }
     Ok(())
 }

@@ -242,7 +242,7 @@ pub trait Runtime: Send + Sync {
 /// by `create` and handed to the agent by `start`.
 #[derive(Default)]
 pub struct PendingSockets(
-    std::sync::Mutex<std::collections::HashMap<String, std::os::unix::net::UnixListener>>,
+    parking_lot::Mutex<std::collections::HashMap<String, std::os::unix::net::UnixListener>>,
 );
 
 impl PendingSockets {
@@ -251,29 +251,20 @@ impl PendingSockets {
         let socket = dir.join("agent.sock");
         let listener = std::os::unix::net::UnixListener::bind(&socket)
             .map_err(|e| RuntimeError::io("bind agent socket", e))?;
-        self.0
-            .lock()
-            .map_err(|_| RuntimeError::Setup("pending table poisoned".into()))?
-            .insert(id.to_string(), listener);
+        self.0.lock().insert(id.to_string(), listener);
         Ok(socket)
     }
 
     /// Takes the listener of a created sandbox.
     pub fn take(&self, id: &str) -> Result<std::os::unix::net::UnixListener, RuntimeError> {
-        self.0
-            .lock()
-            .map_err(|_| RuntimeError::Setup("pending table poisoned".into()))?
-            .remove(id)
-            .ok_or_else(|| {
-                RuntimeError::Setup(format!("sandbox {id} was not created or already started"))
-            })
+        self.0.lock().remove(id).ok_or_else(|| {
+            RuntimeError::Setup(format!("sandbox {id} was not created or already started"))
+        })
     }
 
     /// Drops the listener of a sandbox that will never start.
     pub fn forget(&self, id: &str) {
-        if let Ok(mut m) = self.0.lock() {
-            m.remove(id);
-        }
+        self.0.lock().remove(id);
     }
 }
 
@@ -307,15 +298,7 @@ pub fn pass_fd(fd: i32, target: i32) -> std::io::Result<()> {
 /// Start time of a process in clock ticks since boot, from /proc/PID/stat.
 pub fn pid_start_time(pid: i32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat_state_and_start(&stat).map(|(_, start)| start)
-}
-
-/// The state letter (field 3) and start time (field 22) of a `/proc/PID/stat` line.
-fn stat_state_and_start(stat: &str) -> Option<(&str, u64)> {
-    // The command name may hold anything, ")" included: the fields restart after the last.
-    let mut fields = stat.rsplit_once(')')?.1.split_whitespace();
-    let state = fields.next()?;
-    Some((state, fields.nth(18)?.parse().ok()?))
+    sandpit_abi::proc::Stat::parse(&stat).map(|s| s.start_time)
 }
 
 /// What is known of a sandbox's process. Only [`Liveness::Dead`] is evidence: a failed
@@ -358,8 +341,8 @@ pub fn process_liveness(pid: i32, start: u64) -> Liveness {
 
 /// Reads a `/proc/PID/stat` line: dead when a zombie or started at another time.
 fn liveness_of_stat(stat: &str, start: u64) -> Liveness {
-    match stat_state_and_start(stat) {
-        Some(("Z" | "X" | "x", _)) => Liveness::Dead,
+    match sandpit_abi::proc::Stat::parse(stat).map(|s| (s.state, s.start_time)) {
+        Some(('Z' | 'X' | 'x', _)) => Liveness::Dead,
         Some((_, s)) if s == start => Liveness::Alive,
         // The pid was reused by another process.
         Some(_) => Liveness::Dead,

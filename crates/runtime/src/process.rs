@@ -5,7 +5,7 @@
 use crate::{
     Capabilities, Runtime, RuntimeError, SandboxHandle, SandboxSpec, Stats, TemplateSource,
 };
-use sandpit_agent::{AgentConfig, IsolationMode};
+use sandpit_abi::{AgentConfig, IsolationMode};
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
@@ -16,7 +16,7 @@ use std::process::{Command, Stdio};
 const SECRET_NAMES: &[&str] = &[
     "DATABASE_URL",
     "SANDPIT_API_KEY",
-    "SANDPIT_AGENT_CONFIG",
+    sandpit_abi::CONFIG_ENV,
     "AWS_SESSION_TOKEN",
     "GITHUB_TOKEN",
 ];
@@ -105,7 +105,7 @@ impl ProcessRuntime {
         let mut cmd = Command::new(&self.self_exe);
         cmd.arg0(crate::init::AGENT_ARGV0)
             .env_clear()
-            .env(sandpit_agent::config::CONFIG_ENV, cfg)
+            .env(sandpit_abi::CONFIG_ENV, cfg)
             .current_dir(&root)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -190,7 +190,7 @@ impl Runtime for ProcessRuntime {
 
     fn kill(&self, h: &SandboxHandle) -> Result<(), RuntimeError> {
         if h.pid > 0 && crate::same_process(h.pid, h.pid_start) {
-            sandpit_agent::process::kill_tree(h.pid as u32, nix::sys::signal::Signal::SIGKILL);
+            sandpit_abi::kill_tree(h.pid as u32, nix::sys::signal::Signal::SIGKILL);
         }
         if h.pid > 0 {
             let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(h.pid), None);

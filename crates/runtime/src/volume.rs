@@ -16,15 +16,15 @@
 use crate::RuntimeError;
 use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
 use nix::sys::stat::Mode;
+use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// Inner uid and gid owning a new volume's root directory: the sandbox's `user`, who
 /// runs commands by default and so can write to a fresh volume; root can too.
-pub const ROOT_OWNER: u32 = sandpit_agent::USER_UID;
+pub const ROOT_OWNER: u32 = sandpit_abi::USER_UID;
 /// Longest mount path accepted, in bytes.
 pub const MAX_TARGET_LEN: usize = 1024;
 /// Where no volume may be mounted: what the runtime itself mounts or needs.
@@ -151,12 +151,6 @@ impl VolumeHost {
         self.mounts.join(id)
     }
 
-    fn locked(&self) -> Result<std::sync::MutexGuard<'_, ()>, RuntimeError> {
-        self.lock
-            .lock()
-            .map_err(|_| RuntimeError::Setup("volume lock poisoned".into()))
-    }
-
     /// Makes volume `id` of `size_bytes` (a sparse image with an ext4 file system whose
     /// root belongs to inner uid 1000, mode 0755) and mounts it; returns the host mount.
     /// A failure leaves nothing behind.
@@ -197,7 +191,7 @@ impl VolumeHost {
     /// system a sandbox that outlived a daemon restart is still writing to.
     pub fn mount(&self, id: &str) -> Result<PathBuf, RuntimeError> {
         crate::check_id(id)?;
-        let _g = self.locked()?;
+        let _g = self.lock.lock();
         let dir = self.mount_dir(id);
         if is_mountpoint(&dir) {
             return Ok(dir);
@@ -261,7 +255,7 @@ impl VolumeHost {
         crate::check_id(id)?;
         let img = self.image(id);
         {
-            let _g = self.locked()?;
+            let _g = self.lock.lock();
             self.unmount_locked(id)?;
             // Gone under the lock: a concurrent `mount` finds no image and attaches nothing.
             match std::fs::remove_file(&img) {
@@ -317,7 +311,7 @@ impl VolumeHost {
     /// At a clean stop: unmounts every volume from the host. A sandbox still running keeps
     /// its own mount, and the loop device stays until it ends; the next start reuses it.
     pub fn release(&self) {
-        let Ok(_g) = self.locked() else { return };
+        let _g = self.lock.lock();
         for id in dir_names(&self.mounts) {
             if let Err(e) = self.unmount_locked(&id) {
                 tracing::warn!(id, error = %e, "unmounting a volume at shutdown failed");

@@ -7,10 +7,11 @@ use super::protocol::Language;
 use super::worker::{Killer, Worker, WorkerSpec};
 use crate::config::AgentConfig;
 use crate::users::User;
+use parking_lot::Mutex;
 use serde::Serialize;
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 
 /// Most contexts (and so worker processes) one sandbox may have at once.
 pub const MAX_CONTEXTS: usize = 16;
@@ -76,16 +77,15 @@ impl Context {
             cfg: self.cfg.clone(),
         };
         let worker = Worker::spawn(&spec).await?;
-        if let Ok(mut k) = self.killer.lock() {
-            *k = Some(worker.killer());
-        }
+        *self.killer.lock() = Some(worker.killer());
         state.worker = Some(worker);
         Ok(())
     }
 
     /// Kills the worker now; a running cell ends with an error and releases the lock.
     pub fn kill_worker(&self) {
-        if let Some(k) = self.killer.lock().ok().and_then(|k| k.clone()) {
+        let killer = self.killer.lock().clone();
+        if let Some(k) = killer {
             k.kill();
         }
     }
@@ -130,12 +130,6 @@ impl Contexts {
         }
     }
 
-    fn registry(&self) -> Result<std::sync::MutexGuard<'_, Registry>, InterpError> {
-        self.registry
-            .lock()
-            .map_err(|_| InterpError::Internal("context registry poisoned".into()))
-    }
-
     /// The sandbox's default working directory.
     pub fn default_cwd(&self) -> String {
         self.cfg.workdir()
@@ -160,7 +154,7 @@ impl Contexts {
         default: bool,
     ) -> Result<Arc<Context>, InterpError> {
         validate_cwd(&cwd)?;
-        if self.registry()?.by_id.len() >= MAX_CONTEXTS {
+        if self.registry.lock().by_id.len() >= MAX_CONTEXTS {
             return Err(InterpError::Conflict(format!(
                 "this sandbox already has {MAX_CONTEXTS} code contexts; delete one first"
             )));
@@ -182,7 +176,7 @@ impl Contexts {
             let mut state = ctx.state.lock().await;
             ctx.ensure_worker(&mut state).await?;
         }
-        let mut reg = self.registry()?;
+        let mut reg = self.registry.lock();
         reg.by_id.insert(ctx.id.clone(), ctx.clone());
         if default {
             reg.defaults
@@ -197,33 +191,29 @@ impl Contexts {
         language: Language,
         user: User,
     ) -> Result<Arc<Context>, InterpError> {
-        if let Some(ctx) = self.find_default(language, user.name)? {
+        if let Some(ctx) = self.find_default(language, user.name) {
             return Ok(ctx);
         }
         let _serial = self.create.lock().await;
-        if let Some(ctx) = self.find_default(language, user.name)? {
+        if let Some(ctx) = self.find_default(language, user.name) {
             return Ok(ctx);
         }
         let cwd = self.default_cwd();
         self.create_locked(language, cwd, user, true).await
     }
 
-    fn find_default(
-        &self,
-        language: Language,
-        user: &'static str,
-    ) -> Result<Option<Arc<Context>>, InterpError> {
-        let reg = self.registry()?;
-        Ok(reg
-            .defaults
+    fn find_default(&self, language: Language, user: &'static str) -> Option<Arc<Context>> {
+        let reg = self.registry.lock();
+        reg.defaults
             .get(&(language, user))
             .and_then(|id| reg.by_id.get(id))
-            .cloned())
+            .cloned()
     }
 
     /// A context by id.
     pub fn get(&self, id: &str) -> Result<Arc<Context>, InterpError> {
-        self.registry()?
+        self.registry
+            .lock()
             .by_id
             .get(id)
             .cloned()
@@ -231,16 +221,22 @@ impl Contexts {
     }
 
     /// Every context, oldest first is not promised; sorted by id for a stable answer.
-    pub fn list(&self) -> Result<Vec<ContextInfo>, InterpError> {
-        let mut all: Vec<ContextInfo> = self.registry()?.by_id.values().map(|c| c.info()).collect();
+    pub fn list(&self) -> Vec<ContextInfo> {
+        let mut all: Vec<ContextInfo> = self
+            .registry
+            .lock()
+            .by_id
+            .values()
+            .map(|c| c.info())
+            .collect();
         all.sort_by(|a, b| a.id.cmp(&b.id));
-        Ok(all)
+        all
     }
 
     /// Removes a context and kills its worker.
     pub fn remove(&self, id: &str) -> Result<(), InterpError> {
         let ctx = {
-            let mut reg = self.registry()?;
+            let mut reg = self.registry.lock();
             let ctx = reg
                 .by_id
                 .remove(id)

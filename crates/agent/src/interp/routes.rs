@@ -199,8 +199,8 @@ async fn create(
     Ok(axum::Json(ctx.info()))
 }
 
-async fn list(State(s): Shared) -> Result<axum::Json<Vec<ContextInfo>>, InterpError> {
-    Ok(axum::Json(s.contexts.list()?))
+async fn list(State(s): Shared) -> axum::Json<Vec<ContextInfo>> {
+    axum::Json(s.contexts.list())
 }
 
 async fn remove(State(s): Shared, Path(id): Path<String>) -> Result<StatusCode, InterpError> {

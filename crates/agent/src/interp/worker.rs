@@ -9,12 +9,13 @@ use crate::config::{AgentConfig, IsolationMode};
 use crate::users::{self, User};
 use bytes::Bytes;
 use nix::sys::signal::Signal;
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, watch};
@@ -191,7 +192,7 @@ fn worker_env(spec: &WorkerSpec, cwd_host: &Path) -> BTreeMap<String, String> {
 }
 
 async fn deliver(sink: &Sink, msg: Msg) {
-    let tx = sink.lock().ok().and_then(|g| g.clone());
+    let tx = sink.lock().clone();
     if let Some(tx) = tx {
         // A cell that ended meanwhile dropped its receiver; the message is then dropped too.
         let _ = tx.send(msg).await;
@@ -525,16 +526,12 @@ impl Worker {
 
     /// Routes the worker's output and events to `tx` (the running cell).
     pub fn attach(&self, tx: mpsc::Sender<Msg>) {
-        if let Ok(mut s) = self.sink.lock() {
-            *s = Some(tx);
-        }
+        *self.sink.lock() = Some(tx);
     }
 
     /// Stops routing: output between cells is dropped.
     pub fn detach(&self) {
-        if let Ok(mut s) = self.sink.lock() {
-            *s = None;
-        }
+        *self.sink.lock() = None;
     }
 
     /// Hands one cell to the worker.

@@ -9,13 +9,13 @@ use crate::init::{ID_RANGE, InitConfig};
 use crate::{
     Capabilities, Runtime, RuntimeError, SandboxHandle, SandboxSpec, Stats, TemplateSource,
 };
-use sandpit_agent::{AgentConfig, IsolationMode};
+use parking_lot::Mutex;
+use sandpit_abi::{AgentConfig, IsolationMode};
 use std::collections::BTreeSet;
 use std::io::{BufRead, Write};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Mutex;
 
 /// First host uid handed to sandboxes; far above ranges that distributions give users.
 const UID_FLOOR: u32 = 1_000_000_000;
@@ -64,10 +64,7 @@ impl ContainerRuntime {
     }
 
     fn alloc_slot(&self, id: &str) -> Result<u32, RuntimeError> {
-        let mut slots = self
-            .slots
-            .lock()
-            .map_err(|_| RuntimeError::Setup("slot table poisoned".into()))?;
+        let mut slots = self.slots.lock();
         let free = (0..MAX_SLOTS)
             .find(|s| !slots.contains_key(s))
             .ok_or_else(|| RuntimeError::Setup("no free uid range".into()))?;
@@ -78,7 +75,8 @@ impl ContainerRuntime {
     /// Frees the slot of sandbox `id`; a slot that another sandbox holds by now is left
     /// alone, so a repeated teardown can never hand a live sandbox's uids to a new one.
     fn free_slot(&self, uid_base: Option<u32>, id: &str) {
-        if let (Some(base), Ok(mut slots)) = (uid_base, self.slots.lock()) {
+        if let Some(base) = uid_base {
+            let mut slots = self.slots.lock();
             let slot = (base - UID_FLOOR) / ID_RANGE;
             if slots.get(&slot).is_some_and(|holder| holder == id) {
                 slots.remove(&slot);
@@ -556,8 +554,10 @@ impl Runtime for ContainerRuntime {
     }
 
     fn adopt(&self, h: &SandboxHandle) {
-        if let (Some(base), Ok(mut slots)) = (h.uid_base, self.slots.lock()) {
-            slots.insert((base - UID_FLOOR) / ID_RANGE, h.id.clone());
+        if let Some(base) = h.uid_base {
+            self.slots
+                .lock()
+                .insert((base - UID_FLOOR) / ID_RANGE, h.id.clone());
         }
     }
 
