@@ -43,17 +43,18 @@ type AccessCache = std::collections::HashMap<String, (SandboxAccess, std::time::
 
 /// Recently used credentials, so that a proxied request costs one store read (its
 /// sandbox's record), not two.
-static ACCESS_CACHE: std::sync::LazyLock<std::sync::Mutex<AccessCache>> =
+static ACCESS_CACHE: std::sync::LazyLock<parking_lot::Mutex<AccessCache>> =
     std::sync::LazyLock::new(Default::default);
 
 fn cached(id: &str) -> Option<SandboxAccess> {
-    let map = ACCESS_CACHE.lock().ok()?;
+    let map = ACCESS_CACHE.lock();
     let (a, at) = map.get(id)?;
     (at.elapsed() < ACCESS_CACHE_TTL).then(|| a.clone())
 }
 
 fn remember(a: &SandboxAccess) {
-    if let Ok(mut map) = ACCESS_CACHE.lock() {
+    {
+        let mut map = ACCESS_CACHE.lock();
         if map.len() >= ACCESS_CACHE_MAX {
             map.clear();
         }

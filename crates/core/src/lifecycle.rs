@@ -57,9 +57,8 @@ pub(crate) struct Pin<'a> {
 
 impl Drop for Pin<'_> {
     fn drop(&mut self) {
-        if let Ok(mut p) = self.m.layer_pins.lock()
-            && let Some(n) = p.get_mut(&self.id)
-        {
+        let mut p = self.m.layer_pins.lock();
+        if let Some(n) = p.get_mut(&self.id) {
             *n -= 1;
             if *n == 0 {
                 p.remove(&self.id);
@@ -90,7 +89,8 @@ impl Manager {
     /// Keeps layer `id` from garbage collection (and from being folded into) until the
     /// pin is dropped; pins of one layer add up.
     pub(crate) fn pin(&self, id: &str) -> Pin<'_> {
-        if let Ok(mut p) = self.layer_pins.lock() {
+        {
+            let mut p = self.layer_pins.lock();
             *p.entry(id.to_string()).or_default() += 1;
         }
         Pin {
@@ -102,10 +102,7 @@ impl Manager {
     /// Serializes pause, resume, hibernation, snapshots and forks of one sandbox.
     pub(crate) async fn op_lock(&self, id: &str) -> tokio::sync::OwnedMutexGuard<()> {
         let lock = {
-            let mut ops = match self.ops.lock() {
-                Ok(o) => o,
-                Err(p) => p.into_inner(),
-            };
+            let mut ops = self.ops.lock();
             // Forget locks nobody holds or waits for, so the map stays small.
             ops.retain(|_, l| Arc::strong_count(l) > 1);
             ops.entry(id.to_string()).or_default().clone()
@@ -115,16 +112,17 @@ impl Manager {
 
     /// Records that an API call touched sandbox `id` (its idle timer restarts).
     pub fn touch(&self, id: &str) {
-        if let Ok(mut a) = self.activity.lock() {
+        {
+            let mut a = self.activity.lock();
             a.insert(id.to_string(), now_ms());
         }
     }
 
     /// Writes the activity gathered since the last call to the store.
     pub(crate) async fn flush_activity(&self) {
-        let touched: Vec<(String, i64)> = match self.activity.lock() {
-            Ok(mut a) => a.drain().collect(),
-            Err(_) => return,
+        let touched: Vec<(String, i64)> = {
+            let mut a = self.activity.lock();
+            a.drain().collect()
         };
         if let Err(e) = self.store.touch_sandboxes(&touched).await {
             tracing::warn!(error = %e, "recording sandbox activity failed");
@@ -133,12 +131,7 @@ impl Manager {
 
     /// When an API call last touched the sandbox (including calls not yet flushed).
     pub(crate) fn last_activity(&self, rec: &SandboxRecord) -> i64 {
-        let pending = self
-            .activity
-            .lock()
-            .ok()
-            .and_then(|a| a.get(&rec.id).copied())
-            .unwrap_or(0);
+        let pending = self.activity.lock().get(&rec.id).copied().unwrap_or(0);
         rec.life
             .last_activity_ms
             .max(pending)
@@ -232,7 +225,8 @@ impl Manager {
         why: &'static str,
         memory: bool,
     ) {
-        if let Ok(mut failed) = self.auto_failures.lock() {
+        {
+            let mut failed = self.auto_failures.lock();
             failed.retain(|_, at| at.elapsed() < AUTO_RETRY);
             if failed.contains_key(&rec.id) {
                 return;
@@ -244,7 +238,8 @@ impl Manager {
                 Ok(r) => tracing::info!(id = %rec.id, why, state = %r.state, "sandbox paused"),
                 Err(e) => {
                     tracing::warn!(id = %rec.id, why, error = %e.chain(), "automatic pause failed");
-                    if let Ok(mut failed) = me.auto_failures.lock() {
+                    {
+                        let mut failed = me.auto_failures.lock();
                         failed.insert(rec.id.clone(), std::time::Instant::now());
                     }
                 }
@@ -266,9 +261,9 @@ impl Manager {
                 .collect(),
             Err(_) => return,
         };
-        let mut keep: HashSet<String> = match self.layer_pins.lock() {
-            Ok(p) => p.keys().cloned().collect(),
-            Err(_) => return,
+        let mut keep: HashSet<String> = {
+            let p = self.layer_pins.lock();
+            p.keys().cloned().collect()
         };
         let (Ok(live), Ok(snaps)) = (
             self.store.live_sandboxes().await,

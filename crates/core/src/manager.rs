@@ -5,12 +5,13 @@
 use crate::agent_conn::AgentConn;
 use crate::error::CoreError;
 use crate::pools::{PoolKey, Pools};
+use parking_lot::Mutex;
 use sandpit_api::Limits;
 use sandpit_runtime::{Runtime, SandboxHandle, TemplateSource};
 use sandpit_store::{SandboxRecord, SandboxState, Store};
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
-use std::sync::{Arc, Mutex};
 
 /// Limits applied when a request leaves them out.
 pub const DEFAULT_LIMITS: Limits = Limits {
@@ -280,25 +281,20 @@ impl Manager {
     pub(crate) fn has_requests_in_flight(&self, id: &str) -> bool {
         self.conns
             .lock()
-            .ok()
-            .and_then(|c| c.get(id).map(|conn| Arc::strong_count(conn) > 1))
-            .unwrap_or(false)
+            .get(id)
+            .is_some_and(|conn| Arc::strong_count(conn) > 1)
     }
 
     pub fn conn_for(&self, id: &str, handle: &SandboxHandle) -> Arc<AgentConn> {
-        let Ok(mut conns) = self.conns.lock() else {
-            return Arc::new(AgentConn::new(handle.socket.clone()));
-        };
-        conns
+        self.conns
+            .lock()
             .entry(id.to_string())
             .or_insert_with(|| Arc::new(AgentConn::new(handle.socket.clone())))
             .clone()
     }
 
     pub(crate) fn forget(&self, id: &str) {
-        if let Ok(mut conns) = self.conns.lock() {
-            conns.remove(id);
-        }
+        self.conns.lock().remove(id);
     }
 
     /// A sandbox of `owner`; anyone else's is reported as not found.

@@ -23,7 +23,8 @@ impl Manager {
     ) -> Option<SandboxRecord> {
         let mut pool_name = None;
         while let Some((pool, member)) = self.pools.take(key) {
-            if let Ok(mut at) = self.last_claim.lock() {
+            {
+                let mut at = self.last_claim.lock();
                 *at = Some(std::time::Instant::now());
             }
             self.pool_wake.notify_one();

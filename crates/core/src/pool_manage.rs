@@ -191,8 +191,6 @@ impl Manager {
             let recent = self
                 .last_claim
                 .lock()
-                .ok()
-                .and_then(|at| *at)
                 .map(|at| at.elapsed())
                 .filter(|e| *e < crate::pools::REFILL_QUIET);
             if let Some(elapsed) = recent {

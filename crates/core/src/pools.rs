@@ -4,10 +4,10 @@
 //! background. Idle members are ordinary running sandboxes with an empty owner, so restart
 //! reconciliation re-adopts or cleans them like any other.
 
+use parking_lot::Mutex;
 use sandpit_api::Limits;
 use sandpit_store::PoolRecord;
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
 
 pub use sandpit_store::POOL_OWNER;
 
@@ -111,10 +111,10 @@ pub struct Pools {
 }
 
 impl Pools {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, PoolState>> {
+    fn lock(&self) -> parking_lot::MutexGuard<'_, HashMap<String, PoolState>> {
         // A panic while holding this lock cannot leave the map half-updated in a way that
         // matters more than losing pooling, so a poisoned lock is taken over.
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        self.inner.lock()
     }
 
     /// Adds or redefines a pool; when its key changes, the old idle members are returned

@@ -106,10 +106,7 @@ impl Manager {
             return rec;
         };
         // A fork under way may be about to start on it.
-        let pinned = self
-            .layer_pins
-            .lock()
-            .map_or(true, |p| p.contains_key(below));
+        let pinned = self.layer_pins.lock().contains_key(below);
         if !below.starts_with(&format!("hib-{}-", rec.id)) || pinned {
             return rec;
         }

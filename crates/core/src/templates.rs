@@ -14,6 +14,7 @@ mod remove;
 use crate::agent_conn::AgentConn;
 use crate::error::CoreError;
 use crate::manager::Manager;
+use parking_lot::Mutex;
 use sandpit_api::{
     BuildLogLine, BuildTemplateRequest, CreateSandboxRequest, RunCommandRequest, Template,
     TemplateBuild, TemplateSettings, TemplateSourceSpec,
@@ -22,7 +23,7 @@ use sandpit_runtime::{SandboxHandle, TemplateSource};
 use sandpit_store::{SandboxRecord, Store, StoreError, TemplateRecord, TemplateState};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -112,7 +113,8 @@ impl Build {
             line.push('…');
         }
         tracing::debug!(build = %self.id, "{line}");
-        if let Ok(mut log) = self.log.lock() {
+        {
+            let mut log = self.log.lock();
             log.lines.push_back(line);
             if log.lines.len() > LOG_LINES {
                 log.lines.pop_front();
@@ -123,7 +125,8 @@ impl Build {
     }
 
     fn finish(&self, state: TemplateState, error: Option<String>) {
-        if let Ok(mut log) = self.log.lock() {
+        {
+            let mut log = self.log.lock();
             log.state = state;
             log.error = error;
         }
@@ -131,24 +134,19 @@ impl Build {
     }
 
     fn state(&self) -> TemplateState {
-        self.log
-            .lock()
-            .map(|l| l.state)
-            .unwrap_or(TemplateState::Failed)
+        self.log.lock().state
     }
 
     /// The most recent line matching `f`.
     fn last_line(&self, f: impl Fn(&str) -> bool) -> Option<String> {
-        let log = self.log.lock().ok()?;
+        let log = self.log.lock();
         log.lines.iter().rev().find(|l| f(l)).cloned()
     }
 
     /// Lines from `offset` on, the next offset, whether lines before `offset` were
     /// dropped, the state and the error.
     fn read(&self, offset: u64) -> (Vec<BuildLogLine>, u64, bool, TemplateState, Option<String>) {
-        let Ok(log) = self.log.lock() else {
-            return (Vec::new(), offset, false, TemplateState::Failed, None);
-        };
+        let log = self.log.lock();
         let end = log.first + log.lines.len() as u64;
         let from = offset.clamp(log.first, end);
         let lines = log
@@ -203,7 +201,8 @@ struct Hold {
 
 impl Hold {
     fn new(counts: &Arc<Mutex<HashMap<String, usize>>>, name: &str) -> Hold {
-        if let Ok(mut c) = counts.lock() {
+        {
+            let mut c = counts.lock();
             *c.entry(name.to_string()).or_default() += 1;
         }
         Hold {
@@ -215,9 +214,8 @@ impl Hold {
 
 impl Drop for Hold {
     fn drop(&mut self) {
-        if let Ok(mut c) = self.counts.lock()
-            && let Some(n) = c.get_mut(&self.name)
-        {
+        let mut c = self.counts.lock();
+        if let Some(n) = c.get_mut(&self.name) {
             *n -= 1;
             if *n == 0 {
                 c.remove(&self.name);
@@ -477,7 +475,7 @@ impl Templates {
     }
 
     fn build_of(&self, name: &str) -> Option<Arc<Build>> {
-        self.builds.lock().ok()?.get(name).cloned()
+        self.builds.lock().get(name).cloned()
     }
 
     /// The directory a build of `rec` made and owns, if it made one.
@@ -596,7 +594,8 @@ impl Templates {
                 other => other.into(),
             })?;
         let build = Arc::new(Build::new(id));
-        if let Ok(mut builds) = self.builds.lock() {
+        {
+            let mut builds = self.builds.lock();
             builds.insert(req.name.clone(), build.clone());
         }
         if let Err(e) = prepare_work_dir(&self.dir, &work, &rec) {
@@ -753,7 +752,8 @@ impl Templates {
             }
         }
         store.delete_template(name).await?;
-        if let Ok(mut builds) = self.builds.lock() {
+        {
+            let mut builds = self.builds.lock();
             builds.remove(name);
         }
         tracing::info!(template = name, "template removed");
@@ -765,11 +765,7 @@ impl Templates {
     async fn users(&self, store: &Store, name: &str) -> Result<Option<String>, CoreError> {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         loop {
-            let held = self
-                .held
-                .lock()
-                .map(|h| h.get(name).copied().unwrap_or(0))
-                .unwrap_or(0);
+            let held = self.held.lock().get(name).copied().unwrap_or(0);
             let u = store.template_users(name, 5).await?;
             if held == 0 && u.is_empty() {
                 return Ok(None);

@@ -13,6 +13,7 @@
 //! must never be reachable from the daemon.
 
 use crate::manager::{Manager, ManagerConfig};
+use parking_lot::{Condvar, Mutex};
 use sandpit_runtime::{
     Capabilities, Liveness, PendingSockets, Runtime, RuntimeError, SandboxHandle, SandboxSpec,
     Stats, UpperView,
@@ -20,7 +21,7 @@ use sandpit_runtime::{
 use sandpit_store::Store;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Name the fake is registered under (and the manager's default runtime in tests).
@@ -151,19 +152,13 @@ impl Hold {
     /// Called by the runtime (on a blocking thread): counts the arrival and waits.
     fn wait(&self) {
         self.entered.send_modify(|n| *n += 1);
-        let Ok(mut released) = self.released.lock() else {
-            return;
-        };
+        let mut released = self.released.lock();
         let deadline = std::time::Instant::now() + HOLD_MAX;
         while !*released {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
-            if left.is_zero() {
+            if left.is_zero() || self.cv.wait_for(&mut released, left).timed_out() {
                 return;
             }
-            released = match self.cv.wait_timeout(released, left) {
-                Ok((r, _)) => r,
-                Err(_) => return,
-            };
         }
     }
 
@@ -178,7 +173,8 @@ impl Hold {
 
     /// Lets every held call (and every later one) go on.
     pub(crate) fn release(&self) {
-        if let Ok(mut r) = self.released.lock() {
+        {
+            let mut r = self.released.lock();
             *r = true;
         }
         self.cv.notify_all();
@@ -215,9 +211,9 @@ impl FakeRuntime {
         })
     }
 
-    fn inner(&self) -> std::sync::MutexGuard<'_, Inner> {
+    fn inner(&self) -> parking_lot::MutexGuard<'_, Inner> {
         // A test that panicked while holding it has failed already; keep the state usable.
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        self.inner.lock()
     }
 
     /// Makes the next `times` calls of `step` fail (`usize::MAX`: all of them; 0 stops).
@@ -235,10 +231,7 @@ impl FakeRuntime {
     /// Blocks every call of `step` from now on until the returned hold is released.
     pub(crate) fn hold(&self, step: Step) -> Arc<Hold> {
         let hold = Hold::new();
-        self.holds
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(step, hold.clone());
+        self.holds.lock().insert(step, hold.clone());
         hold
     }
 
@@ -312,12 +305,7 @@ impl FakeRuntime {
     fn enter(&self, step: Option<Step>, call: Call) -> Result<(), RuntimeError> {
         self.inner().calls.push(call.clone());
         let Some(step) = step else { return Ok(()) };
-        let hold = self
-            .holds
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&step)
-            .cloned();
+        let hold = self.holds.lock().get(&step).cloned();
         if let Some(h) = hold {
             h.wait();
         }

@@ -8,11 +8,12 @@
 use crate::agent_conn::AgentConn;
 use crate::manager::{Manager, now_ms};
 use crate::pools::POOL_OWNER;
+use parking_lot::Mutex;
 use sandpit_api::{CommandEvent, RunCommandRequest};
 use sandpit_runtime::{Runtime, SandboxHandle};
 use sandpit_store::{ExecutionRecord, SandboxRecord, SandboxState, Store, UsageEvent};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 
@@ -116,7 +117,7 @@ impl Usage {
 
 /// Starts the usage writer and the sampler (once, after reconcile).
 pub fn start(m: &Arc<Manager>) {
-    let Some(rx) = m.usage.rx.lock().ok().and_then(|mut rx| rx.take()) else {
+    let Some(rx) = m.usage.rx.lock().take() else {
         return;
     };
     let writer = m.clone();
@@ -443,7 +444,7 @@ mod tests {
     async fn the_writer_commits_batches_and_flush_waits_for_them() {
         let store = Store::open_in_memory().await.unwrap();
         let usage = Arc::new(Usage::default());
-        let rx = usage.rx.lock().unwrap().take().unwrap();
+        let rx = usage.rx.lock().take().unwrap();
         let (u, s) = (usage.clone(), store.clone());
         tokio::spawn(async move { u.run_writer(s, rx).await });
         for i in 0..2500 {

@@ -31,14 +31,15 @@ use http::{Method, Request, Response, StatusCode, Version};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
+use parking_lot::Mutex;
 use serde::Deserialize;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::pin::{Pin, pin};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -418,9 +419,9 @@ impl Limits {
         }
     }
 
-    fn counts(&self) -> std::sync::MutexGuard<'_, Counts> {
+    fn counts(&self) -> parking_lot::MutexGuard<'_, Counts> {
         // The counts stay consistent even if a holder panicked: every update is one step.
-        self.counts.lock().unwrap_or_else(|e| e.into_inner())
+        self.counts.lock()
     }
 
     fn acquire(self: &Arc<Self>, ip: IpAddr) -> Result<Permit, OverCap> {

@@ -54,19 +54,20 @@ const KEY_CACHE_MAX: usize = 4096;
 /// read for its key.
 #[derive(Debug, Default)]
 pub struct KeyCache(
-    std::sync::Mutex<std::collections::HashMap<String, (String, String, std::time::Instant)>>,
+    parking_lot::Mutex<std::collections::HashMap<String, (String, String, std::time::Instant)>>,
 );
 
 impl KeyCache {
     /// Owner and key id of a recently verified key.
     fn get(&self, key: &str) -> Option<(String, String)> {
-        let map = self.0.lock().ok()?;
+        let map = self.0.lock();
         let (owner, id, at) = map.get(key)?;
         (at.elapsed() < KEY_CACHE_TTL).then(|| (owner.clone(), id.clone()))
     }
 
     fn put(&self, key: String, owner: String, id: String) {
-        if let Ok(mut map) = self.0.lock() {
+        {
+            let mut map = self.0.lock();
             if map.len() >= KEY_CACHE_MAX {
                 map.clear();
             }
