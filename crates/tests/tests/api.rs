@@ -12,7 +12,7 @@ async fn connect_call(
     method: &str,
     body: serde_json::Value,
 ) -> (u16, serde_json::Value) {
-    let r = reqwest::Client::new()
+    let r = sandpit_tests::http()
         .post(format!("{}/v1/sandboxes/{id}/agent/{method}", d.url))
         .header("authorization", format!("Bearer {}", d.key))
         .header("content-type", "application/json")
@@ -284,18 +284,12 @@ async fn custom_rootfs_templates_run_their_own_binaries() {
     let d = Daemon::start().await;
     let c = d.client();
     // A root filesystem with one static program in it: the sandpit binary itself.
-    let rootfs = tempfile::Builder::new()
-        .prefix("sandpit-rootfs-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
+    let rootfs = sandpit_tests::temp_dir("sandpit-rootfs-");
     std::fs::create_dir_all(rootfs.path().join("usr/bin")).unwrap();
     std::fs::copy(sandpit_bin(), rootfs.path().join("usr/bin/sandpit")).unwrap();
     // A hostile template: symlinks where sandpit sets things up, pointing at host paths,
     // and a device node.
-    let victim = tempfile::Builder::new()
-        .prefix("sandpit-victim-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
+    let victim = sandpit_tests::temp_dir("sandpit-victim-");
     for (name, target) in [
         ("tmp", "t"),
         ("etc", "e"),
@@ -378,7 +372,7 @@ async fn custom_rootfs_templates_run_their_own_binaries() {
     };
     assert_eq!(c.run(&sb.id, &req).await.unwrap().exit_code, 0);
     // As root, replace the binary in place (the API writes through the agent, which is root).
-    let up = reqwest::Client::new()
+    let up = sandpit_tests::http()
         .put(format!(
             "{}/v1/sandboxes/{}/files?path=/usr/bin/sandpit&user=root",
             d.url, sb.id
@@ -569,9 +563,7 @@ async fn sh_status(c: &sandpit_client::Client, id: &str) -> Option<u16> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_key_stops_working_within_the_cache_time() {
     let d = Daemon::start().await;
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
+    let db = d.store().await;
     let (key, secret) = db.create_api_key("carol", "test").await.unwrap();
     let carol = sandpit_client::Client::new(&d.url, Some(secret)).unwrap();
     carol.list_sandboxes(None, &[], None, None).await.unwrap();

@@ -14,7 +14,7 @@ struct E2b {
 impl E2b {
     fn new(d: &Daemon) -> Self {
         Self {
-            http: reqwest::Client::new(),
+            http: sandpit_tests::http(),
             url: d.url.clone(),
             key: d.key.clone(),
         }
@@ -588,7 +588,7 @@ async fn a_multipart_upload_is_answered_after_its_last_bytes() {
 async fn e2b_network_settings_become_egress_policies() {
     /// The sandbox's egress policy as sandpit's own API shows it.
     async fn policy(d: &Daemon, id: String) -> Value {
-        reqwest::Client::new()
+        sandpit_tests::http()
             .get(format!("{}/v1/sandboxes/{id}/network", d.url))
             .bearer_auth(&d.key)
             .send()

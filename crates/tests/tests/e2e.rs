@@ -2,15 +2,15 @@
 //! its own daemon (own data dir, own cgroup parent) and removes what it made.
 
 use sandpit_api::{CommandEvent, CreateSandboxRequest, LimitsSpec, RunCommandRequest};
-use sandpit_tests::{Daemon, leftovers, sh, sh_root, tmpfs_mounted_on, wait_no_leftovers};
+use sandpit_tests::{Daemon, http, leftovers, sh, sh_root, tmpfs_mounted_on, wait_no_leftovers};
 use sha2::{Digest, Sha256};
 use std::time::Duration;
 
+/// The harness's small limits, with at most 64 processes.
 fn small() -> LimitsSpec {
     LimitsSpec {
-        memory_bytes: Some(256 << 20),
         max_processes: Some(64),
-        ..Default::default()
+        ..sandpit_tests::small()
     }
 }
 
@@ -94,7 +94,7 @@ async fn isolation_holds() {
     let d = Daemon::start().await;
     let c = d.client();
     let id = d.sandbox(small()).await;
-    let daemon_pid = d.child.as_ref().unwrap().id();
+    let daemon_pid = d.pid();
     // only the sandbox's own processes are visible
     let r = sh(
         &c,
@@ -414,7 +414,7 @@ async fn files_round_trip_and_escapes_are_refused() {
             .status(),
         Some(403)
     );
-    let http = reqwest::Client::new();
+    let http = http();
     let as_root = http
         .get(format!(
             "{}/v1/sandboxes/{id}/files?path=/root/secret&user=root",
@@ -479,7 +479,10 @@ async fn process_runtime_strips_secrets_and_refuses_symlink_escapes() {
             .all(|r| r.isolated)
     );
     d.shutdown().await;
-    let d = Daemon::start_with(&["--allow-process-runtime"]).await;
+    let d = Daemon::builder()
+        .args(&["--allow-process-runtime"])
+        .start()
+        .await;
     let c = d.client();
     let req = CreateSandboxRequest {
         runtime: Some("process".into()),
@@ -568,9 +571,7 @@ async fn sigkill_of_the_daemon_then_restart_reconciles() {
     c.pause(&paused).await.unwrap();
     d.kill9();
     // kill one sandbox while the daemon is down
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
+    let db = d.store().await;
     let rec = db.get_sandbox(&doomed).await.unwrap().unwrap();
     let pid = rec.runtime_state["pid"].as_i64().unwrap() as i32;
     nix::sys::signal::kill(
@@ -599,10 +600,7 @@ async fn sigkill_of_the_daemon_then_restart_reconciles() {
         .find(|p| p.join(&alive).exists())
         .expect("the live sandbox's memory cgroup");
     std::fs::create_dir(parent.join(orphan)).unwrap();
-    let port = d.port;
-    let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
-    drop(d);
-    let d = Daemon::start_in(data, port).await;
+    let d = d.restart().start().await;
     let c = d.client();
     assert_eq!(sh(&c, &alive, "cat /tmp/mark").await.stdout, "kept\n");
     let dead = c.get_sandbox(&doomed).await.unwrap();
@@ -634,11 +632,7 @@ async fn owners_only_see_their_own_sandboxes() {
     let d = Daemon::start().await;
     let admin = d.client();
     let id = d.sandbox(small()).await;
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
-    let (_, other_key) = db.create_api_key("mallory", "test").await.unwrap();
-    let other = sandpit_client::Client::new(&d.url, Some(other_key)).unwrap();
+    let other = d.owner("mallory").await;
     assert_eq!(
         other.get_sandbox(&id).await.unwrap_err().status(),
         Some(404)
@@ -679,7 +673,6 @@ async fn owners_only_see_their_own_sandboxes() {
         Some(401)
     );
     assert_eq!(admin.get_sandbox(&id).await.unwrap().id, id);
-    db.close().await;
     d.shutdown().await;
 }
 
@@ -727,7 +720,7 @@ async fn bad_input_gets_a_clear_4xx_and_leaves_nothing() {
         let e = c.create_sandbox(&req).await.unwrap_err();
         assert_eq!(e.status(), Some(400), "{req:?}: {e}");
     }
-    let http = reqwest::Client::new();
+    let http = http();
     let url = format!("{}/v1/sandboxes", d.url);
     let auth = format!("Bearer {}", d.key);
     let r = http
@@ -743,7 +736,7 @@ async fn bad_input_gets_a_clear_4xx_and_leaves_nothing() {
     assert!(body["code"].is_string() && body["message"].is_string());
     let big = format!("{{\"metadata\":{{\"k\":\"{}\"}}}}", "x".repeat(2 << 20));
     // A fresh client: the server closes a connection whose oversized body it did not read.
-    let r = reqwest::Client::new()
+    let r = sandpit_tests::http()
         .post(&url)
         .header("authorization", &auth)
         .header("content-type", "application/json")
@@ -826,9 +819,7 @@ async fn a_failed_create_leaves_no_half_made_sandbox() {
     let d = Daemon::start().await;
     let c = d.client();
     // A template whose directory vanished after it was registered: the runtime refuses it.
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
+    let db = d.store().await;
     let t = sandpit_store::TemplateRecord {
         name: "gone".into(),
         rootfs: "/var/tmp/sandpit-no-such-rootfs".into(),
@@ -917,7 +908,7 @@ async fn sandbox_directories_live_on_a_tmpfs_that_a_clean_stop_unmounts() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn descriptors_the_daemon_inherited_never_reach_a_sandbox() {
-    let d = Daemon::start_with_stray_fd().await;
+    let d = Daemon::builder().stray_fd().start().await;
     let c = d.client();
     let id = d.sandbox(small()).await;
     // The stray descriptor is /dev/null: beyond stdio, neither the agent (PID 1) nor a
@@ -937,7 +928,10 @@ async fn descriptors_the_daemon_inherited_never_reach_a_sandbox() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleting_a_process_sandbox_kills_its_commands() {
-    let d = Daemon::start_with(&["--allow-process-runtime"]).await;
+    let d = Daemon::builder()
+        .args(&["--allow-process-runtime"])
+        .start()
+        .await;
     let c = d.client();
     let sb = c
         .create_sandbox(&CreateSandboxRequest {

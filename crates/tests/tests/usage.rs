@@ -150,7 +150,7 @@ async fn execution_records_count_cpu_memory_and_every_output_byte() {
     assert!(t.created_ms <= started && started <= ended, "{t:?}");
     // The agent counted two processes for it: bash, and `yes`, which bash did not wait
     // for (it was collected by the agent as an orphan of the command's session).
-    let agent = reqwest::Client::new()
+    let agent = sandpit_tests::http()
         .get(format!(
             "{}/v1/sandboxes/{id}/agent/rusage?pid={}",
             d.url, out.pid
@@ -260,12 +260,7 @@ async fn usage_is_private_and_queries_are_checked() {
     let id = d.sandbox(LimitsSpec::default()).await;
     sh(&c, &id, "true").await;
     ended_executions(&c, &id, 1).await;
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
-    let (_, key) = db.create_api_key("mallory", "test").await.unwrap();
-    db.close().await;
-    let m = Client::new(&d.url, Some(key)).unwrap();
+    let m = d.owner("mallory").await;
     let err = m.sandbox_usage(&id).await.unwrap_err();
     assert!(err.is_sandbox_gone(), "{err:?}");
     let err = m.executions(&id, None, None).await.unwrap_err();
@@ -304,7 +299,7 @@ async fn usage_is_private_and_queries_are_checked() {
             .unwrap_err()
             .is_sandbox_gone()
     );
-    let raw = reqwest::Client::new()
+    let raw = sandpit_tests::http()
         .get(format!("{}/v1/usage?from=abc", d.url))
         .bearer_auth(&d.key)
         .send()
@@ -336,7 +331,7 @@ async fn the_agents_usage_route_does_not_change_the_e2b_protocol() {
     assert_eq!(kinds, ["start", "stdout", "end"]);
     // The usage is a route of its own on the agent, for pids of commands only.
     let out = c.run(&id, &cmd(&["true"])).await.unwrap();
-    let http = reqwest::Client::new();
+    let http = sandpit_tests::http();
     let get = |pid: u32| {
         http.get(format!(
             "{}/v1/sandboxes/{id}/agent/rusage?pid={pid}",
@@ -354,20 +349,6 @@ async fn the_agents_usage_route_does_not_change_the_e2b_protocol() {
     d.shutdown().await;
 }
 
-fn cli(d: &Daemon, args: &[&str]) -> (bool, String, String) {
-    let out = std::process::Command::new(sandpit_tests::sandpit_bin())
-        .args(args)
-        .env("SANDPIT_URL", &d.url)
-        .env("SANDPIT_DATA_DIR", d.data.path())
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cli_shows_usage_and_executions() {
     let d = Daemon::start().await;
@@ -377,7 +358,7 @@ async fn the_cli_shows_usage_and_executions() {
         .await
         .unwrap();
     ended_executions(&c, &id, 1).await;
-    let (ok, table, err) = cli(&d, &["executions", &id]);
+    let (ok, table, err) = d.cli(&["executions", &id]);
     assert!(ok, "{err}");
     let mut lines = table.lines();
     assert!(lines.next().unwrap().starts_with("EXECUTION"), "{table}");
@@ -386,17 +367,17 @@ async fn the_cli_shows_usage_and_executions() {
         row.starts_with("ex_") && row.contains(" sh ") && row.contains("5 B"),
         "{table}"
     );
-    let (ok, json, _) = cli(&d, &["--json", "executions", &id]);
+    let (ok, json, _) = d.cli(&["--json", "executions", &id]);
     assert!(ok);
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert_eq!(v["items"][0]["output"]["stdout_bytes"], 5);
-    let (ok, json, err) = cli(&d, &["--json", "usage", "--from", "1h"]);
+    let (ok, json, err) = d.cli(&["--json", "usage", "--from", "1h"]);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert_eq!(v["owner"], "admin");
     assert_eq!(v["sandboxes"], 1);
     assert_eq!(v["executions"], 1);
-    let (ok, table, _) = cli(&d, &["usage", &id]);
+    let (ok, table, _) = d.cli(&["usage", &id]);
     assert!(ok);
     assert!(table.contains(sandpit_api::usage::EGRESS_NOTE), "{table}");
     assert!(
@@ -405,10 +386,10 @@ async fn the_cli_shows_usage_and_executions() {
             .any(|l| l.starts_with("executions") && l.ends_with('1')),
         "{table}"
     );
-    let (ok, _, err) = cli(&d, &["usage", "--from", "yesterday"]);
+    let (ok, _, err) = d.cli(&["usage", "--from", "yesterday"]);
     assert!(!ok);
     assert!(err.contains("yesterday"), "{err}");
-    let (ok, _, err) = cli(&d, &["executions", "no-such-sandbox"]);
+    let (ok, _, err) = d.cli(&["executions", "no-such-sandbox"]);
     assert!(!ok);
     assert!(err.contains("not found"), "{err}");
     d.shutdown().await;
