@@ -76,11 +76,15 @@ pub fn error_status<T: std::fmt::Debug>(r: Result<T, ClientError>) -> Option<u16
 
 /// A build of template `name` from the root filesystem in directory `path`.
 pub fn dir_build(name: &str, path: &Path) -> BuildTemplateRequest {
+    let path = path.to_str().expect("UTF-8 path").into();
+    template_build(name, TemplateSourceSpec::Dir { path })
+}
+
+/// A build of template `name` from `source`, with no settings of its own.
+pub fn template_build(name: &str, source: TemplateSourceSpec) -> BuildTemplateRequest {
     BuildTemplateRequest {
         name: name.into(),
-        source: TemplateSourceSpec::Dir {
-            path: path.to_str().expect("UTF-8 path").into(),
-        },
+        source,
         default_user: None,
         workdir: None,
         env: Default::default(),
@@ -146,21 +150,40 @@ pub fn allow_domain(d: &str) -> NetworkRule {
     }
 }
 
-/// Runs `bash -c script` and returns the response.
-pub async fn sh(c: &Client, id: &str, script: &str) -> RunCommandResponse {
-    let req = RunCommandRequest {
+/// The first page (the daemon's default size) of the client's sandboxes.
+pub async fn sandboxes(c: &Client) -> Vec<Sandbox> {
+    c.list_sandboxes(None, &[], None, None)
+        .await
+        .expect("list sandboxes")
+        .items
+}
+
+/// A command that runs `argv` as it is.
+pub fn command(argv: &[&str]) -> RunCommandRequest {
+    RunCommandRequest {
+        argv: argv.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    }
+}
+
+/// A command that runs `bash -c script`; tests add options with struct update.
+pub fn bash(script: &str) -> RunCommandRequest {
+    RunCommandRequest {
         argv: vec!["bash".into(), "-c".into(), script.into()],
         ..Default::default()
-    };
-    c.run(id, &req).await.expect("run command")
+    }
+}
+
+/// Runs `bash -c script` and returns the response.
+pub async fn sh(c: &Client, id: &str, script: &str) -> RunCommandResponse {
+    c.run(id, &bash(script)).await.expect("run command")
 }
 
 /// Same as [`sh`] as root.
 pub async fn sh_root(c: &Client, id: &str, script: &str) -> RunCommandResponse {
     let req = RunCommandRequest {
-        argv: vec!["bash".into(), "-c".into(), script.into()],
         user: Some("root".into()),
-        ..Default::default()
+        ..bash(script)
     };
     c.run(id, &req).await.expect("run command")
 }
@@ -238,6 +261,25 @@ pub async fn connect_from(port: u16, from: Ipv4Addr) -> std::io::Result<tokio::n
     s.bind(SocketAddr::new(from.into(), 0))?;
     s.connect(SocketAddr::new(Ipv4Addr::LOCALHOST.into(), port))
         .await
+}
+
+/// A request body of [`h2_connect`]'s connections.
+pub type H2Body = http_body_util::combinators::BoxBody<bytes::Bytes, std::convert::Infallible>;
+
+/// An HTTP/2 connection (prior knowledge, no TLS) to the daemon's loopback `port`, driven
+/// in the background.
+pub async fn h2_connect(port: u16) -> hyper::client::conn::http2::SendRequest<H2Body> {
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    let (send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .expect("HTTP/2 handshake");
+    tokio::spawn(conn);
+    send
 }
 
 /// One Connect-protocol envelope (flags 0) around the JSON message `v`.

@@ -12,8 +12,8 @@ use sandpit_api::network::{NetworkMode, NetworkPolicy};
 use sandpit_client::Client;
 use sandpit_tests::netfix::Upstream;
 use sandpit_tests::{
-    Daemon, FdSampler, connect_from, dns_lookup, memory_limit, open_fds, port_host, sh, small,
-    small_request,
+    Daemon, FdSampler, command, connect_from, dns_lookup, memory_limit, open_fds, port_host, sh,
+    small, small_request,
 };
 use std::net::Ipv4Addr;
 use std::sync::Arc;
@@ -338,13 +338,7 @@ async fn egress_connections_of_many_sandboxes_leave_the_daemon_descriptors() {
         // Lets the floods end early; on a starved daemon this fails, and they end in time.
         let _ = tokio::time::timeout(
             Duration::from_secs(2),
-            c.run(
-                id,
-                &sandpit_api::RunCommandRequest {
-                    argv: vec!["touch".into(), "/tmp/release".into()],
-                    ..Default::default()
-                },
-            ),
+            c.run(id, &command(&["touch", "/tmp/release"])),
         )
         .await;
     }
@@ -584,10 +578,7 @@ async fn bursts_of_requests_leave_no_agent_connections_behind() {
         for _ in 0..CONCURRENT {
             let (c, id) = (c.clone(), id.clone());
             round.push(tokio::spawn(async move {
-                let req = sandpit_api::RunCommandRequest {
-                    argv: vec!["sleep".into(), "1".into()],
-                    ..Default::default()
-                };
+                let req = command(&["sleep", "1"]);
                 c.run(&id, &req).await.is_ok()
             }));
         }

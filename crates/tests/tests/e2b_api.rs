@@ -2,7 +2,7 @@
 //! SDKs rely on, checked at the HTTP level (the SDK scenarios are in `e2b_sdk.rs`).
 
 use reqwest::StatusCode;
-use sandpit_tests::Daemon;
+use sandpit_tests::{Daemon, command};
 use serde_json::{Value, json};
 
 struct E2b {
@@ -233,13 +233,7 @@ async fn pause_connect_resume_statuses() {
     // again on the kept files: a process from before is gone, the files are not.
     let c = d.client();
     let sleeper = c
-        .run_background(
-            &id,
-            &sandpit_api::RunCommandRequest {
-                argv: vec!["sleep".into(), "600".into()],
-                ..Default::default()
-            },
-        )
+        .run_background(&id, &command(&["sleep", "600"]))
         .await
         .expect("background sleep");
     sandpit_tests::sh(&c, &id, "echo kept > /home/user/kept.txt").await;

@@ -2,7 +2,10 @@
 //! its own daemon (own data dir, own cgroup parent) and removes what it made.
 
 use sandpit_api::{CommandEvent, CreateSandboxRequest, LimitsSpec, RunCommandRequest};
-use sandpit_tests::{Daemon, http, leftovers, sh, sh_root, tmpfs_mounted_on, wait_no_leftovers};
+use sandpit_tests::{
+    Daemon, bash, command, http, leftovers, sandboxes, sh, sh_root, tmpfs_mounted_on,
+    wait_no_leftovers,
+};
 use sha2::{Digest, Sha256};
 use std::time::Duration;
 
@@ -20,13 +23,7 @@ async fn python_prints_42_and_commands_report_exit_codes_and_streams() {
     let c = d.client();
     let id = d.sandbox(small()).await;
     let r = c
-        .run(
-            &id,
-            &RunCommandRequest {
-                argv: vec!["python3".into(), "-c".into(), "print(6*7)".into()],
-                ..Default::default()
-            },
-        )
+        .run(&id, &command(&["python3", "-c", "print(6*7)"]))
         .await
         .unwrap();
     assert_eq!((r.exit_code, r.stdout.as_str()), (0, "42\n"));
@@ -44,25 +41,13 @@ async fn python_prints_42_and_commands_report_exit_codes_and_streams() {
     assert_eq!(c.run(&id, &req).await.unwrap().stdout.trim(), "5");
     // output cap
     let req = RunCommandRequest {
-        argv: vec![
-            "bash".into(),
-            "-c".into(),
-            "head -c 100000 /dev/zero".into(),
-        ],
         max_output_bytes: Some(1000),
-        ..Default::default()
+        ..bash("head -c 100000 /dev/zero")
     };
     let r = c.run(&id, &req).await.unwrap();
     assert!(r.truncated && r.stdout.len() == 1000);
     // 50 MB of output over the stream, all of it
-    let req = RunCommandRequest {
-        argv: vec![
-            "bash".into(),
-            "-c".into(),
-            "head -c 52428800 /dev/zero; echo done >&2".into(),
-        ],
-        ..Default::default()
-    };
+    let req = bash("head -c 52428800 /dev/zero; echo done >&2");
     let (out, err, code) = c
         .stream_command(&id, &req)
         .await
@@ -75,16 +60,7 @@ async fn python_prints_42_and_commands_report_exit_codes_and_streams() {
         (52_428_800, &b"done\n"[..], 0)
     );
     // unknown command: a clear 404, not a 500
-    let bad = c
-        .run(
-            &id,
-            &RunCommandRequest {
-                argv: vec!["/nope".into()],
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap_err();
+    let bad = c.run(&id, &command(&["/nope"])).await.unwrap_err();
     assert_eq!(bad.status(), Some(404));
     d.shutdown().await;
 }
@@ -241,14 +217,11 @@ async fn limits_contain_memory_fork_and_disk_bombs() {
     let r = c
         .run(
             &id,
-            &RunCommandRequest {
-                argv: vec![
-                    "python3".into(),
-                    "-c".into(),
-                    "x = bytearray(512 << 20); print('survived')".into(),
-                ],
-                ..Default::default()
-            },
+            &command(&[
+                "python3",
+                "-c",
+                "x = bytearray(512 << 20); print('survived')",
+            ]),
         )
         .await
         .unwrap();
@@ -280,13 +253,8 @@ async fn timeouts_signals_and_background_reattach() {
     let id = d.sandbox(small()).await;
     // timeout kills the whole tree, including a grandchild in its own process group
     let req = RunCommandRequest {
-        argv: vec![
-            "bash".into(),
-            "-c".into(),
-            "setsid sleep 300 & sleep 300".into(),
-        ],
         timeout_ms: Some(500),
-        ..Default::default()
+        ..bash("setsid sleep 300 & sleep 300")
     };
     let r = c.run(&id, &req).await.unwrap();
     assert!(r.timed_out && r.exit_code == 137, "{r:?}");
@@ -294,17 +262,7 @@ async fn timeouts_signals_and_background_reattach() {
     assert_eq!(sh(&c, &id, "pgrep -c sleep; true").await.stdout.trim(), "0");
     // background command survives the client going away; its output is kept
     let bg = c
-        .run_background(
-            &id,
-            &RunCommandRequest {
-                argv: vec![
-                    "bash".into(),
-                    "-c".into(),
-                    "echo first; sleep 1; echo second; sleep 30".into(),
-                ],
-                ..Default::default()
-            },
-        )
+        .run_background(&id, &bash("echo first; sleep 1; echo second; sleep 30"))
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -649,14 +607,7 @@ async fn owners_only_see_their_own_sandboxes() {
             .status(),
         Some(404)
     );
-    assert!(
-        other
-            .list_sandboxes(None, &[], None, None)
-            .await
-            .unwrap()
-            .items
-            .is_empty()
-    );
+    assert!(sandboxes(&other).await.is_empty());
     let anon = sandpit_client::Client::new(&d.url, None).unwrap();
     assert_eq!(anon.get_sandbox(&id).await.unwrap_err().status(), Some(401));
     let wrong = sandpit_client::Client::new(
@@ -754,13 +705,7 @@ async fn bad_input_gets_a_clear_4xx_and_leaves_nothing() {
         .await
         .unwrap();
     assert_eq!(r.status(), 400);
-    assert!(
-        c.list_sandboxes(None, &[], None, None)
-            .await
-            .unwrap()
-            .items
-            .is_empty()
-    );
+    assert!(sandboxes(&c).await.is_empty());
     // paths and users that must never reach the agent as given
     let id = d.sandbox(LimitsSpec::default()).await;
     let long = format!("/{}", "x".repeat(5000));
@@ -836,13 +781,7 @@ async fn a_failed_create_leaves_no_half_made_sandbox() {
         .await
         .unwrap_err();
     assert_eq!(e.status(), Some(400), "{e}");
-    assert!(
-        c.list_sandboxes(None, &[], None, None)
-            .await
-            .unwrap()
-            .items
-            .is_empty()
-    );
+    assert!(sandboxes(&c).await.is_empty());
     let dirs: Vec<_> = std::fs::read_dir(d.data.path().join("sandboxes"))
         .unwrap()
         .collect();
@@ -942,9 +881,8 @@ async fn deleting_a_process_sandbox_kills_its_commands() {
         .unwrap();
     let marker = format!("sleep 4{}", std::process::id() % 100_000);
     let bg = RunCommandRequest {
-        argv: vec!["bash".into(), "-c".into(), format!("{marker} & {marker}")],
         background: true,
-        ..Default::default()
+        ..bash(&format!("{marker} & {marker}"))
     };
     c.run_background(&sb.id, &bg).await.unwrap();
     let running = || {

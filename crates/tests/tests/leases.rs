@@ -5,7 +5,7 @@
 use sandpit_api::{CreateSandboxRequest, RunCommandRequest};
 use sandpit_client::{Client, ClientError, SandboxLease};
 use sandpit_store::{LeaseRecord, LeaseStatus};
-use sandpit_tests::{Daemon, http, now_ms, sh, small_request, wait_no_leftovers};
+use sandpit_tests::{Daemon, http, now_ms, sandboxes, sh, small_request, wait_no_leftovers};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -410,13 +410,7 @@ async fn bad_users_and_bodies_are_refused_and_leave_nothing_behind() {
     assert_eq!(err.status(), Some(400), "{err:?}");
     let lease = c.get_lease("ok").await.unwrap();
     assert_eq!((lease.status.as_str(), lease.sandbox_id), ("ready", None));
-    assert!(
-        c.list_sandboxes(None, &[], None, None)
-            .await
-            .unwrap()
-            .items
-            .is_empty()
-    );
+    assert!(sandboxes(&c).await.is_empty());
     let good = tokio::time::timeout(Duration::from_secs(20), c.acquire("ok", &small_request()))
         .await
         .expect("no stale wait")

@@ -5,7 +5,9 @@ use sandpit_api::{
     CreateSandboxRequest, CreateSnapshotRequest, ForkRequest, LimitsSpec, RunCommandRequest,
 };
 use sandpit_client::Client;
-use sandpit_tests::{Daemon, free_port, http, now_ms, sh, sh_root, wait_no_leftovers};
+use sandpit_tests::{
+    Daemon, bash, command, free_port, http, now_ms, sh, sh_root, template_build, wait_no_leftovers,
+};
 use std::time::Duration;
 
 /// The harness's small limits, with a 256 MiB disk.
@@ -90,15 +92,9 @@ async fn a_counter_continues_where_it_stopped_across_two_pauses_with_its_files_e
         .run_background(
             &id,
             &RunCommandRequest {
-                argv: vec![
-                    "bash".into(),
-                    "-c".into(),
-                    "exec 3>>/tmp/work/log; i=0; while true; do i=$((i+1)); echo $i > count.new; mv count.new count; echo $i >&3; sleep 0.05; done"
-                        .into(),
-                ],
                 env: [("COUNTER_ENV".to_string(), "kept".to_string())].into(),
                 cwd: Some("/tmp/work".into()),
-                ..Default::default()
+                ..bash("exec 3>>/tmp/work/log; i=0; while true; do i=$((i+1)); echo $i > count.new; mv count.new count; echo $i >&3; sleep 0.05; done")
             },
         )
         .await
@@ -117,16 +113,7 @@ async fn a_counter_continues_where_it_stopped_across_two_pauses_with_its_files_e
         // Pausing a paused sandbox changes nothing.
         assert_eq!(c.pause(&id).await.unwrap().state, "paused");
         // Without auto_resume, work on a paused sandbox is refused.
-        let refused = c
-            .run(
-                &id,
-                &RunCommandRequest {
-                    argv: vec!["true".into()],
-                    ..Default::default()
-                },
-            )
-            .await
-            .unwrap_err();
+        let refused = c.run(&id, &command(&["true"])).await.unwrap_err();
         assert_eq!(refused.status(), Some(409), "round {round}");
         let frozen_at = c.stats(&id).await.unwrap().cpu_usage_ns;
         tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -215,13 +202,7 @@ async fn hibernation_keeps_files_ends_processes_and_survives_a_restart() {
     assert_eq!(setup.exit_code, 0, "{setup:?}");
     let before = hashes(&c, &id).await;
     let bg = c
-        .run_background(
-            &id,
-            &RunCommandRequest {
-                argv: vec!["sleep".into(), "1000".into()],
-                ..Default::default()
-            },
-        )
+        .run_background(&id, &command(&["sleep", "1000"]))
         .await
         .unwrap();
     for round in 0..3 {
@@ -641,13 +622,7 @@ async fn forks_are_independent_copies_with_their_own_processes_and_limits() {
     sh(&c, &src, "mkdir -p /home/user/data && echo parent > /home/user/data/f && head -c 1000000 /dev/urandom > /home/user/data/big").await;
     let want = hashes(&c, &src).await;
     let bg = c
-        .run_background(
-            &src,
-            &RunCommandRequest {
-                argv: vec!["sleep".into(), "1000".into()],
-                ..Default::default()
-            },
-        )
+        .run_background(&src, &command(&["sleep", "1000"]))
         .await
         .unwrap();
     let copies = c
@@ -852,18 +827,13 @@ async fn a_template_built_from_a_snapshot_of_setup_commands_gives_every_sandbox_
         .await
         .unwrap();
     let name = format!("steps-{src}");
+    let source = sandpit_api::TemplateSourceSpec::Snapshot {
+        snapshot: snap.id.clone(),
+        base: None,
+    };
     let req = sandpit_api::BuildTemplateRequest {
-        name: name.clone(),
-        source: sandpit_api::TemplateSourceSpec::Snapshot {
-            snapshot: snap.id.clone(),
-            base: None,
-        },
-        default_user: None,
-        workdir: None,
-        env: Default::default(),
-        start_cmd: None,
         ready_cmd: Some("test -x /opt/tool/run".into()),
-        ready_timeout_secs: None,
+        ..template_build(&name, source)
     };
     c.build_template(&req).await.unwrap();
     assert_eq!(built(&c, &name).await, "ready");

@@ -4,7 +4,8 @@
 use sandpit_api::{CreateSandboxRequest, LimitsSpec, PoolSpec, RunCommandRequest};
 use sandpit_client::Client;
 use sandpit_tests::{
-    Daemon, error_status, leftovers, memory_limit, sh, tmpfs_mounted_on, wait_no_leftovers,
+    Daemon, error_status, leftovers, memory_limit, sandboxes, sh, tmpfs_mounted_on,
+    wait_no_leftovers,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -400,14 +401,7 @@ async fn the_default_user_applies_to_claimed_and_cold_sandboxes() {
         c.create_sandbox(&bad).await.unwrap_err().status(),
         Some(400)
     );
-    assert_eq!(
-        c.list_sandboxes(None, &[], None, None)
-            .await
-            .unwrap()
-            .items
-            .len(),
-        2
-    );
+    assert_eq!(sandboxes(&c).await.len(), 2);
     d.shutdown().await;
 }
 

@@ -1094,16 +1094,7 @@ async fn h2c_reaches_ports_envd_and_the_api() {
     start_servers(&c, &id).await;
 
     // HTTP/2 with prior knowledge on the daemon's one port.
-    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", d.port))
-        .await
-        .unwrap();
-    let (mut send, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(tcp),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let mut send = sandpit_tests::h2_connect(d.port).await;
     // A port by host name (HTTP/2 carries it as the authority).
     let req = http::Request::get(format!(
         "http://{}/index.html",

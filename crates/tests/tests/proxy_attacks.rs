@@ -457,16 +457,7 @@ async fn no_request_form_reaches_a_secure_envd_without_its_token() {
         assert_eq!(raw_status(&d, &req).await, 404, "{target}");
     }
     // HTTP/2: the authority decides, not a Host header beside it.
-    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", d.port))
-        .await
-        .unwrap();
-    let (mut send, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(tcp),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let mut send = sandpit_tests::h2_connect(d.port).await;
     // (envd refuses without the token; the API has no such route)
     for (authority, host_header, want) in [
         (envd_host.clone(), api.clone(), 401),

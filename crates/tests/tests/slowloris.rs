@@ -5,8 +5,10 @@
 //! timeout while silent requests and streams on other connections run on past it.
 
 use base64::Engine;
-use sandpit_api::{CommandEvent, CreateSandboxRequest, RunCommandRequest};
-use sandpit_tests::{Daemon, connect_envelope, connect_from, http_from, open_fds, port_host, sh};
+use sandpit_api::{CommandEvent, CreateSandboxRequest};
+use sandpit_tests::{
+    Daemon, bash, connect_envelope, connect_from, http_from, open_fds, port_host, sh,
+};
 use std::future::Future;
 use std::net::Ipv4Addr;
 use std::pin::pin;
@@ -264,10 +266,7 @@ async fn idle_connections_close_while_silent_streams_run_on() {
     let token = sb.envd_access_token.clone().unwrap();
     // Silent for longer than the idle timeout (and the header timeout), then one line.
     let script = format!("sleep {}; echo done", IDLE_SECS + 4);
-    let cmd = RunCommandRequest {
-        argv: vec!["bash".into(), "-c".into(), script.clone()],
-        ..Default::default()
-    };
+    let cmd = bash(&script);
 
     // A request whose answer comes only at the end.
     let run = {

@@ -9,8 +9,8 @@ use sandpit_api::{
     TemplateSourceSpec,
 };
 use sandpit_tests::{
-    Daemon, build_ready, dir_build, error_status, rootfs_with_programs, sandpit_bin, temp_dir,
-    wait_built,
+    Daemon, build_ready, command, dir_build, error_status, rootfs_with_programs, sandboxes,
+    sandpit_bin, temp_dir, template_build, wait_built,
 };
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -129,13 +129,7 @@ async fn a_directory_build_copies_without_following_symlinks() {
         "{inside:?}"
     );
     let r = c
-        .run(
-            &sb.id,
-            &RunCommandRequest {
-                argv: vec!["/usr/bin/sandpit".into(), "--version".into()],
-                ..Default::default()
-            },
-        )
+        .run(&sb.id, &command(&["/usr/bin/sandpit", "--version"]))
         .await
         .unwrap();
     assert_eq!(r.exit_code, 0, "{r:?}");
@@ -340,15 +334,8 @@ async fn a_failing_readiness_check_fails_the_create_and_leaves_nothing() {
     assert!(msg.contains("exit code 3"), "{msg}");
     assert!(msg.contains("still starting"), "{msg}");
     // Nothing is left: no record, no directory, no mount.
-    assert!(
-        c.list_sandboxes(None, &[], None, None)
-            .await
-            .unwrap()
-            .items
-            .is_empty()
-    );
-    let sandboxes = d.data.path().join("sandboxes");
-    let dirs: Vec<_> = std::fs::read_dir(&sandboxes)
+    assert!(sandboxes(&c).await.is_empty());
+    let dirs: Vec<_> = std::fs::read_dir(d.data.path().join("sandboxes"))
         .map(|rd| rd.flatten().map(|e| e.path()).collect())
         .unwrap_or_default();
     assert!(dirs.is_empty(), "{dirs:?}");
@@ -366,13 +353,7 @@ async fn a_failing_readiness_check_fails_the_create_and_leaves_nothing() {
     let e = c.create_sandbox(&from("noshell")).await.unwrap_err();
     assert_eq!(e.status(), Some(422), "{e}");
     assert!(e.to_string().contains("start command"), "{e}");
-    assert!(
-        c.list_sandboxes(None, &[], None, None)
-            .await
-            .unwrap()
-            .items
-            .is_empty()
-    );
+    assert!(sandboxes(&c).await.is_empty());
     d.shutdown().await;
 }
 
@@ -626,19 +607,13 @@ async fn debootstrap_builds_a_debian_template_and_a_cancelled_build_leaves_nothi
     let mirror = apt_mirror().expect("a Debian mirror in /etc/apt/sources.list(.d)");
     let d = Daemon::start().await;
     let c = d.client();
-    let deb = |name: &str| BuildTemplateRequest {
-        name: name.into(),
-        source: TemplateSourceSpec::Debootstrap {
+    let deb = |name: &str| {
+        let source = TemplateSourceSpec::Debootstrap {
             suite: "bookworm".into(),
             packages: vec![],
             mirror: Some(mirror.clone()),
-        },
-        default_user: None,
-        workdir: None,
-        env: Default::default(),
-        start_cmd: None,
-        ready_cmd: None,
-        ready_timeout_secs: None,
+        };
+        template_build(name, source)
     };
     // A build removed while it runs is cancelled: debootstrap stops, its directory goes.
     let first = c.build_template(&deb("cancelled")).await.unwrap();
@@ -675,13 +650,7 @@ async fn debootstrap_builds_a_debian_template_and_a_cancelled_build_leaves_nothi
     assert!(t.size_bytes > 100 << 20, "{t:?}");
     let sb = c.create_sandbox(&from("bookworm")).await.unwrap();
     let r = c
-        .run(
-            &sb.id,
-            &RunCommandRequest {
-                argv: vec!["cat".into(), "/etc/debian_version".into()],
-                ..Default::default()
-            },
-        )
+        .run(&sb.id, &command(&["cat", "/etc/debian_version"]))
         .await
         .unwrap();
     assert_eq!(r.exit_code, 0, "{r:?}");
@@ -772,12 +741,8 @@ fn oci_layout(dir: &Path, layers: &[Vec<u8>], config: serde_json::Value) {
 }
 
 fn oci_build(name: &str, path: &Path) -> BuildTemplateRequest {
-    BuildTemplateRequest {
-        source: TemplateSourceSpec::Oci {
-            path: path.to_str().unwrap().into(),
-        },
-        ..dir_build(name, path)
-    }
+    let path = path.to_str().unwrap().into();
+    template_build(name, TemplateSourceSpec::Oci { path })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

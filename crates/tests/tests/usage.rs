@@ -4,18 +4,11 @@
 use sandpit_api::usage::Execution;
 use sandpit_api::{CommandEvent, LimitsSpec, RunCommandRequest};
 use sandpit_client::Client;
-use sandpit_tests::{Daemon, sh};
+use sandpit_tests::{Daemon, command, sh};
 use std::time::Duration;
 
 /// 300,000 iterations of a shell loop: a few hundred milliseconds of CPU.
 const SPIN: &str = "i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done";
-
-fn cmd(argv: &[&str]) -> RunCommandRequest {
-    RunCommandRequest {
-        argv: argv.iter().map(|s| s.to_string()).collect(),
-        ..Default::default()
-    }
-}
 
 /// The newest `n` execution records of a sandbox, once that many have ended (records are
 /// written in the background after a command ends).
@@ -126,7 +119,7 @@ async fn execution_records_count_cpu_memory_and_every_output_byte() {
     // Its own work is small; most of the CPU is a background child, killed (not waited
     // for) and collected by the agent as an orphan of the command's session.
     let script = "head -c 3000000 /dev/zero | wc -c; yes > /dev/null & sleep 0.3; kill %1";
-    let out = c.run(&id, &cmd(&["bash", "-c", script])).await.unwrap();
+    let out = c.run(&id, &command(&["bash", "-c", script])).await.unwrap();
     assert_eq!((out.exit_code, out.stdout.as_str()), (0, "3000000\n"));
     let e = &ended_executions(&c, &id, 1).await[0];
     assert_eq!(e.sandbox_id, id);
@@ -163,7 +156,7 @@ async fn execution_records_count_cpu_memory_and_every_output_byte() {
     assert_eq!(v["processes"], 2, "{v}");
     assert_eq!((v["cpu_time_us"].as_u64().unwrap() + 500) / 1000, cpu);
     // A fixed amount of work in the command's own shell is counted in full.
-    let spin = c.run(&id, &cmd(&["sh", "-c", SPIN])).await;
+    let spin = c.run(&id, &command(&["sh", "-c", SPIN])).await;
     assert_eq!(spin.unwrap().exit_code, 0);
     let spun = &ended_executions(&c, &id, 2).await[0];
     assert!(spun.resources.cpu_time_ms.unwrap() >= 20, "{spun:?}");
@@ -172,7 +165,7 @@ async fn execution_records_count_cpu_memory_and_every_output_byte() {
     let s = c
         .stream_command(
             &id,
-            &cmd(&["sh", "-c", "printf abc; printf de >&2; exit 3"]),
+            &command(&["sh", "-c", "printf abc; printf de >&2; exit 3"]),
         )
         .await
         .unwrap();
@@ -184,14 +177,14 @@ async fn execution_records_count_cpu_memory_and_every_output_byte() {
     // Every byte is counted, also beyond what the response returns.
     let big = RunCommandRequest {
         max_output_bytes: Some(1000),
-        ..cmd(&["head", "-c", "2000000", "/dev/zero"])
+        ..command(&["head", "-c", "2000000", "/dev/zero"])
     };
     let out = c.run(&id, &big).await.unwrap();
     assert!(out.truncated);
     // A command killed by its timeout.
     let slow = RunCommandRequest {
         timeout_ms: Some(300),
-        ..cmd(&["sleep", "30"])
+        ..command(&["sleep", "30"])
     };
     let out = c.run(&id, &slow).await.unwrap();
     assert!(out.timed_out);
@@ -209,7 +202,10 @@ async fn execution_records_count_cpu_memory_and_every_output_byte() {
     assert_eq!(sleep.output.exit_code, Some(137));
 
     // A background command is recorded when it starts.
-    let bg = c.run_background(&id, &cmd(&["sleep", "1"])).await.unwrap();
+    let bg = c
+        .run_background(&id, &command(&["sleep", "1"]))
+        .await
+        .unwrap();
     let mut found = None;
     for _ in 0..100 {
         let list = c.executions(&id, None, None).await.unwrap();
@@ -316,7 +312,7 @@ async fn the_agents_usage_route_does_not_change_the_e2b_protocol() {
     let id = d.sandbox(LimitsSpec::default()).await;
     // Commands through the stream report the same events as before: start, output, end.
     let mut s = c
-        .stream_command(&id, &cmd(&["sh", "-c", "echo hi"]))
+        .stream_command(&id, &command(&["sh", "-c", "echo hi"]))
         .await
         .unwrap();
     let mut kinds = Vec::new();
@@ -330,7 +326,7 @@ async fn the_agents_usage_route_does_not_change_the_e2b_protocol() {
     }
     assert_eq!(kinds, ["start", "stdout", "end"]);
     // The usage is a route of its own on the agent, for pids of commands only.
-    let out = c.run(&id, &cmd(&["true"])).await.unwrap();
+    let out = c.run(&id, &command(&["true"])).await.unwrap();
     let http = sandpit_tests::http();
     let get = |pid: u32| {
         http.get(format!(
@@ -354,7 +350,7 @@ async fn the_cli_shows_usage_and_executions() {
     let d = Daemon::start().await;
     let c = d.client();
     let id = d.sandbox(LimitsSpec::default()).await;
-    c.run(&id, &cmd(&["sh", "-c", "printf hello"]))
+    c.run(&id, &command(&["sh", "-c", "printf hello"]))
         .await
         .unwrap();
     ended_executions(&c, &id, 1).await;

@@ -4,7 +4,7 @@
 
 use sandpit_api::{CreateSandboxRequest, PoolSpec, VolumeMountSpec};
 use sandpit_client::Client;
-use sandpit_tests::{Daemon, sandpit_bin, sh, sh_root, wait_no_leftovers};
+use sandpit_tests::{Daemon, sandboxes, sandpit_bin, sh, sh_root, wait_no_leftovers};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -339,13 +339,7 @@ async fn volume_requests_are_checked_and_owner_scoped() {
         .unwrap_err();
     assert_eq!(e.status(), Some(404), "{e}");
     assert!(e.to_string().contains("volume mine not found"), "{e}");
-    assert!(
-        m.list_sandboxes(None, &[], None, None)
-            .await
-            .unwrap()
-            .items
-            .is_empty()
-    );
+    assert!(sandboxes(&m).await.is_empty());
     m.create_volume("mine", 16 * MIB).await.unwrap();
     m.delete_volume("mine").await.unwrap();
     assert_eq!(c.get_volume("mine").await.unwrap().state, "ready");
@@ -404,13 +398,7 @@ async fn hostile_mount_paths_are_refused_and_leave_nothing() {
     assert_eq!(e.status(), Some(404), "{e}");
     assert!(e.to_string().contains("volume nope not found"), "{e}");
     // No half-made sandbox, and the volume is free.
-    assert!(
-        c.list_sandboxes(None, &[], None, None)
-            .await
-            .unwrap()
-            .items
-            .is_empty()
-    );
+    assert!(sandboxes(&c).await.is_empty());
     for _ in 0..200 {
         if std::fs::read_dir(d.data.path().join("sandboxes"))
             .unwrap()
