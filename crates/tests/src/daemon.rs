@@ -258,6 +258,15 @@ impl Daemon {
         Client::new(&self.url, Some(self.owner_key(owner).await)).expect("client")
     }
 
+    /// The host pid of sandbox `id`'s agent, from the store.
+    pub async fn agent_pid(&self, id: &str) -> i32 {
+        let db = self.store().await;
+        let rec = db.get_sandbox(id).await.expect("read the store");
+        db.close().await;
+        let rec = rec.expect("the sandbox's record");
+        rec.runtime_state["pid"].as_i64().expect("an agent pid") as i32
+    }
+
     /// Runs the `sandpit` CLI against this daemon: (success, stdout, stderr).
     pub fn cli(&self, args: &[&str]) -> (bool, String, String) {
         let out = Command::new(sandpit_bin())
@@ -287,10 +296,16 @@ impl Daemon {
             .id
     }
 
+    /// Deletes every pool, and every owner's sandboxes and volumes (what dropping the
+    /// daemon does before it stops it).
+    pub async fn remove_everything(&self) {
+        self.remover().run().await;
+    }
+
     /// Deletes every pool, and every owner's sandboxes and volumes, then stops the daemon.
     pub async fn shutdown(mut self) {
         if self.running() {
-            self.remover().run().await;
+            self.remove_everything().await;
         }
         self.stop();
     }

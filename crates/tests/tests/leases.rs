@@ -22,18 +22,10 @@ async fn lease_sandboxes(c: &Client, user: &str) -> Vec<sandpit_api::Sandbox> {
         .items
 }
 
-/// The agent's host pid of a sandbox, from the daemon's store.
-async fn agent_pid(d: &Daemon, id: &str) -> i32 {
-    let db = d.store().await;
-    let rec = db.get_sandbox(id).await.unwrap().unwrap();
-    db.close().await;
-    rec.runtime_state["pid"].as_i64().unwrap() as i32
-}
-
 /// Kills a sandbox from outside (as the OOM killer would) and waits until the daemon has
 /// noticed (its liveness sweep runs every second).
 async fn kill_sandbox(d: &Daemon, id: &str) {
-    let pid = agent_pid(d, id).await;
+    let pid = d.agent_pid(id).await;
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(pid),
         nix::sys::signal::Signal::SIGKILL,
