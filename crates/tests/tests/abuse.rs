@@ -7,17 +7,19 @@
 
 use bytes::Bytes;
 use http_body_util::Empty;
+use sandpit_api::CreateSandboxRequest;
 use sandpit_api::network::{NetworkMode, NetworkPolicy};
-use sandpit_api::{CreateSandboxRequest, LimitsSpec};
 use sandpit_client::Client;
 use sandpit_tests::netfix::Upstream;
-use sandpit_tests::{Daemon, DeleteOnDrop, sh};
-use std::net::{Ipv4Addr, SocketAddr};
+use sandpit_tests::{
+    Daemon, FdSampler, command, connect_from, dns_lookup, memory_limit, open_fds, port_host, sh,
+    small, small_request,
+};
+use std::net::Ipv4Addr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio::io::AsyncWriteExt;
-use tokio::net::TcpStream;
 
 /// A server for a sandbox's loopback: accepts every connection on port 8000 and holds it
 /// without ever answering.
@@ -32,91 +34,14 @@ while True:
     held.append(s.accept()[0])
 "#;
 
-fn open_fds(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|d| d.count())
-        .unwrap_or(0)
-}
-
-/// Samples a process's open descriptors every 10 ms until dropped; `max()` is the most seen.
-struct FdSampler {
-    stop: Arc<AtomicBool>,
-    max: Arc<AtomicUsize>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl FdSampler {
-    fn start(pid: u32) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let max = Arc::new(AtomicUsize::new(open_fds(pid)));
-        let thread = {
-            let (stop, max) = (stop.clone(), max.clone());
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    max.fetch_max(open_fds(pid), Ordering::Relaxed);
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-            })
-        };
-        FdSampler {
-            stop,
-            max,
-            thread: Some(thread),
-        }
-    }
-
-    fn max(&self) -> usize {
-        self.max.load(Ordering::Relaxed)
-    }
-}
-
-impl Drop for FdSampler {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-fn small() -> LimitsSpec {
-    LimitsSpec {
-        memory_bytes: Some(256 << 20),
-        ..Default::default()
-    }
-}
-
-fn config_file(text: &str) -> (tempfile::TempDir, String) {
-    let dir = tempfile::Builder::new()
-        .prefix("sandpit-test-abuse-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    let path = dir.path().join("config.toml");
-    std::fs::write(&path, text).unwrap();
-    let path = path.to_str().unwrap().to_string();
-    (dir, path)
-}
-
-/// A second owner and their client.
-async fn bob(d: &Daemon) -> Client {
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
-    let (_, key) = db.create_api_key("bob", "test").await.unwrap();
-    Client::new(&d.url, Some(key)).unwrap()
-}
-
+/// A small sandbox, its ports public if `public`, with egress policy `network`; its id.
 async fn create(c: &Client, public: bool, network: Option<NetworkPolicy>) -> String {
-    c.create_sandbox(&CreateSandboxRequest {
-        limits: small(),
-        timeout: Some(600),
+    let req = CreateSandboxRequest {
         public: public.then_some(true),
         network,
-        ..Default::default()
-    })
-    .await
-    .expect("create sandbox")
-    .id
+        ..small_request()
+    };
+    sandpit_tests::create(c, req).await.id
 }
 
 /// Starts [`HOLD`] in the background in sandbox `id` and waits until it listens.
@@ -133,18 +58,6 @@ async fn start_holder(c: &Client, id: &str) {
     assert_eq!(r.stdout, "listening\n", "{r:?}");
 }
 
-/// The host name of port 8000 of sandbox `id` on daemon `d`.
-fn port_host(d: &Daemon, id: &str) -> String {
-    format!("8000-{id}.sandpit.localhost:{}", d.port)
-}
-
-async fn connect_from(port: u16, from: Ipv4Addr) -> std::io::Result<TcpStream> {
-    let s = tokio::net::TcpSocket::new_v4()?;
-    s.bind(SocketAddr::new(from.into(), 0))?;
-    s.connect(SocketAddr::new(Ipv4Addr::LOCALHOST.into(), port))
-        .await
-}
-
 /// Both sandboxes still run and answer, and the API with them.
 async fn still_working(c: &Client, id: &str) {
     let s = c.get_sandbox(id).await.expect("the API answers");
@@ -159,16 +72,17 @@ const STREAMS: usize = 200;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http2_streams_to_a_silent_port_count_against_the_connection_caps() {
     // Long timeouts: only the caps may bound anything here.
-    let (_cfg, path) = config_file(&format!(
-        "[http]\nmax_connections_per_ip = {PER_IP}\nmax_connections = 64\n\
+    let d = Daemon::builder()
+        .config_file(&format!(
+            "[http]\nmax_connections_per_ip = {PER_IP}\nmax_connections = 64\n\
          header_read_timeout_secs = 60\nidle_timeout_secs = 60\n"
-    ));
-    let d = Daemon::start_with(&["--config", &path]).await;
-    let pid = d.child.as_ref().unwrap().id();
+        ))
+        .start()
+        .await;
+    let pid = d.pid();
     let c = d.client();
-    let bob = bob(&d).await;
+    let bob = d.owner("bob").await;
     let other = create(&bob, false, None).await;
-    let bobs = DeleteOnDrop(bob.clone(), other.clone());
     let target = create(&c, true, None).await;
     start_holder(&c, &target).await;
     let baseline = open_fds(pid);
@@ -176,7 +90,7 @@ async fn http2_streams_to_a_silent_port_count_against_the_connection_caps() {
 
     // From 127.0.0.2: a few HTTP/2 connections, each with as many requests at once as
     // the daemon allows (it advertises 200), to a public sandbox port that never answers.
-    let host = port_host(&d, &target);
+    let host = port_host(&d, 8000, &target);
     let mut conns = Vec::new();
     let mut streams = Vec::new();
     for _ in 0..H2_CONNS {
@@ -260,7 +174,6 @@ async fn http2_streams_to_a_silent_port_count_against_the_connection_caps() {
     );
     still_working(&c, &target).await;
     still_working(&bob, &other).await;
-    drop(bobs);
     d.shutdown().await;
 }
 
@@ -271,18 +184,20 @@ async fn silent_proxied_requests_under_the_default_caps_leave_descriptors_to_spa
     // second descriptor (its connection into the sandbox).
     const LIMIT: u64 = 1024;
     const PER_ADDR: usize = 250;
-    let d = Daemon::start_with_fd_limit(LIMIT, &[]).await;
-    let pid = d.child.as_ref().unwrap().id();
+    let d = Daemon::builder().fd_limit(LIMIT).start().await;
+    let pid = d.pid();
     let c = d.client();
-    let bob = bob(&d).await;
+    let bob = d.owner("bob").await;
     let other = create(&bob, false, None).await;
-    let bobs = DeleteOnDrop(bob.clone(), other.clone());
     let target = create(&c, true, None).await;
     start_holder(&c, &target).await;
     let baseline = open_fds(pid);
     let sampler = FdSampler::start(pid);
 
-    let head = format!("GET / HTTP/1.1\r\nHost: {}\r\n\r\n", port_host(&d, &target));
+    let head = format!(
+        "GET / HTTP/1.1\r\nHost: {}\r\n\r\n",
+        port_host(&d, 8000, &target)
+    );
     let mut held = Vec::new();
     for a in 2..5u8 {
         for i in 0..PER_ADDR {
@@ -316,7 +231,6 @@ async fn silent_proxied_requests_under_the_default_caps_leave_descriptors_to_spa
     }
     still_working(&c, &target).await;
     still_working(&bob, &other).await;
-    drop(bobs);
     d.shutdown().await;
 }
 
@@ -372,11 +286,14 @@ async fn egress_connections_of_many_sandboxes_leave_the_daemon_descriptors() {
     const HOLD_SECS: u64 = 15;
     let up = Upstream::start(&[]);
     let _holder = UpstreamHolder::start(&up);
-    let (_cfg, path) = config_file(&up.config(""));
-    let d = Daemon::start_with_fd_limit(LIMIT, &["--config", &path]).await;
-    let pid = d.child.as_ref().unwrap().id();
+    let d = Daemon::builder()
+        .config_file(&up.config(""))
+        .fd_limit(LIMIT)
+        .start()
+        .await;
+    let pid = d.pid();
     let c = d.client();
-    let bob = bob(&d).await;
+    let bob = d.owner("bob").await;
     let open = || {
         Some(NetworkPolicy {
             mode: NetworkMode::Open,
@@ -384,7 +301,6 @@ async fn egress_connections_of_many_sandboxes_leave_the_daemon_descriptors() {
         })
     };
     let other = create(&bob, false, open()).await;
-    let bobs = DeleteOnDrop(bob.clone(), other.clone());
     let mut flooders = Vec::new();
     for _ in 0..FLOODERS {
         flooders.push(create(&c, false, open()).await);
@@ -422,13 +338,7 @@ async fn egress_connections_of_many_sandboxes_leave_the_daemon_descriptors() {
         // Lets the floods end early; on a starved daemon this fails, and they end in time.
         let _ = tokio::time::timeout(
             Duration::from_secs(2),
-            c.run(
-                id,
-                &sandpit_api::RunCommandRequest {
-                    argv: vec!["touch".into(), "/tmp/release".into()],
-                    ..Default::default()
-                },
-            ),
+            c.run(id, &command(&["touch", "/tmp/release"])),
         )
         .await;
     }
@@ -452,7 +362,6 @@ async fn egress_connections_of_many_sandboxes_leave_the_daemon_descriptors() {
         "sandboxes held {max} of the daemon's {LIMIT} descriptors"
     );
     still_working(&bob, &other).await;
-    drop(bobs);
     d.shutdown().await;
 }
 
@@ -479,16 +388,6 @@ print(sent)
 
 /// A question for `name` to the sandbox's resolver, asked up to `tries` times (2 s each):
 /// "rcode R answers N", or the last error.
-async fn lookup(c: &Client, id: &str, name: &str, tries: u32) -> String {
-    let script = format!(
-        "import socket,struct\nq=struct.pack('!HHHHHH',0x4242,0x0100,1,0,0,0)+b''.join(bytes([len(l)])+l.encode() for l in '{name}'.split('.'))+b'\\0'+struct.pack('!HH',1,1)\ngw=[l.split()[1] for l in open('/etc/resolv.conf') if l.startswith('nameserver')][0]\nout='ERR none'\nfor _ in range({tries}):\n s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n s.settimeout(2)\n try:\n  s.sendto(q,(gw,53))\n  r=s.recv(4096)\n  out='rcode %d answers %d'%(r[3]&15,struct.unpack('!H',r[6:8])[0])\n  break\n except Exception as e:\n  out='ERR %s'%e\nprint(out)\n"
-    );
-    sh(c, id, &format!("python3 -c \"{script}\""))
-        .await
-        .stdout
-        .trim()
-        .to_string()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dns_floods_of_many_sandboxes_leave_another_owner_resolving() {
@@ -499,10 +398,9 @@ async fn dns_floods_of_many_sandboxes_leave_another_owner_resolving() {
     const RATE: u32 = 150;
     const FLOOD_SECS: u64 = 14;
     let up = Upstream::start(&[("legit.test", "@2")]);
-    let (_cfg, path) = config_file(&up.config(""));
-    let d = Daemon::start_with(&["--config", &path]).await;
+    let d = Daemon::builder().config_file(&up.config("")).start().await;
     let c = d.client();
-    let bob = bob(&d).await;
+    let bob = d.owner("bob").await;
     let open = || {
         Some(NetworkPolicy {
             mode: NetworkMode::Open,
@@ -510,16 +408,15 @@ async fn dns_floods_of_many_sandboxes_leave_another_owner_resolving() {
         })
     };
     let other = create(&bob, false, open()).await;
-    let bobs = DeleteOnDrop(bob.clone(), other.clone());
     assert_eq!(
-        lookup(&bob, &other, "legit.test", 3).await,
+        dns_lookup(&bob, &other, "legit.test", 3).await,
         "rcode 0 answers 1"
     );
     let mut flooders = Vec::new();
     for _ in 0..FLOODERS {
         flooders.push(create(&c, false, open()).await);
     }
-    let pid = d.child.as_ref().unwrap().id();
+    let pid = d.pid();
     let baseline = open_fds(pid);
     let sampler = FdSampler::start(pid);
     let mut floods = Vec::new();
@@ -542,7 +439,7 @@ async fn dns_floods_of_many_sandboxes_leave_another_owner_resolving() {
     tokio::time::sleep(Duration::from_secs(3)).await;
     let mut answers = Vec::new();
     for _ in 0..2 {
-        answers.push(lookup(&bob, &other, "legit.test", 2).await);
+        answers.push(dns_lookup(&bob, &other, "legit.test", 2).await);
     }
     let running = floods.iter().filter(|f| !f.is_finished()).count();
     let mut sent = Vec::new();
@@ -562,7 +459,6 @@ async fn dns_floods_of_many_sandboxes_leave_another_owner_resolving() {
             "the other owner's lookups: {answers:?}"
         );
     }
-    drop(bobs);
     d.shutdown().await;
 }
 
@@ -572,12 +468,14 @@ async fn one_owners_audit_flood_prunes_only_its_own_rows() {
     // policy refuses: each adds its 600 DNS rows of the minute, more than the cap in all.
     const MAX_ROWS: u64 = 2000;
     const FLOODERS: usize = 4;
-    let (_cfg, path) = config_file(&format!(
-        "[network]\nenabled = true\npool_size = 2\naudit_max_rows = {MAX_ROWS}\n"
-    ));
-    let d = Daemon::start_with(&["--config", &path]).await;
+    let d = Daemon::builder()
+        .config_file(&format!(
+            "[network]\nenabled = true\npool_size = 2\naudit_max_rows = {MAX_ROWS}\n"
+        ))
+        .start()
+        .await;
     let c = d.client();
-    let bob = bob(&d).await;
+    let bob = d.owner("bob").await;
     let allowlist = || {
         Some(NetworkPolicy {
             mode: NetworkMode::Allowlist,
@@ -585,10 +483,9 @@ async fn one_owners_audit_flood_prunes_only_its_own_rows() {
         })
     };
     let other = create(&bob, false, allowlist()).await;
-    let bobs = DeleteOnDrop(bob.clone(), other.clone());
     // The other owner's one entry, made before the flood.
     assert_eq!(
-        lookup(&bob, &other, "bob-marker.test", 1).await,
+        dns_lookup(&bob, &other, "bob-marker.test", 1).await,
         "rcode 3 answers 0"
     );
     let marker = || async {
@@ -632,9 +529,7 @@ async fn one_owners_audit_flood_prunes_only_its_own_rows() {
         f.await.unwrap();
     }
     // The writer prunes once the rows pass the cap.
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
+    let db = d.store().await;
     let (mut rows, mut made) = (0, 0);
     for _ in 0..100 {
         rows = db.count_audit().await.unwrap();
@@ -654,7 +549,6 @@ async fn one_owners_audit_flood_prunes_only_its_own_rows() {
         "the audit was not pruned: {made} rows made, {rows} kept"
     );
     assert!(kept, "one owner's flood pruned another owner's audit entry");
-    drop(bobs);
     d.shutdown().await;
 }
 
@@ -666,7 +560,7 @@ async fn bursts_of_requests_leave_no_agent_connections_behind() {
     const SANDBOXES: usize = 4;
     const CONCURRENT: usize = 200;
     let d = Daemon::start().await;
-    let pid = d.child.as_ref().unwrap().id();
+    let pid = d.pid();
     let c = d.client();
     let mut ids = Vec::new();
     for _ in 0..SANDBOXES {
@@ -684,10 +578,7 @@ async fn bursts_of_requests_leave_no_agent_connections_behind() {
         for _ in 0..CONCURRENT {
             let (c, id) = (c.clone(), id.clone());
             round.push(tokio::spawn(async move {
-                let req = sandpit_api::RunCommandRequest {
-                    argv: vec!["sleep".into(), "1".into()],
-                    ..Default::default()
-                };
+                let req = command(&["sleep", "1"]);
                 c.run(&id, &req).await.is_ok()
             }));
         }
@@ -730,7 +621,7 @@ async fn huge_unfinished_heads_cost_the_daemon_little_memory() {
     const CONNS: usize = 500;
     const HEAD: usize = 400_000;
     let d = Daemon::start().await;
-    let pid = d.child.as_ref().unwrap().id();
+    let pid = d.pid();
     let before = rss_kib(pid);
     let line = format!("X-Pad: {}\r\n", "a".repeat(4000));
     let mut head = String::from("GET /v1/health HTTP/1.1\r\nHost: localhost\r\n");
@@ -788,14 +679,9 @@ async fn huge_unfinished_heads_cost_the_daemon_little_memory() {
 async fn a_commands_buffered_output_is_bounded() {
     // One owner's one run: 64 MiB of bytes that are not UTF-8 on stdout and on stderr.
     let d = Daemon::start().await;
-    let pid = d.child.as_ref().unwrap().id();
+    let pid = d.pid();
     let c = d.client();
-    let id = d
-        .sandbox(LimitsSpec {
-            memory_bytes: Some(1 << 30),
-            ..Default::default()
-        })
-        .await;
+    let id = d.sandbox(memory_limit(1024)).await;
     let before = rss_kib(pid);
     let stop = Arc::new(AtomicBool::new(false));
     let peak = Arc::new(AtomicUsize::new(0));

@@ -212,7 +212,7 @@ async fn client_streamed_stdin_pty_resize_watchdir_and_multipart() {
         "file",
         reqwest::multipart::Part::bytes(b"multi\x00part".to_vec()).file_name("m.bin"),
     );
-    let r = reqwest::Client::new()
+    let r = sandpit_tests::http()
         .post(format!(
             "{}/v1/sandboxes/{id}/agent/files?path=/home/user/m.bin",
             d.url

@@ -3,7 +3,7 @@
 //! custom root filesystem templates and the CLI.
 
 use sandpit_api::{CommandEvent, CreateSandboxRequest, LimitsSpec, PtySize, RunCommandRequest};
-use sandpit_tests::{Daemon, sandpit_bin, sh};
+use sandpit_tests::{Daemon, bash, command, sandboxes, sandpit_bin, sh};
 use std::time::Duration;
 
 async fn connect_call(
@@ -12,7 +12,7 @@ async fn connect_call(
     method: &str,
     body: serde_json::Value,
 ) -> (u16, serde_json::Value) {
-    let r = reqwest::Client::new()
+    let r = sandpit_tests::http()
         .post(format!("{}/v1/sandboxes/{id}/agent/{method}", d.url))
         .header("authorization", format!("Bearer {}", d.key))
         .header("content-type", "application/json")
@@ -126,27 +126,17 @@ async fn websocket_streams_take_stdin_signals_and_a_pty() {
     let d = Daemon::start().await;
     let c = d.client();
     let id = d.sandbox(LimitsSpec::default()).await;
-    let mut s = c
-        .stream_command(
-            &id,
-            &RunCommandRequest {
-                argv: vec!["cat".into()],
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap();
+    let mut s = c.stream_command(&id, &command(&["cat"])).await.unwrap();
     s.write_stdin(b"piped through\n").await.unwrap();
     s.close_stdin().await.unwrap();
     let (out, _, code) = s.collect().await.unwrap();
     assert_eq!((out.as_slice(), code), (&b"piped through\n"[..], 0));
     let req = RunCommandRequest {
-        argv: vec!["bash".into(), "-c".into(), "stty size; tty".into()],
         pty: Some(PtySize {
             cols: 100,
             rows: 30,
         }),
-        ..Default::default()
+        ..bash("stty size; tty")
     };
     let mut s = c.stream_command(&id, &req).await.unwrap();
     let mut text = Vec::new();
@@ -167,13 +157,7 @@ async fn websocket_streams_take_stdin_signals_and_a_pty() {
         "{text}"
     );
     let mut s = c
-        .stream_command(
-            &id,
-            &RunCommandRequest {
-                argv: vec!["sleep".into(), "60".into()],
-                ..Default::default()
-            },
-        )
+        .stream_command(&id, &command(&["sleep", "60"]))
         .await
         .unwrap();
     s.signal("SIGKILL").await.unwrap();
@@ -184,13 +168,7 @@ async fn websocket_streams_take_stdin_signals_and_a_pty() {
     assert_eq!(code, 137);
     // a command that cannot start is reported on the stream, not as a silent close
     let mut s = c
-        .stream_command(
-            &id,
-            &RunCommandRequest {
-                argv: vec!["/does/not/exist".into()],
-                ..Default::default()
-            },
-        )
+        .stream_command(&id, &command(&["/does/not/exist"]))
         .await
         .unwrap();
     let ev = tokio::time::timeout(Duration::from_secs(10), s.next_event())
@@ -284,18 +262,12 @@ async fn custom_rootfs_templates_run_their_own_binaries() {
     let d = Daemon::start().await;
     let c = d.client();
     // A root filesystem with one static program in it: the sandpit binary itself.
-    let rootfs = tempfile::Builder::new()
-        .prefix("sandpit-rootfs-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
+    let rootfs = sandpit_tests::temp_dir("sandpit-rootfs-");
     std::fs::create_dir_all(rootfs.path().join("usr/bin")).unwrap();
     std::fs::copy(sandpit_bin(), rootfs.path().join("usr/bin/sandpit")).unwrap();
     // A hostile template: symlinks where sandpit sets things up, pointing at host paths,
     // and a device node.
-    let victim = tempfile::Builder::new()
-        .prefix("sandpit-victim-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
+    let victim = sandpit_tests::temp_dir("sandpit-victim-");
     for (name, target) in [
         ("tmp", "t"),
         ("etc", "e"),
@@ -344,13 +316,7 @@ async fn custom_rootfs_templates_run_their_own_binaries() {
         .await
         .unwrap();
     let r = c
-        .run(
-            &sb.id,
-            &RunCommandRequest {
-                argv: vec!["/usr/bin/sandpit".into(), "--version".into()],
-                ..Default::default()
-            },
-        )
+        .run(&sb.id, &command(&["/usr/bin/sandpit", "--version"]))
         .await
         .unwrap();
     assert_eq!(r.exit_code, 0, "{r:?}");
@@ -378,7 +344,7 @@ async fn custom_rootfs_templates_run_their_own_binaries() {
     };
     assert_eq!(c.run(&sb.id, &req).await.unwrap().exit_code, 0);
     // As root, replace the binary in place (the API writes through the agent, which is root).
-    let up = reqwest::Client::new()
+    let up = sandpit_tests::http()
         .put(format!(
             "{}/v1/sandboxes/{}/files?path=/usr/bin/sandpit&user=root",
             d.url, sb.id
@@ -458,12 +424,7 @@ async fn cli_run_prints_42_and_serve_refuses_unsafe_flags() {
         .unwrap();
     assert_eq!(out.status.code(), Some(9));
     assert!(
-        d.client()
-            .list_sandboxes(None, &[], None, None)
-            .await
-            .unwrap()
-            .items
-            .is_empty(),
+        sandboxes(&d.client()).await.is_empty(),
         "run must delete its sandbox"
     );
     let tmp = tempfile::tempdir().unwrap();
@@ -503,14 +464,7 @@ async fn pause_freezes_processes_and_resume_keeps_them() {
     let bg = c
         .run_background(
             &id,
-            &RunCommandRequest {
-                argv: vec![
-                    "bash".into(),
-                    "-c".into(),
-                    "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done".into(),
-                ],
-                ..Default::default()
-            },
+            &bash("i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done"),
         )
         .await
         .unwrap();
@@ -559,19 +513,14 @@ async fn pause_freezes_processes_and_resume_keeps_them() {
 }
 
 async fn sh_status(c: &sandpit_client::Client, id: &str) -> Option<u16> {
-    let req = RunCommandRequest {
-        argv: vec!["true".into()],
-        ..Default::default()
-    };
+    let req = command(&["true"]);
     c.run(id, &req).await.err().and_then(|e| e.status())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_key_stops_working_within_the_cache_time() {
     let d = Daemon::start().await;
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
+    let db = d.store().await;
     let (key, secret) = db.create_api_key("carol", "test").await.unwrap();
     let carol = sandpit_client::Client::new(&d.url, Some(secret)).unwrap();
     carol.list_sandboxes(None, &[], None, None).await.unwrap();

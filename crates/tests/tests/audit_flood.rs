@@ -4,11 +4,10 @@
 //! the README gives. The "internet" is a network namespace the test makes (see `netfix`);
 //! the flood goes only to the daemon's resolver on the sandbox's gateway and lasts 3 s.
 
-use sandpit_api::network::{NetworkMode, NetworkPolicy, NetworkRule, RuleAction, Verdict};
-use sandpit_api::{CreateSandboxRequest, LimitsSpec, NetworkAuditEntry};
+use sandpit_api::network::{NetworkMode, NetworkPolicy, Verdict};
 use sandpit_client::Client;
 use sandpit_tests::netfix::Upstream;
-use sandpit_tests::{Daemon, sh};
+use sandpit_tests::{Daemon, allow_domain, audit_entries, create_small, sh};
 use std::path::Path;
 use std::time::Duration;
 
@@ -22,76 +21,13 @@ const BYTES_PER_ROW: u64 = 1024;
 /// The README's allowance for SQLite's write-ahead log (checkpointed every 1000 pages).
 const WAL_BYTES: u64 = 4 << 20;
 
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
-}
-
+/// A small sandbox allowed to reach `allowed.test` only; its id.
 async fn create(c: &Client) -> String {
     let policy = NetworkPolicy {
         mode: NetworkMode::Allowlist,
-        rules: vec![NetworkRule {
-            action: RuleAction::Allow,
-            domain: Some("allowed.test".into()),
-            cidr: None,
-            ports: vec![],
-            overrides: false,
-            name: None,
-        }],
+        rules: vec![allow_domain("allowed.test")],
     };
-    c.create_sandbox(&CreateSandboxRequest {
-        limits: LimitsSpec {
-            memory_bytes: Some(256 << 20),
-            ..Default::default()
-        },
-        timeout: Some(600),
-        network: Some(policy),
-        ..Default::default()
-    })
-    .await
-    .expect("create sandbox")
-    .id
-}
-
-/// Every audit entry of `id` the client sees.
-async fn audit(c: &Client, id: &str) -> Vec<NetworkAuditEntry> {
-    let mut out = Vec::new();
-    let mut cursor: Option<String> = None;
-    loop {
-        let mut q = vec![("sandbox", id.to_string()), ("limit", "1000".into())];
-        if let Some(cur) = &cursor {
-            q.push(("cursor", cur.clone()));
-        }
-        let page = c.network_audit(&q).await.expect("audit");
-        out.extend(page.items);
-        match page.next_cursor {
-            Some(n) => cursor = Some(n),
-            None => return out,
-        }
-    }
-}
-
-/// Deletes a sandbox of another owner when dropped: the harness's cleanup removes only
-/// the admin's, and a failed assertion must not leave this one running.
-struct OtherOwners {
-    client: Client,
-    id: String,
-}
-
-impl Drop for OtherOwners {
-    fn drop(&mut self) {
-        let (c, id) = (self.client.clone(), self.id.clone());
-        // Drop cannot await: a runtime of its own, on a thread of its own.
-        let _ = std::thread::spawn(move || {
-            if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            {
-                let _ = rt.block_on(c.delete_sandbox(&id));
-            }
-        })
-        .join();
-    }
+    create_small(c, Some(policy)).await
 }
 
 fn db_bytes(dir: &Path) -> u64 {
@@ -135,31 +71,16 @@ fn flood_script(ip: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dns_flood_hides_no_connection_and_the_store_stays_bounded() {
     let up = Upstream::start(&[("allowed.test", "@2")]);
-    let data = tempfile::Builder::new()
-        .prefix("sandpit-test-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    std::fs::write(
-        data.path().join("config.toml"),
-        up.config(&format!(
+    let d = Daemon::builder()
+        .config(&up.config(&format!(
             "audit_rows_per_sandbox_per_minute = {ROWS_PER_MINUTE}"
-        )),
-    )
-    .unwrap();
-    let d = Daemon::start_in(data, free_port()).await;
+        )))
+        .start()
+        .await;
     let c = d.client();
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
-    let (_, other_key) = db.create_api_key("mallory", "test").await.unwrap();
-    db.close().await;
-    let other = Client::new(&d.url, Some(other_key)).unwrap();
+    let other = d.owner("mallory").await;
     let a = create(&c).await;
     let b = create(&other).await;
-    let b_guard = OtherOwners {
-        client: other.clone(),
-        id: b.clone(),
-    };
     // Both can reach the resolver and are refused elsewhere before the flood starts.
     let warm = sh(&c, &a, "getent hosts allowed.test >/dev/null; echo $?").await;
     assert_eq!(warm.stdout.trim(), "0", "{warm:?}");
@@ -194,14 +115,14 @@ async fn a_dns_flood_hides_no_connection_and_the_store_stays_bounded() {
     assert!(sent > 10 * ROWS_PER_MINUTE, "only {sent} questions sent");
 
     // Both refused connections are in the audit.
-    let a_rows = audit(&c, &a).await;
+    let a_rows = audit_entries(&c, &a).await;
     let mid = a_rows
         .iter()
         .find(|e| e.protocol == "tcp" && e.dest_ip.as_deref() == Some(up.ip(3).as_str()))
         .unwrap_or_else(|| panic!("A's connection mid-flood is not in the audit: {a_rows:#?}"));
     assert_eq!(mid.verdict, Verdict::Deny);
     assert_eq!(mid.http_host.as_deref(), Some("mid-flood.test"));
-    let b_rows = audit(&other, &b).await;
+    let b_rows = audit_entries(&other, &b).await;
     let e = b_rows
         .iter()
         .find(|e| e.protocol == "tcp" && e.dest_ip.as_deref() == Some(up.ip(4).as_str()))
@@ -254,6 +175,5 @@ async fn a_dns_flood_hides_no_connection_and_the_store_stays_bounded() {
         "the store grew by {grown} bytes for a {sent}-question flood, more than {bound}"
     );
 
-    drop(b_guard);
     d.shutdown().await;
 }

@@ -10,32 +10,41 @@ use sandpit_api::CreateSandboxRequest;
 use sandpit_api::secrets::{CreateSecretRequest, InjectSpec};
 use sandpit_client::Client;
 use sandpit_tests::netfix::Upstream;
-use sandpit_tests::{Daemon, sh, sh_root};
+use sandpit_tests::{
+    Daemon, build_ready, dir_build, http, rootfs_with_programs, sh, sh_root, small_request,
+    temp_dir,
+};
+use std::path::Path;
 
 const VALUE: &str = "ghp_E2eTopSecret_Value_5f3a9c";
 const KEY_HEX: &str = "4f1c2a9e8b7d6c5f4e3a2b1c0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f5a4b3c2d1e";
 
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
+/// Writes the broker's key `key` to a file in `dir` (mode 0600); its path.
+fn write_key(dir: &Path, key: &[u8]) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    let path = dir.join("broker.key");
+    std::fs::write(&path, key).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    path.display().to_string()
+}
+
+/// The config of a daemon for `up` (its DNS, its test CA trusted for upstreams, `network`
+/// added to the `[network]` section) whose broker's key is in the file `key`.
+fn upstream_config(up: &Upstream, network: &str, key: &str) -> String {
+    format!(
+        "{}[broker]\nkey_file = {key:?}\nextra_ca_file = {:?}\n",
+        up.config(network),
+        up.ca_file().display().to_string()
+    )
 }
 
 /// A daemon whose config gives the broker a key (in a file, mode 0600).
 async fn daemon_with_key() -> Daemon {
-    use std::os::unix::fs::PermissionsExt;
-    let data = tempfile::Builder::new()
-        .prefix("sandpit-test-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    let key = data.path().join("broker.key");
-    std::fs::write(&key, format!("{KEY_HEX}\n")).unwrap();
-    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
-    std::fs::write(
-        data.path().join("config.toml"),
-        format!("[broker]\nkey_file = {:?}\n", key.display().to_string()),
-    )
-    .unwrap();
-    Daemon::start_in(data, free_port()).await
+    let b = Daemon::builder();
+    let key = write_key(b.data_path(), format!("{KEY_HEX}\n").as_bytes());
+    b.config(&format!("[broker]\nkey_file = {key:?}\n"))
+        .start()
+        .await
 }
 
 fn secret(name: &str) -> CreateSecretRequest {
@@ -55,31 +64,17 @@ fn secret(name: &str) -> CreateSecretRequest {
     }
 }
 
+/// A small sandbox with the secrets `secrets`.
 fn small(secrets: &[&str]) -> CreateSandboxRequest {
     CreateSandboxRequest {
-        timeout: Some(600),
-        limits: sandpit_api::LimitsSpec {
-            memory_bytes: Some(256 << 20),
-            ..Default::default()
-        },
         secrets: secrets.iter().map(|s| s.to_string()).collect(),
-        ..Default::default()
+        ..small_request()
     }
-}
-
-/// A client of a new owner's key.
-async fn other_owner(d: &Daemon, owner: &str) -> Client {
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
-    let (_, key) = db.create_api_key(owner, "test").await.unwrap();
-    db.close().await;
-    Client::new(&d.url, Some(key)).unwrap()
 }
 
 /// A raw request with the admin key, answering (status, body text).
 async fn raw(d: &Daemon, method: reqwest::Method, path: &str, body: Option<&str>) -> (u16, String) {
-    let mut rb = reqwest::Client::new()
+    let mut rb = http()
         .request(method, format!("{}{path}", d.url))
         .bearer_auth(d.key.trim());
     if let Some(b) = body {
@@ -187,7 +182,7 @@ async fn the_secrets_api_never_shows_a_value_and_refuses_bad_input() {
     assert_eq!(names, ["gh", "ph"]);
 
     // Owners are kept apart: bob sees none of the admin's, and cannot name another owner.
-    let bob = other_owner(&d, "bob").await;
+    let bob = d.owner("bob").await;
     assert!(bob.list_secrets(None).await.unwrap().is_empty());
     assert_eq!(
         bob.get_secret("gh", None).await.unwrap_err().status(),
@@ -423,7 +418,7 @@ async fn attachments_are_checked_and_kept_across_hibernation_and_forks() {
     );
     assert_eq!(c.sandbox_secrets(&id).await.unwrap(), ["gh", "npm"]);
     // Another owner can neither see nor change this sandbox's secrets.
-    let bob = other_owner(&d, "bob").await;
+    let bob = d.owner("bob").await;
     assert_eq!(
         bob.sandbox_secrets(&id).await.unwrap_err().status(),
         Some(404)
@@ -485,64 +480,16 @@ async fn without_a_key_secrets_are_refused_and_no_ca_is_installed() {
 
 /// A Debian-like root filesystem: dash as /bin/sh and cat with the host libraries they
 /// need, merged /usr, and whatever `extra` adds.
-fn shell_rootfs(dir: &std::path::Path, extra: impl FnOnce(&std::path::Path)) {
-    for d in [
-        "usr/bin",
-        "usr/lib",
-        "usr/lib64",
-        "etc/ssl/certs",
-        ".sandpit",
-    ] {
+fn shell_rootfs(dir: &Path, extra: impl FnOnce(&Path)) {
+    rootfs_with_programs(
+        dir,
+        &[("/bin/dash", "usr/bin/sh"), ("/bin/cat", "usr/bin/cat")],
+    );
+    for d in ["etc/ssl/certs", ".sandpit"] {
         std::fs::create_dir_all(dir.join(d)).unwrap();
-    }
-    for (link, target) in [
-        ("bin", "usr/bin"),
-        ("lib", "usr/lib"),
-        ("lib64", "usr/lib64"),
-    ] {
-        std::os::unix::fs::symlink(target, dir.join(link)).unwrap();
-    }
-    for (host, inside) in [("/bin/dash", "usr/bin/sh"), ("/bin/cat", "usr/bin/cat")] {
-        std::fs::copy(host, dir.join(inside)).unwrap();
-        let out = std::process::Command::new("ldd")
-            .arg(host)
-            .output()
-            .unwrap();
-        for word in String::from_utf8_lossy(&out.stdout).split_whitespace() {
-            if word.starts_with('/') {
-                let to = dir.join(word.trim_start_matches('/'));
-                std::fs::create_dir_all(to.parent().unwrap()).unwrap();
-                std::fs::copy(word, &to).unwrap();
-            }
-        }
     }
     std::fs::write(dir.join("etc/greeting"), "hello\n").unwrap();
     extra(dir);
-}
-
-async fn template_from(c: &Client, name: &str, dir: &std::path::Path) {
-    let req = sandpit_api::BuildTemplateRequest {
-        name: name.into(),
-        source: sandpit_api::TemplateSourceSpec::Dir {
-            path: dir.to_str().unwrap().into(),
-        },
-        default_user: None,
-        workdir: None,
-        env: Default::default(),
-        start_cmd: None,
-        ready_cmd: None,
-        ready_timeout_secs: None,
-    };
-    c.build_template(&req).await.unwrap();
-    for _ in 0..600 {
-        let t = c.get_template(name).await.unwrap();
-        if t.state != "building" {
-            assert_eq!(t.state, "ready", "{t:?}");
-            return;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
-    panic!("template {name} did not build");
 }
 
 fn in_template(template: &str) -> CreateSandboxRequest {
@@ -556,14 +503,8 @@ fn in_template(template: &str) -> CreateSandboxRequest {
 async fn a_custom_template_gets_its_own_roots_and_the_ca_and_cannot_redirect_them() {
     let d = daemon_with_key().await;
     let c = d.client();
-    let tmp = |p: &str| {
-        tempfile::Builder::new()
-            .prefix(p)
-            .tempdir_in("/var/tmp")
-            .unwrap()
-    };
     // Its own roots file.
-    let plain = tmp("sandpit-broker-tpl-");
+    let plain = temp_dir("sandpit-broker-tpl-");
     shell_rootfs(plain.path(), |dir| {
         std::fs::write(
             dir.join("etc/ssl/certs/ca-certificates.crt"),
@@ -571,7 +512,7 @@ async fn a_custom_template_gets_its_own_roots_and_the_ca_and_cannot_redirect_the
         )
         .unwrap();
     });
-    template_from(&c, "debianish", plain.path()).await;
+    build_ready(&c, &dir_build("debianish", plain.path())).await;
     let id = c
         .create_sandbox(&in_template("debianish"))
         .await
@@ -601,7 +542,7 @@ async fn a_custom_template_gets_its_own_roots_and_the_ca_and_cannot_redirect_the
 
     // Its roots "file" leads into /sys, and it ships its own /.sandpit/ca-bundle.pem
     // pointing at a file of its own: neither is read nor written through.
-    let hostile = tmp("sandpit-broker-tpl-");
+    let hostile = temp_dir("sandpit-broker-tpl-");
     shell_rootfs(hostile.path(), |dir| {
         std::os::unix::fs::symlink(
             "/sys/kernel/mm/transparent_hugepage/enabled",
@@ -610,7 +551,7 @@ async fn a_custom_template_gets_its_own_roots_and_the_ca_and_cannot_redirect_the
         .unwrap();
         std::os::unix::fs::symlink("/etc/greeting", dir.join(".sandpit/ca-bundle.pem")).unwrap();
     });
-    template_from(&c, "hostile", hostile.path()).await;
+    build_ready(&c, &dir_build("hostile", hostile.path())).await;
     let id = c.create_sandbox(&in_template("hostile")).await.unwrap().id;
     let out = c
         .run(&id, &run("cat /.sandpit/ca-bundle.pem; cat /etc/greeting"))
@@ -659,36 +600,24 @@ async fn curl(c: &Client, id: &str, args: &str) -> (String, String) {
 /// the daemon's resolver.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_path_through_the_egress_proxy() {
-    use std::os::unix::fs::PermissionsExt;
     let up = Upstream::start(&[
         ("api.upstream.test", "@2"),
         ("plain.upstream.test", "@3"),
         ("brief.upstream.test", "@4"),
     ]);
-    let data = tempfile::Builder::new()
-        .prefix("sandpit-test-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    let key = data.path().join("broker.key");
+    let b = Daemon::builder();
     let mut raw_key = [0u8; 32];
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut raw_key))
         .unwrap();
-    std::fs::write(&key, raw_key).unwrap();
-    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
-    std::fs::write(
-        data.path().join("config.toml"),
-        format!(
-            "{}[broker]\nkey_file = {:?}\nextra_ca_file = {:?}\n",
-            up.config(""),
-            key.display().to_string(),
-            up.ca_file().display().to_string()
-        ),
-    )
-    .unwrap();
+    let key = write_key(b.data_path(), &raw_key);
     let log_dir = tempfile::tempdir().unwrap();
     let log = log_dir.path().join("daemon.log");
-    let d = Daemon::start_in_logged(data, free_port(), &log).await;
+    let d = b
+        .config(&upstream_config(&up, "", &key))
+        .log(&log)
+        .start()
+        .await;
     let c = d.client();
 
     let mut s = secret("full");
@@ -907,26 +836,14 @@ async fn full_path_through_the_egress_proxy() {
 /// `[network]` section) with a key, and the secret `dest`: bound to `allowed.test`, plain
 /// HTTP allowed, put in as `Authorization: Bearer`.
 async fn dest_daemon(up: &Upstream, network: &str) -> (Daemon, tempfile::TempDir) {
-    use std::os::unix::fs::PermissionsExt;
-    let data = tempfile::Builder::new()
-        .prefix("sandpit-test-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    let key = data.path().join("broker.key");
-    std::fs::write(&key, format!("{KEY_HEX}\n")).unwrap();
-    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
-    std::fs::write(
-        data.path().join("config.toml"),
-        format!(
-            "{}[broker]\nkey_file = {:?}\nextra_ca_file = {:?}\n",
-            up.config(network),
-            key.display().to_string(),
-            up.ca_file().display().to_string()
-        ),
-    )
-    .unwrap();
+    let b = Daemon::builder();
+    let key = write_key(b.data_path(), format!("{KEY_HEX}\n").as_bytes());
     let log_dir = tempfile::tempdir().unwrap();
-    let d = Daemon::start_in_logged(data, free_port(), &log_dir.path().join("daemon.log")).await;
+    let d = b
+        .config(&upstream_config(up, network, &key))
+        .log(&log_dir.path().join("daemon.log"))
+        .start()
+        .await;
     let mut s = secret("dest");
     s.hosts = vec!["allowed.test".into()];
     s.path_prefixes = vec![];

@@ -81,7 +81,7 @@ impl Interp {
         Self {
             base: format!("{}/v1/sandboxes/{id}/agent/code", d.url),
             key: d.key.clone(),
-            http: reqwest::Client::new(),
+            http: sandpit_tests::http(),
         }
     }
 

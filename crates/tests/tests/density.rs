@@ -3,8 +3,8 @@
 //! asserted (the benchmark measures them properly).
 
 use futures::StreamExt;
-use sandpit_api::{CreateSandboxRequest, LimitsSpec, RunCommandRequest};
-use sandpit_tests::{Daemon, wait_no_leftovers};
+use sandpit_api::{CreateSandboxRequest, LimitsSpec};
+use sandpit_tests::{Daemon, command, wait_no_leftovers};
 use std::time::{Duration, Instant};
 
 const SANDBOXES: usize = 1000;
@@ -55,10 +55,7 @@ async fn a_thousand_idle_sandboxes_each_answer_a_command() {
             worst
         })
     };
-    let true_cmd = RunCommandRequest {
-        argv: vec!["true".into()],
-        ..Default::default()
-    };
+    let true_cmd = command(&["true"]);
     let answers: Vec<_> = futures::stream::iter(ids.clone())
         .map(|id| {
             let (c, cmd) = (c.clone(), true_cmd.clone());

@@ -5,13 +5,10 @@
 //! resolve again afterwards, and the audit gets a few summaries instead of a row per
 //! dropped question. The "internet" is a namespace the test makes (see `netfix`).
 
+use sandpit_api::NetworkAuditEntry;
 use sandpit_api::network::{NetworkMode, NetworkPolicy, Verdict};
-use sandpit_api::{CreateSandboxRequest, LimitsSpec, NetworkAuditEntry};
-use sandpit_client::Client;
 use sandpit_tests::netfix::Upstream;
-use sandpit_tests::{Daemon, DeleteOnDrop, sh};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use sandpit_tests::{Daemon, FdSampler, create_small, dns_lookup, open_fds, sh};
 use std::time::{Duration, Instant};
 
 /// How long the flood lasts, in seconds.
@@ -63,54 +60,11 @@ for c in tcp:
 print(sent, len(tcp), closed)
 "#;
 
-fn small() -> LimitsSpec {
-    LimitsSpec {
-        memory_bytes: Some(256 << 20),
-        ..Default::default()
-    }
-}
-
 fn open() -> Option<NetworkPolicy> {
     Some(NetworkPolicy {
         mode: NetworkMode::Open,
         rules: vec![],
     })
-}
-
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
-}
-
-async fn create(c: &Client, network: Option<NetworkPolicy>) -> String {
-    c.create_sandbox(&CreateSandboxRequest {
-        limits: small(),
-        timeout: Some(600),
-        network,
-        ..Default::default()
-    })
-    .await
-    .expect("create sandbox")
-    .id
-}
-
-/// A question for `name` to the sandbox's resolver, asked up to `tries` times (2 s each):
-/// "rcode R answers N", or the last error.
-async fn lookup(c: &Client, id: &str, name: &str, tries: u32) -> String {
-    let script = format!(
-        "import socket,struct\nq=struct.pack('!HHHHHH',0x4242,0x0100,1,0,0,0)+b''.join(bytes([len(l)])+l.encode() for l in '{name}'.split('.'))+b'\\0'+struct.pack('!HH',1,1)\ngw=[l.split()[1] for l in open('/etc/resolv.conf') if l.startswith('nameserver')][0]\nout='ERR none'\nfor _ in range({tries}):\n s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n s.settimeout(2)\n try:\n  s.sendto(q,(gw,53))\n  r=s.recv(4096)\n  out='rcode %d answers %d'%(r[3]&15,struct.unpack('!H',r[6:8])[0])\n  break\n except Exception as e:\n  out='ERR %s'%e\nprint(out)\n"
-    );
-    sh(c, id, &format!("python3 -c \"{script}\""))
-        .await
-        .stdout
-        .trim()
-        .to_string()
-}
-
-fn open_fds(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|d| d.count())
-        .unwrap_or(0)
 }
 
 /// The number of questions a drop summary counts ("... dropped N queries ...").
@@ -122,45 +76,25 @@ fn dropped_in(e: &NetworkAuditEntry) -> Option<u64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dns_flood_is_bounded_and_summarized() {
     let up = Upstream::start(&[("legit.test", "@2")]);
-    let data = tempfile::Builder::new()
-        .prefix("sandpit-test-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    std::fs::write(data.path().join("config.toml"), up.config("")).unwrap();
-    let d = Daemon::start_in(data, free_port()).await;
-    let pid = d.child.as_ref().unwrap().id();
+    let d = Daemon::builder().config(&up.config("")).start().await;
+    let pid = d.pid();
     let c = d.client();
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
-    let (_, bob_key) = db.create_api_key("bob", "test").await.unwrap();
-    let bob = Client::new(&d.url, Some(bob_key)).unwrap();
+    let bob = d.owner("bob").await;
 
-    let flooder = create(&c, open()).await;
-    let other = create(&bob, open()).await;
-    let bobs = DeleteOnDrop(bob.clone(), other.clone());
+    let flooder = create_small(&c, open()).await;
+    let other = create_small(&bob, open()).await;
     assert_eq!(
-        lookup(&c, &flooder, "legit.test", 3).await,
+        dns_lookup(&c, &flooder, "legit.test", 3).await,
         "rcode 0 answers 1"
     );
     assert_eq!(
-        lookup(&bob, &other, "legit.test", 3).await,
+        dns_lookup(&bob, &other, "legit.test", 3).await,
         "rcode 0 answers 1"
     );
     let idle_fds = open_fds(pid);
 
     // The daemon's descriptors, sampled every 10 ms while the flood runs.
-    let stop = Arc::new(AtomicBool::new(false));
-    let max_fds = Arc::new(AtomicUsize::new(0));
-    let sampler = {
-        let (stop, max_fds) = (stop.clone(), max_fds.clone());
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::Relaxed) {
-                max_fds.fetch_max(open_fds(pid), Ordering::Relaxed);
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        })
-    };
+    let sampler = FdSampler::start(pid);
     let started = Instant::now();
     let flood = {
         let (c, id) = (c.clone(), flooder.clone());
@@ -187,7 +121,7 @@ async fn a_dns_flood_is_bounded_and_summarized() {
         // the shared socket, and the kernel then drops datagrams of every sender alike.
         if rounds == 2 {
             assert_eq!(
-                lookup(&bob, &other, "legit.test", 4).await,
+                dns_lookup(&bob, &other, "legit.test", 4).await,
                 "rcode 0 answers 1",
                 "the other owner's lookup during the flood"
             );
@@ -197,9 +131,7 @@ async fn a_dns_flood_is_bounded_and_summarized() {
     }
     let out = flood.await.unwrap();
     let flood_secs = started.elapsed().as_secs_f64();
-    stop.store(true, Ordering::Relaxed);
-    sampler.join().unwrap();
-    let max_fds = max_fds.load(Ordering::Relaxed);
+    let max_fds = sampler.finish();
     assert_eq!(out.exit_code, 0, "{out:?}");
     let nums: Vec<usize> = out
         .stdout
@@ -230,7 +162,7 @@ async fn a_dns_flood_is_bounded_and_summarized() {
     assert_eq!(bob.get_sandbox(&other).await.unwrap().state, "running");
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(
-        lookup(&c, &flooder, "legit.test", 5).await,
+        dns_lookup(&c, &flooder, "legit.test", 5).await,
         "rcode 0 answers 1"
     );
 
@@ -290,6 +222,5 @@ async fn a_dns_flood_is_bounded_and_summarized() {
         .unwrap();
     assert!(theirs.items.iter().all(|e| e.sandbox_id == other));
 
-    drop(bobs);
     d.shutdown().await;
 }

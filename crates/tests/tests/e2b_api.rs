@@ -2,7 +2,7 @@
 //! SDKs rely on, checked at the HTTP level (the SDK scenarios are in `e2b_sdk.rs`).
 
 use reqwest::StatusCode;
-use sandpit_tests::Daemon;
+use sandpit_tests::{Daemon, command};
 use serde_json::{Value, json};
 
 struct E2b {
@@ -14,7 +14,7 @@ struct E2b {
 impl E2b {
     fn new(d: &Daemon) -> Self {
         Self {
-            http: reqwest::Client::new(),
+            http: sandpit_tests::http(),
             url: d.url.clone(),
             key: d.key.clone(),
         }
@@ -233,13 +233,7 @@ async fn pause_connect_resume_statuses() {
     // again on the kept files: a process from before is gone, the files are not.
     let c = d.client();
     let sleeper = c
-        .run_background(
-            &id,
-            &sandpit_api::RunCommandRequest {
-                argv: vec!["sleep".into(), "600".into()],
-                ..Default::default()
-            },
-        )
+        .run_background(&id, &command(&["sleep", "600"]))
         .await
         .expect("background sleep");
     sandpit_tests::sh(&c, &id, "echo kept > /home/user/kept.txt").await;
@@ -588,7 +582,7 @@ async fn a_multipart_upload_is_answered_after_its_last_bytes() {
 async fn e2b_network_settings_become_egress_policies() {
     /// The sandbox's egress policy as sandpit's own API shows it.
     async fn policy(d: &Daemon, id: String) -> Value {
-        reqwest::Client::new()
+        sandpit_tests::http()
             .get(format!("{}/v1/sandboxes/{id}/network", d.url))
             .bearer_auth(&d.key)
             .send()

@@ -17,7 +17,7 @@ async fn call_as(
     path: &str,
     body: Option<Value>,
 ) -> (StatusCode, Value) {
-    let mut req = reqwest::Client::new()
+    let mut req = sandpit_tests::http()
         .request(method, format!("{}{path}", d.url))
         .header("X-API-Key", key);
     if let Some(b) = body {
@@ -74,10 +74,7 @@ async fn a_refused_connect_or_resume_leaves_the_sandbox_paused() {
 #[tokio::test(flavor = "multi_thread")]
 async fn another_owner_reaches_nothing_through_e2b_routes() {
     let d = Daemon::start().await;
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
-    let (_, mallory) = db.create_api_key("mallory", "test").await.unwrap();
+    let mallory = d.owner_key("mallory").await;
     let (s, v) = call(
         &d,
         Method::POST,

@@ -2,15 +2,18 @@
 //! its own daemon (own data dir, own cgroup parent) and removes what it made.
 
 use sandpit_api::{CommandEvent, CreateSandboxRequest, LimitsSpec, RunCommandRequest};
-use sandpit_tests::{Daemon, leftovers, sh, sh_root, tmpfs_mounted_on, wait_no_leftovers};
+use sandpit_tests::{
+    Daemon, bash, command, http, leftovers, sandboxes, sh, sh_root, tmpfs_mounted_on,
+    wait_no_leftovers,
+};
 use sha2::{Digest, Sha256};
 use std::time::Duration;
 
+/// The harness's small limits, with at most 64 processes.
 fn small() -> LimitsSpec {
     LimitsSpec {
-        memory_bytes: Some(256 << 20),
         max_processes: Some(64),
-        ..Default::default()
+        ..sandpit_tests::small()
     }
 }
 
@@ -20,13 +23,7 @@ async fn python_prints_42_and_commands_report_exit_codes_and_streams() {
     let c = d.client();
     let id = d.sandbox(small()).await;
     let r = c
-        .run(
-            &id,
-            &RunCommandRequest {
-                argv: vec!["python3".into(), "-c".into(), "print(6*7)".into()],
-                ..Default::default()
-            },
-        )
+        .run(&id, &command(&["python3", "-c", "print(6*7)"]))
         .await
         .unwrap();
     assert_eq!((r.exit_code, r.stdout.as_str()), (0, "42\n"));
@@ -44,25 +41,13 @@ async fn python_prints_42_and_commands_report_exit_codes_and_streams() {
     assert_eq!(c.run(&id, &req).await.unwrap().stdout.trim(), "5");
     // output cap
     let req = RunCommandRequest {
-        argv: vec![
-            "bash".into(),
-            "-c".into(),
-            "head -c 100000 /dev/zero".into(),
-        ],
         max_output_bytes: Some(1000),
-        ..Default::default()
+        ..bash("head -c 100000 /dev/zero")
     };
     let r = c.run(&id, &req).await.unwrap();
     assert!(r.truncated && r.stdout.len() == 1000);
     // 50 MB of output over the stream, all of it
-    let req = RunCommandRequest {
-        argv: vec![
-            "bash".into(),
-            "-c".into(),
-            "head -c 52428800 /dev/zero; echo done >&2".into(),
-        ],
-        ..Default::default()
-    };
+    let req = bash("head -c 52428800 /dev/zero; echo done >&2");
     let (out, err, code) = c
         .stream_command(&id, &req)
         .await
@@ -75,16 +60,7 @@ async fn python_prints_42_and_commands_report_exit_codes_and_streams() {
         (52_428_800, &b"done\n"[..], 0)
     );
     // unknown command: a clear 404, not a 500
-    let bad = c
-        .run(
-            &id,
-            &RunCommandRequest {
-                argv: vec!["/nope".into()],
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap_err();
+    let bad = c.run(&id, &command(&["/nope"])).await.unwrap_err();
     assert_eq!(bad.status(), Some(404));
     d.shutdown().await;
 }
@@ -94,7 +70,7 @@ async fn isolation_holds() {
     let d = Daemon::start().await;
     let c = d.client();
     let id = d.sandbox(small()).await;
-    let daemon_pid = d.child.as_ref().unwrap().id();
+    let daemon_pid = d.pid();
     // only the sandbox's own processes are visible
     let r = sh(
         &c,
@@ -241,14 +217,11 @@ async fn limits_contain_memory_fork_and_disk_bombs() {
     let r = c
         .run(
             &id,
-            &RunCommandRequest {
-                argv: vec![
-                    "python3".into(),
-                    "-c".into(),
-                    "x = bytearray(512 << 20); print('survived')".into(),
-                ],
-                ..Default::default()
-            },
+            &command(&[
+                "python3",
+                "-c",
+                "x = bytearray(512 << 20); print('survived')",
+            ]),
         )
         .await
         .unwrap();
@@ -280,13 +253,8 @@ async fn timeouts_signals_and_background_reattach() {
     let id = d.sandbox(small()).await;
     // timeout kills the whole tree, including a grandchild in its own process group
     let req = RunCommandRequest {
-        argv: vec![
-            "bash".into(),
-            "-c".into(),
-            "setsid sleep 300 & sleep 300".into(),
-        ],
         timeout_ms: Some(500),
-        ..Default::default()
+        ..bash("setsid sleep 300 & sleep 300")
     };
     let r = c.run(&id, &req).await.unwrap();
     assert!(r.timed_out && r.exit_code == 137, "{r:?}");
@@ -294,17 +262,7 @@ async fn timeouts_signals_and_background_reattach() {
     assert_eq!(sh(&c, &id, "pgrep -c sleep; true").await.stdout.trim(), "0");
     // background command survives the client going away; its output is kept
     let bg = c
-        .run_background(
-            &id,
-            &RunCommandRequest {
-                argv: vec![
-                    "bash".into(),
-                    "-c".into(),
-                    "echo first; sleep 1; echo second; sleep 30".into(),
-                ],
-                ..Default::default()
-            },
-        )
+        .run_background(&id, &bash("echo first; sleep 1; echo second; sleep 30"))
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -414,7 +372,7 @@ async fn files_round_trip_and_escapes_are_refused() {
             .status(),
         Some(403)
     );
-    let http = reqwest::Client::new();
+    let http = http();
     let as_root = http
         .get(format!(
             "{}/v1/sandboxes/{id}/files?path=/root/secret&user=root",
@@ -479,7 +437,10 @@ async fn process_runtime_strips_secrets_and_refuses_symlink_escapes() {
             .all(|r| r.isolated)
     );
     d.shutdown().await;
-    let d = Daemon::start_with(&["--allow-process-runtime"]).await;
+    let d = Daemon::builder()
+        .args(&["--allow-process-runtime"])
+        .start()
+        .await;
     let c = d.client();
     let req = CreateSandboxRequest {
         runtime: Some("process".into()),
@@ -568,9 +529,7 @@ async fn sigkill_of_the_daemon_then_restart_reconciles() {
     c.pause(&paused).await.unwrap();
     d.kill9();
     // kill one sandbox while the daemon is down
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
+    let db = d.store().await;
     let rec = db.get_sandbox(&doomed).await.unwrap().unwrap();
     let pid = rec.runtime_state["pid"].as_i64().unwrap() as i32;
     nix::sys::signal::kill(
@@ -599,10 +558,7 @@ async fn sigkill_of_the_daemon_then_restart_reconciles() {
         .find(|p| p.join(&alive).exists())
         .expect("the live sandbox's memory cgroup");
     std::fs::create_dir(parent.join(orphan)).unwrap();
-    let port = d.port;
-    let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
-    drop(d);
-    let d = Daemon::start_in(data, port).await;
+    let d = d.restart().start().await;
     let c = d.client();
     assert_eq!(sh(&c, &alive, "cat /tmp/mark").await.stdout, "kept\n");
     let dead = c.get_sandbox(&doomed).await.unwrap();
@@ -634,11 +590,7 @@ async fn owners_only_see_their_own_sandboxes() {
     let d = Daemon::start().await;
     let admin = d.client();
     let id = d.sandbox(small()).await;
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
-    let (_, other_key) = db.create_api_key("mallory", "test").await.unwrap();
-    let other = sandpit_client::Client::new(&d.url, Some(other_key)).unwrap();
+    let other = d.owner("mallory").await;
     assert_eq!(
         other.get_sandbox(&id).await.unwrap_err().status(),
         Some(404)
@@ -655,14 +607,7 @@ async fn owners_only_see_their_own_sandboxes() {
             .status(),
         Some(404)
     );
-    assert!(
-        other
-            .list_sandboxes(None, &[], None, None)
-            .await
-            .unwrap()
-            .items
-            .is_empty()
-    );
+    assert!(sandboxes(&other).await.is_empty());
     let anon = sandpit_client::Client::new(&d.url, None).unwrap();
     assert_eq!(anon.get_sandbox(&id).await.unwrap_err().status(), Some(401));
     let wrong = sandpit_client::Client::new(
@@ -679,7 +624,6 @@ async fn owners_only_see_their_own_sandboxes() {
         Some(401)
     );
     assert_eq!(admin.get_sandbox(&id).await.unwrap().id, id);
-    db.close().await;
     d.shutdown().await;
 }
 
@@ -727,7 +671,7 @@ async fn bad_input_gets_a_clear_4xx_and_leaves_nothing() {
         let e = c.create_sandbox(&req).await.unwrap_err();
         assert_eq!(e.status(), Some(400), "{req:?}: {e}");
     }
-    let http = reqwest::Client::new();
+    let http = http();
     let url = format!("{}/v1/sandboxes", d.url);
     let auth = format!("Bearer {}", d.key);
     let r = http
@@ -743,7 +687,7 @@ async fn bad_input_gets_a_clear_4xx_and_leaves_nothing() {
     assert!(body["code"].is_string() && body["message"].is_string());
     let big = format!("{{\"metadata\":{{\"k\":\"{}\"}}}}", "x".repeat(2 << 20));
     // A fresh client: the server closes a connection whose oversized body it did not read.
-    let r = reqwest::Client::new()
+    let r = sandpit_tests::http()
         .post(&url)
         .header("authorization", &auth)
         .header("content-type", "application/json")
@@ -761,13 +705,7 @@ async fn bad_input_gets_a_clear_4xx_and_leaves_nothing() {
         .await
         .unwrap();
     assert_eq!(r.status(), 400);
-    assert!(
-        c.list_sandboxes(None, &[], None, None)
-            .await
-            .unwrap()
-            .items
-            .is_empty()
-    );
+    assert!(sandboxes(&c).await.is_empty());
     // paths and users that must never reach the agent as given
     let id = d.sandbox(LimitsSpec::default()).await;
     let long = format!("/{}", "x".repeat(5000));
@@ -826,9 +764,7 @@ async fn a_failed_create_leaves_no_half_made_sandbox() {
     let d = Daemon::start().await;
     let c = d.client();
     // A template whose directory vanished after it was registered: the runtime refuses it.
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
+    let db = d.store().await;
     let t = sandpit_store::TemplateRecord {
         name: "gone".into(),
         rootfs: "/var/tmp/sandpit-no-such-rootfs".into(),
@@ -845,13 +781,7 @@ async fn a_failed_create_leaves_no_half_made_sandbox() {
         .await
         .unwrap_err();
     assert_eq!(e.status(), Some(400), "{e}");
-    assert!(
-        c.list_sandboxes(None, &[], None, None)
-            .await
-            .unwrap()
-            .items
-            .is_empty()
-    );
+    assert!(sandboxes(&c).await.is_empty());
     let dirs: Vec<_> = std::fs::read_dir(d.data.path().join("sandboxes"))
         .unwrap()
         .collect();
@@ -917,7 +847,7 @@ async fn sandbox_directories_live_on_a_tmpfs_that_a_clean_stop_unmounts() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn descriptors_the_daemon_inherited_never_reach_a_sandbox() {
-    let d = Daemon::start_with_stray_fd().await;
+    let d = Daemon::builder().stray_fd().start().await;
     let c = d.client();
     let id = d.sandbox(small()).await;
     // The stray descriptor is /dev/null: beyond stdio, neither the agent (PID 1) nor a
@@ -937,7 +867,10 @@ async fn descriptors_the_daemon_inherited_never_reach_a_sandbox() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleting_a_process_sandbox_kills_its_commands() {
-    let d = Daemon::start_with(&["--allow-process-runtime"]).await;
+    let d = Daemon::builder()
+        .args(&["--allow-process-runtime"])
+        .start()
+        .await;
     let c = d.client();
     let sb = c
         .create_sandbox(&CreateSandboxRequest {
@@ -948,9 +881,8 @@ async fn deleting_a_process_sandbox_kills_its_commands() {
         .unwrap();
     let marker = format!("sleep 4{}", std::process::id() % 100_000);
     let bg = RunCommandRequest {
-        argv: vec!["bash".into(), "-c".into(), format!("{marker} & {marker}")],
         background: true,
-        ..Default::default()
+        ..bash(&format!("{marker} & {marker}"))
     };
     c.run_background(&sb.id, &bg).await.unwrap();
     let running = || {

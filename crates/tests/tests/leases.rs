@@ -2,26 +2,13 @@
 //! replacement of dead sandboxes, stale `creating` rows, the `with_sandbox` wrapper, and
 //! bad input.
 
-use sandpit_api::{CreateSandboxRequest, LimitsSpec, RunCommandRequest};
+use sandpit_api::{CreateSandboxRequest, RunCommandRequest};
 use sandpit_client::{Client, ClientError, SandboxLease};
 use sandpit_store::{LeaseRecord, LeaseStatus};
-use sandpit_tests::{Daemon, sandpit_bin, sh, wait_no_leftovers};
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use sandpit_tests::{Daemon, http, now_ms, sandboxes, sh, small_request, wait_no_leftovers};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
-
-fn opts() -> CreateSandboxRequest {
-    CreateSandboxRequest {
-        timeout: Some(600),
-        limits: LimitsSpec {
-            memory_bytes: Some(256 << 20),
-            ..Default::default()
-        },
-        ..Default::default()
-    }
-}
 
 fn lease_label(user: &str) -> Vec<(String, String)> {
     vec![("sandpit-lease".to_string(), user.to_string())]
@@ -35,20 +22,10 @@ async fn lease_sandboxes(c: &Client, user: &str) -> Vec<sandpit_api::Sandbox> {
         .items
 }
 
-/// The agent's host pid of a sandbox, from the daemon's store.
-async fn agent_pid(d: &Daemon, id: &str) -> i32 {
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
-    let rec = db.get_sandbox(id).await.unwrap().unwrap();
-    db.close().await;
-    rec.runtime_state["pid"].as_i64().unwrap() as i32
-}
-
 /// Kills a sandbox from outside (as the OOM killer would) and waits until the daemon has
 /// noticed (its liveness sweep runs every second).
 async fn kill_sandbox(d: &Daemon, id: &str) {
-    let pid = agent_pid(d, id).await;
+    let pid = d.agent_pid(id).await;
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(pid),
         nix::sys::signal::Signal::SIGKILL,
@@ -72,9 +49,9 @@ async fn twenty_concurrent_acquires_share_one_sandbox_created_once() {
     let mut tasks = Vec::new();
     for _ in 0..20 {
         let c = c.clone();
-        tasks.push(tokio::spawn(
-            async move { c.acquire("alice", &opts()).await },
-        ));
+        tasks.push(tokio::spawn(async move {
+            c.acquire("alice", &small_request()).await
+        }));
     }
     let mut got = Vec::new();
     for t in tasks {
@@ -99,11 +76,11 @@ async fn twenty_concurrent_acquires_share_one_sandbox_created_once() {
     assert_eq!(sh(&c, &id, "echo ok").await.stdout, "ok\n");
 
     // Later acquires return it without creating.
-    let again = c.acquire("alice", &opts()).await.unwrap();
+    let again = c.acquire("alice", &small_request()).await.unwrap();
     assert_eq!(again.sandbox.id, id);
     assert!(!again.created && !again.resumed);
     // Another user gets another sandbox.
-    let bob = c.acquire("bob", &opts()).await.unwrap();
+    let bob = c.acquire("bob", &small_request()).await.unwrap();
     assert_ne!(bob.sandbox.id, id);
     assert!(bob.created);
     let leases = c.list_leases().await.unwrap();
@@ -129,7 +106,7 @@ async fn twenty_concurrent_acquires_share_one_sandbox_created_once() {
         Some(404)
     );
     // A new acquire after a release starts a new lease.
-    let fresh = c.acquire("alice", &opts()).await.unwrap();
+    let fresh = c.acquire("alice", &small_request()).await.unwrap();
     assert!(fresh.created);
     assert_ne!(fresh.sandbox.id, id);
     d.shutdown().await;
@@ -139,12 +116,12 @@ async fn twenty_concurrent_acquires_share_one_sandbox_created_once() {
 async fn a_paused_sandbox_is_resumed_and_a_dead_one_replaced() {
     let d = Daemon::start().await;
     let c = d.client();
-    let first = c.acquire("carol", &opts()).await.unwrap();
+    let first = c.acquire("carol", &small_request()).await.unwrap();
     let id = first.sandbox.id.clone();
     sh(&c, &id, "echo kept > /tmp/mark").await;
     c.pause(&id).await.unwrap();
     assert!(c.get_lease("carol").await.unwrap().paused);
-    let resumed = c.acquire("carol", &opts()).await.unwrap();
+    let resumed = c.acquire("carol", &small_request()).await.unwrap();
     assert_eq!(resumed.sandbox.id, id);
     assert!(resumed.resumed && !resumed.created);
     assert_eq!(resumed.sandbox.state, "running");
@@ -153,7 +130,7 @@ async fn a_paused_sandbox_is_resumed_and_a_dead_one_replaced() {
     // Hibernated (files kept, processes ended): woken by the acquire, on the same files.
     c.hibernate(&id).await.unwrap();
     assert!(c.get_lease("carol").await.unwrap().paused);
-    let woken = c.acquire("carol", &opts()).await.unwrap();
+    let woken = c.acquire("carol", &small_request()).await.unwrap();
     assert_eq!(woken.sandbox.id, id);
     assert!(woken.resumed && !woken.created);
     assert_eq!(woken.sandbox.state, "running");
@@ -161,7 +138,7 @@ async fn a_paused_sandbox_is_resumed_and_a_dead_one_replaced() {
 
     // Killed from outside: the next acquire creates a replacement.
     kill_sandbox(&d, &id).await;
-    let replaced = c.acquire("carol", &opts()).await.unwrap();
+    let replaced = c.acquire("carol", &small_request()).await.unwrap();
     assert_ne!(replaced.sandbox.id, id);
     assert!(replaced.created);
     assert_eq!(
@@ -170,7 +147,7 @@ async fn a_paused_sandbox_is_resumed_and_a_dead_one_replaced() {
     );
     // Deleted through the API: replaced too.
     c.delete_sandbox(&replaced.sandbox.id).await.unwrap();
-    let third = c.acquire("carol", &opts()).await.unwrap();
+    let third = c.acquire("carol", &small_request()).await.unwrap();
     assert!(third.created);
     assert_ne!(third.sandbox.id, replaced.sandbox.id);
     let running: Vec<_> = lease_sandboxes(&c, "carol")
@@ -181,44 +158,6 @@ async fn a_paused_sandbox_is_resumed_and_a_dead_one_replaced() {
     assert_eq!(running.len(), 1);
     assert_eq!(running[0].id, third.sandbox.id);
     d.shutdown().await;
-}
-
-/// Starts `sandpit serve` on `data` with its log (warnings and up) in a file.
-async fn start_logged(data: tempfile::TempDir, port: u16, extra: &[&str]) -> (Daemon, PathBuf) {
-    let log = data.path().join("daemon.log");
-    let file = std::fs::File::create(&log).unwrap();
-    let child = Command::new(sandpit_bin())
-        .args([
-            "serve",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--data-dir",
-        ])
-        .arg(data.path())
-        .args(extra)
-        .env("RUST_LOG", "warn")
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::null())
-        .stderr(Stdio::from(file))
-        .spawn()
-        .unwrap();
-    let url = format!("http://127.0.0.1:{port}");
-    let probe = Client::new(&url, None).unwrap();
-    for _ in 0..500 {
-        if probe.health().await.is_ok() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let key = std::fs::read_to_string(data.path().join("admin.key")).unwrap();
-    let d = Daemon {
-        child: Some(child),
-        url,
-        data,
-        key,
-        port,
-    };
-    (d, log)
 }
 
 fn creating(user: &str, since_ms: i64, version: i64) -> LeaseRecord {
@@ -238,13 +177,6 @@ fn creating(user: &str, since_ms: i64, version: i64) -> LeaseRecord {
     }
 }
 
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as i64
-}
-
 fn takeovers(log: &std::path::Path, user: &str) -> usize {
     let text = std::fs::read_to_string(log).unwrap();
     text.lines()
@@ -258,25 +190,23 @@ async fn a_stale_creating_record_is_taken_over_with_one_warning() {
     d.stop();
     // What a daemon that crashed mid-create leaves behind: a row in `creating`, 30 s old
     // (the default stale timeout is 25 s).
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
+    let db = d.store().await;
     assert!(
         db.insert_lease(&creating("old", now_ms() - 30_000, 7))
             .await
             .unwrap()
     );
     db.close().await;
-    let port = d.port;
-    let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
-    drop(d);
-    let (d, log) = start_logged(data, port, &[]).await;
+    let log = d.data.path().join("daemon.log");
+    let d = d.restart().log(&log).log_level("warn").start().await;
     let c = d.client();
     // Several acquirers meet the stale row at once: one takes it over, all get its sandbox.
     let mut tasks = Vec::new();
     for _ in 0..5 {
         let c = c.clone();
-        tasks.push(tokio::spawn(async move { c.acquire("old", &opts()).await }));
+        tasks.push(tokio::spawn(async move {
+            c.acquire("old", &small_request()).await
+        }));
     }
     let mut got = Vec::new();
     for t in tasks {
@@ -301,13 +231,9 @@ async fn a_stale_creating_record_is_taken_over_with_one_warning() {
 
 #[tokio::test]
 async fn the_stale_timeout_is_configurable_and_fresh_rows_are_waited_for() {
-    let d = Daemon::start().await;
-    let port = d.port;
-    let mut d = d;
+    let mut d = Daemon::start().await;
     d.stop();
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
+    let db = d.store().await;
     // Fresh when the daemon starts; stale after 2 s with `--lease-stale-secs 2`.
     assert!(
         db.insert_lease(&creating("fresh", now_ms(), 1))
@@ -315,11 +241,16 @@ async fn the_stale_timeout_is_configurable_and_fresh_rows_are_waited_for() {
             .unwrap()
     );
     db.close().await;
-    let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
-    drop(d);
-    let (d, log) = start_logged(data, port, &["--lease-stale-secs", "2"]).await;
+    let log = d.data.path().join("daemon.log");
+    let d = d
+        .restart()
+        .args(&["--lease-stale-secs", "2"])
+        .log(&log)
+        .log_level("warn")
+        .start()
+        .await;
     let c = d.client();
-    let got = c.acquire("fresh", &opts()).await.unwrap();
+    let got = c.acquire("fresh", &small_request()).await.unwrap();
     assert!(got.created);
     assert_eq!(takeovers(&log, "fresh"), 1);
     // The acquirer waited for the row to go stale: the takeover came after its creation
@@ -330,7 +261,7 @@ async fn the_stale_timeout_is_configurable_and_fresh_rows_are_waited_for() {
         "{lease:?}"
     );
     // A healthy lease is never taken over.
-    let again = c.acquire("fresh", &opts()).await.unwrap();
+    let again = c.acquire("fresh", &small_request()).await.unwrap();
     assert_eq!(again.sandbox.id, got.sandbox.id);
     assert_eq!(takeovers(&log, "fresh"), 1);
     d.shutdown().await;
@@ -343,7 +274,7 @@ async fn with_sandbox_recreates_a_killed_sandbox_once_and_propagates_other_error
     // Without auto-resume, a call to a paused sandbox fails (409) instead of waking it.
     let no_auto = CreateSandboxRequest {
         auto_resume: Some(false),
-        ..opts()
+        ..small_request()
     };
     let lease = SandboxLease::new(c.clone(), "dora", no_auto);
     let calls = Arc::new(AtomicU32::new(0));
@@ -434,14 +365,14 @@ async fn bad_users_and_bodies_are_refused_and_leave_nothing_behind() {
     let d = Daemon::start().await;
     let c = d.client();
     for bad in ["a b", "ü", "x/y", &"u".repeat(129), "a\"b", "%00"] {
-        let err = c.acquire(bad, &opts()).await.unwrap_err();
+        let err = c.acquire(bad, &small_request()).await.unwrap_err();
         assert_eq!(err.status(), Some(400), "{bad:?}: {err:?}");
         assert_eq!(err.code(), Some("invalid_argument"));
     }
     // URL parsing folds `.` and `..` away before a request leaves the client (the daemon
     // refuses them too, see the unit tests); whatever route they reach, nothing is made.
     for dots in [".", ".."] {
-        let err = c.acquire(dots, &opts()).await.unwrap_err();
+        let err = c.acquire(dots, &small_request()).await.unwrap_err();
         assert!(
             err.status().is_some_and(|s| (400..500).contains(&s)),
             "{err:?}"
@@ -449,7 +380,7 @@ async fn bad_users_and_bodies_are_refused_and_leave_nothing_behind() {
     }
     assert!(c.list_leases().await.unwrap().is_empty());
     let url = format!("{}/v1/leases/ok/acquire", d.url);
-    let http = reqwest::Client::new();
+    let http = http();
     let auth = format!("Bearer {}", d.key);
     for body in ["{", "[]", "{\"template\": 5}", "{\"nope\": 1}"] {
         let r = http
@@ -465,38 +396,27 @@ async fn bad_users_and_bodies_are_refused_and_leave_nothing_behind() {
     // acquire does not wait out a stale timeout, and creates.
     let bad = CreateSandboxRequest {
         template: Some("no-such-template".into()),
-        ..opts()
+        ..small_request()
     };
     let err = c.acquire("ok", &bad).await.unwrap_err();
     assert_eq!(err.status(), Some(400), "{err:?}");
     let lease = c.get_lease("ok").await.unwrap();
     assert_eq!((lease.status.as_str(), lease.sandbox_id), ("ready", None));
-    assert!(
-        c.list_sandboxes(None, &[], None, None)
-            .await
-            .unwrap()
-            .items
-            .is_empty()
-    );
-    let good = tokio::time::timeout(Duration::from_secs(20), c.acquire("ok", &opts()))
+    assert!(sandboxes(&c).await.is_empty());
+    let good = tokio::time::timeout(Duration::from_secs(20), c.acquire("ok", &small_request()))
         .await
         .expect("no stale wait")
         .unwrap();
     assert!(good.created);
     // Other owners neither see nor touch the lease; their own "ok" is another lease.
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
-    let (_, key) = db.create_api_key("mallory", "test").await.unwrap();
-    db.close().await;
-    let m = Client::new(&d.url, Some(key)).unwrap();
+    let m = d.owner("mallory").await;
     assert!(m.list_leases().await.unwrap().is_empty());
     assert_eq!(m.get_lease("ok").await.unwrap_err().status(), Some(404));
     assert_eq!(
         m.release("ok", false).await.unwrap_err().status(),
         Some(404)
     );
-    let theirs = m.acquire("ok", &opts()).await.unwrap();
+    let theirs = m.acquire("ok", &small_request()).await.unwrap();
     assert_ne!(theirs.sandbox.id, good.sandbox.id);
     assert!(
         m.get_sandbox(&good.sandbox.id)
@@ -512,33 +432,19 @@ async fn bad_users_and_bodies_are_refused_and_leave_nothing_behind() {
     d.shutdown().await;
 }
 
-fn cli(d: &Daemon, args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(sandpit_bin())
-        .args(args)
-        .env("SANDPIT_URL", &d.url)
-        .env("SANDPIT_DATA_DIR", d.data.path())
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cli_acquires_lists_and_releases() {
     let d = Daemon::start().await;
-    let (ok, out, err) = cli(&d, &["lease", "acquire", "erin", "--memory", "256M"]);
+    let (ok, out, err) = d.cli(&["lease", "acquire", "erin", "--memory", "256M"]);
     assert!(ok, "{err}");
     let id = out.trim().to_string();
     let c = d.client();
     let sb = c.get_sandbox(&id).await.unwrap();
     assert_eq!(sb.limits.memory_bytes, 256 << 20);
-    let (ok, again, _) = cli(&d, &["lease", "acquire", "erin"]);
+    let (ok, again, _) = d.cli(&["lease", "acquire", "erin"]);
     assert!(ok);
     assert_eq!(again.trim(), id);
-    let (ok, table, _) = cli(&d, &["lease", "ls"]);
+    let (ok, table, _) = d.cli(&["lease", "ls"]);
     assert!(ok);
     assert!(table.starts_with("USER"), "{table}");
     assert!(
@@ -547,19 +453,19 @@ async fn the_cli_acquires_lists_and_releases() {
             .any(|l| l.starts_with("erin") && l.contains(&id)),
         "{table}"
     );
-    let (ok, json, _) = cli(&d, &["--json", "lease", "ls"]);
+    let (ok, json, _) = d.cli(&["--json", "lease", "ls"]);
     assert!(ok);
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert_eq!(v[0]["user"], "erin");
     assert_eq!(v[0]["status"], "ready");
-    let (ok, _, err) = cli(&d, &["lease", "acquire", "bad user"]);
+    let (ok, _, err) = d.cli(&["lease", "acquire", "bad user"]);
     assert!(!ok);
     assert!(err.contains("user must be"), "{err}");
-    let (ok, out, _) = cli(&d, &["lease", "rm", "erin"]);
+    let (ok, out, _) = d.cli(&["lease", "rm", "erin"]);
     assert!(ok);
     assert_eq!(out.trim(), "released erin");
     assert!(c.get_sandbox(&id).await.unwrap_err().is_sandbox_gone());
-    let (ok, _, err) = cli(&d, &["lease", "rm", "erin"]);
+    let (ok, _, err) = d.cli(&["lease", "rm", "erin"]);
     assert!(!ok);
     assert!(err.contains("no lease"), "{err}");
     d.shutdown().await;

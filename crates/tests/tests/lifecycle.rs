@@ -5,24 +5,26 @@ use sandpit_api::{
     CreateSandboxRequest, CreateSnapshotRequest, ForkRequest, LimitsSpec, RunCommandRequest,
 };
 use sandpit_client::Client;
-use sandpit_tests::{Daemon, sh, sh_root, wait_no_leftovers};
+use sandpit_tests::{
+    Daemon, bash, command, free_port, http, now_ms, sh, sh_root, template_build, wait_no_leftovers,
+};
 use std::time::Duration;
 
+/// The harness's small limits, with a 256 MiB disk.
 fn small() -> LimitsSpec {
     LimitsSpec {
-        memory_bytes: Some(256 << 20),
         disk_bytes: Some(256 << 20),
-        ..Default::default()
+        ..sandpit_tests::small()
     }
 }
 
+/// Creates the sandbox `req` asks for with [`small`] limits (whatever `req` says); its id.
 async fn create(c: &Client, req: CreateSandboxRequest) -> String {
     let req = CreateSandboxRequest {
         limits: small(),
-        timeout: req.timeout.or(Some(600)),
         ..req
     };
-    c.create_sandbox(&req).await.expect("create sandbox").id
+    sandpit_tests::create(c, req).await.id
 }
 
 /// Waits (up to 30 s) until the sandbox is in `state`.
@@ -37,20 +39,6 @@ async fn wait_state(c: &Client, id: &str, state: &str) -> String {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     last
-}
-
-/// A daemon with a config file.
-async fn daemon_with_config(toml: &str) -> Daemon {
-    let dir = tempfile::Builder::new()
-        .prefix("sandpit-test-cfg-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    let path = dir.path().join("config.toml");
-    std::fs::write(&path, toml).unwrap();
-    let d = Daemon::start_with(&["--config", path.to_str().unwrap()]).await;
-    // The daemon read the file at start.
-    drop(dir);
-    d
 }
 
 /// sha256 of every file below the listed paths, as `sha256sum` prints them, sorted.
@@ -104,15 +92,9 @@ async fn a_counter_continues_where_it_stopped_across_two_pauses_with_its_files_e
         .run_background(
             &id,
             &RunCommandRequest {
-                argv: vec![
-                    "bash".into(),
-                    "-c".into(),
-                    "exec 3>>/tmp/work/log; i=0; while true; do i=$((i+1)); echo $i > count.new; mv count.new count; echo $i >&3; sleep 0.05; done"
-                        .into(),
-                ],
                 env: [("COUNTER_ENV".to_string(), "kept".to_string())].into(),
                 cwd: Some("/tmp/work".into()),
-                ..Default::default()
+                ..bash("exec 3>>/tmp/work/log; i=0; while true; do i=$((i+1)); echo $i > count.new; mv count.new count; echo $i >&3; sleep 0.05; done")
             },
         )
         .await
@@ -131,16 +113,7 @@ async fn a_counter_continues_where_it_stopped_across_two_pauses_with_its_files_e
         // Pausing a paused sandbox changes nothing.
         assert_eq!(c.pause(&id).await.unwrap().state, "paused");
         // Without auto_resume, work on a paused sandbox is refused.
-        let refused = c
-            .run(
-                &id,
-                &RunCommandRequest {
-                    argv: vec!["true".into()],
-                    ..Default::default()
-                },
-            )
-            .await
-            .unwrap_err();
+        let refused = c.run(&id, &command(&["true"])).await.unwrap_err();
         assert_eq!(refused.status(), Some(409), "round {round}");
         let frozen_at = c.stats(&id).await.unwrap().cpu_usage_ns;
         tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -229,13 +202,7 @@ async fn hibernation_keeps_files_ends_processes_and_survives_a_restart() {
     assert_eq!(setup.exit_code, 0, "{setup:?}");
     let before = hashes(&c, &id).await;
     let bg = c
-        .run_background(
-            &id,
-            &RunCommandRequest {
-                argv: vec!["sleep".into(), "1000".into()],
-                ..Default::default()
-            },
-        )
+        .run_background(&id, &command(&["sleep", "1000"]))
         .await
         .unwrap();
     for round in 0..3 {
@@ -245,10 +212,8 @@ async fn hibernation_keeps_files_ends_processes_and_survives_a_restart() {
         assert!(wait_no_leftovers(&d, &id).await.is_empty(), "round {round}");
         if round == 1 {
             // A hibernated sandbox survives a daemon restart.
-            let port = d.port;
             d.stop();
-            let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
-            d = Daemon::start_in(data, port).await;
+            d = d.restart().start().await;
         }
         let c = d.client();
         assert_eq!(c.get_sandbox(&id).await.unwrap().state, "hibernated");
@@ -344,8 +309,10 @@ async fn idle_sandboxes_pause_and_wake_on_the_next_call_and_keepalive_holds_them
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn timeouts_pause_or_kill_and_paused_sandboxes_hibernate_later() {
-    let d =
-        daemon_with_config("[lifecycle]\nhibernate_after_secs = 2\nmax_lifetime_secs = 40\n").await;
+    let d = Daemon::builder()
+        .config_file("[lifecycle]\nhibernate_after_secs = 2\nmax_lifetime_secs = 40\n")
+        .start()
+        .await;
     let c = d.client();
     let pausing = create(
         &c,
@@ -376,8 +343,7 @@ async fn timeouts_pause_or_kill_and_paused_sandboxes_hibernate_later() {
     let woke = c.resume(&pausing).await.unwrap();
     assert_eq!(woke.state, "running");
     assert!(
-        woke.expires_at_ms > sandpit_tests_now_ms()
-            && woke.expires_at_ms < sandpit_tests_now_ms() + 10_000,
+        woke.expires_at_ms > now_ms() && woke.expires_at_ms < now_ms() + 10_000,
         "a resume gives the timeout again: {}",
         woke.expires_at_ms
     );
@@ -394,16 +360,12 @@ async fn timeouts_pause_or_kill_and_paused_sandboxes_hibernate_later() {
     d.shutdown().await;
 }
 
-fn sandpit_tests_now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as i64
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_maximum_lifetime_ends_any_sandbox() {
-    let d = daemon_with_config("[lifecycle]\nmax_lifetime_secs = 3\n").await;
+    let d = Daemon::builder()
+        .config_file("[lifecycle]\nmax_lifetime_secs = 3\n")
+        .start()
+        .await;
     let c = d.client();
     let id = create(&c, CreateSandboxRequest::default()).await;
     let mut gone = false;
@@ -598,11 +560,7 @@ struct S3Server {
 
 impl S3Server {
     async fn start() -> S3Server {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = free_port();
         let bin = sandpit_tests::test_tool("moto_server");
         let child = std::process::Command::new(bin)
             .args(["-H", "127.0.0.1", "-p", &port.to_string()])
@@ -612,7 +570,7 @@ impl S3Server {
             .expect("start moto_server (scripts/setup.sh --test installs it)");
         // Killed and waited for on drop, also when it never comes up.
         let server = S3Server { child, port };
-        let http = reqwest::Client::new();
+        let http = http();
         let url = format!("http://127.0.0.1:{port}/snapshots-bucket");
         for _ in 0..300 {
             if http
@@ -640,13 +598,15 @@ impl Drop for S3Server {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn snapshot_chains_restore_identical_files_from_an_s3_store() {
     let s3 = S3Server::start().await;
-    let d = daemon_with_config(&format!(
-        "[snapshots]\nkind = \"s3\"\nbucket = \"snapshots-bucket\"\nprefix = \"test/run\"\n\
+    let d = Daemon::builder()
+        .config_file(&format!(
+            "[snapshots]\nkind = \"s3\"\nbucket = \"snapshots-bucket\"\nprefix = \"test/run\"\n\
          endpoint = \"http://127.0.0.1:{}\"\nregion = \"us-east-1\"\naccess_key_id = \"test\"\n\
          secret_access_key = \"test\"\nallow_http = true\n",
-        s3.port
-    ))
-    .await;
+            s3.port
+        ))
+        .start()
+        .await;
     snapshot_chain_restores_exact_files(&d).await;
     // Nothing went to the local directory.
     let local = d.data.path().join("snapshots");
@@ -662,13 +622,7 @@ async fn forks_are_independent_copies_with_their_own_processes_and_limits() {
     sh(&c, &src, "mkdir -p /home/user/data && echo parent > /home/user/data/f && head -c 1000000 /dev/urandom > /home/user/data/big").await;
     let want = hashes(&c, &src).await;
     let bg = c
-        .run_background(
-            &src,
-            &RunCommandRequest {
-                argv: vec!["sleep".into(), "1000".into()],
-                ..Default::default()
-            },
-        )
+        .run_background(&src, &command(&["sleep", "1000"]))
         .await
         .unwrap();
     let copies = c
@@ -786,12 +740,9 @@ async fn a_wake_cut_short_by_a_crash_leaves_the_sandbox_hibernated_with_its_file
     sh(&c, &id, "echo survived > /home/user/f").await;
     assert_eq!(c.hibernate(&id).await.unwrap().state, "hibernated");
     // As if the daemon died in the middle of a wake: the record says `creating`.
-    let port = d.port;
     d.kill9();
     {
-        let store = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-            .await
-            .unwrap();
+        let store = d.store().await;
         let moved = store
             .transition(
                 &id,
@@ -803,8 +754,7 @@ async fn a_wake_cut_short_by_a_crash_leaves_the_sandbox_hibernated_with_its_file
             .unwrap();
         assert!(moved.is_some());
     }
-    let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
-    let d = Daemon::start_in(data, port).await;
+    let d = d.restart().start().await;
     let c = d.client();
     assert_eq!(c.get_sandbox(&id).await.unwrap().state, "hibernated");
     assert_eq!(sh(&c, &id, "cat /home/user/f").await.stdout, "survived\n");
@@ -877,18 +827,13 @@ async fn a_template_built_from_a_snapshot_of_setup_commands_gives_every_sandbox_
         .await
         .unwrap();
     let name = format!("steps-{src}");
+    let source = sandpit_api::TemplateSourceSpec::Snapshot {
+        snapshot: snap.id.clone(),
+        base: None,
+    };
     let req = sandpit_api::BuildTemplateRequest {
-        name: name.clone(),
-        source: sandpit_api::TemplateSourceSpec::Snapshot {
-            snapshot: snap.id.clone(),
-            base: None,
-        },
-        default_user: None,
-        workdir: None,
-        env: Default::default(),
-        start_cmd: None,
         ready_cmd: Some("test -x /opt/tool/run".into()),
-        ready_timeout_secs: None,
+        ..template_build(&name, source)
     };
     c.build_template(&req).await.unwrap();
     assert_eq!(built(&c, &name).await, "ready");
@@ -1043,10 +988,8 @@ async fn stored_archives_no_record_names_are_swept_at_start_and_deletes_leave_no
     plant("snapdeadbeef", Duration::from_secs(3600));
     plant("snapfresh", Duration::ZERO);
     std::fs::write(store.join("not-ours.txt"), "x").unwrap();
-    let port = d.port;
     d.stop();
-    let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
-    let d = Daemon::start_in(data, port).await;
+    let d = d.restart().start().await;
     assert!(
         !store.join("snapdeadbeef").exists(),
         "an old orphan is swept"

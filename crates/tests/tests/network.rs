@@ -7,67 +7,22 @@
 use sandpit_api::network::{
     NetworkMode, NetworkPolicy, NetworkRule, PortSpec, RuleAction, Verdict,
 };
-use sandpit_api::{CreateSandboxRequest, ForkRequest, LimitsSpec, NetworkAuditEntry};
+use sandpit_api::{CreateSandboxRequest, ForkRequest, NetworkAuditEntry};
 use sandpit_client::Client;
 use sandpit_tests::netfix::{Upstream, links_with_prefix, nft_table_exists};
-use sandpit_tests::{Daemon, sh};
+use sandpit_tests::{
+    Daemon, allow_domain, audit_entries, create_small, http, network_rule, sh, small,
+};
 use std::time::Duration;
-
-fn small() -> LimitsSpec {
-    LimitsSpec {
-        memory_bytes: Some(256 << 20),
-        ..Default::default()
-    }
-}
-
-fn rule(action: RuleAction) -> NetworkRule {
-    NetworkRule {
-        action,
-        domain: None,
-        cidr: None,
-        ports: vec![],
-        overrides: false,
-        name: None,
-    }
-}
-
-fn allow_domain(d: &str) -> NetworkRule {
-    NetworkRule {
-        domain: Some(d.into()),
-        ..rule(RuleAction::Allow)
-    }
-}
 
 fn policy(mode: NetworkMode, rules: Vec<NetworkRule>) -> NetworkPolicy {
     NetworkPolicy { mode, rules }
 }
 
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
-}
-
 /// A daemon whose data directory holds a config using `up` as its DNS upstream (so that
 /// a restart on the same directory keeps it).
 async fn daemon(up: &Upstream, extra: &str) -> Daemon {
-    let data = tempfile::Builder::new()
-        .prefix("sandpit-test-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    std::fs::write(data.path().join("config.toml"), up.config(extra)).unwrap();
-    Daemon::start_in(data, free_port()).await
-}
-
-async fn create(c: &Client, network: Option<NetworkPolicy>) -> String {
-    c.create_sandbox(&CreateSandboxRequest {
-        limits: small(),
-        timeout: Some(600),
-        network,
-        ..Default::default()
-    })
-    .await
-    .expect("create sandbox")
-    .id
+    Daemon::builder().config(&up.config(extra)).start().await
 }
 
 /// `curl` in the sandbox: "CODE rc=N" (000 when no HTTP answer came).
@@ -137,13 +92,6 @@ async fn gateway_of(c: &Client, id: &str) -> String {
         .to_string()
 }
 
-async fn audit(c: &Client, id: &str) -> Vec<NetworkAuditEntry> {
-    c.network_audit(&[("sandbox", id.to_string()), ("limit", "1000".into())])
-        .await
-        .expect("audit")
-        .items
-}
-
 /// The audit entry `f` picks, waiting a little for connections still closing.
 async fn entry(
     c: &Client,
@@ -152,12 +100,15 @@ async fn entry(
     f: impl Fn(&NetworkAuditEntry) -> bool,
 ) -> NetworkAuditEntry {
     for _ in 0..50 {
-        if let Some(e) = audit(c, id).await.into_iter().find(|e| f(e)) {
+        if let Some(e) = audit_entries(c, id).await.into_iter().find(|e| f(e)) {
             return e;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    panic!("no audit entry for {what}: {:#?}", audit(c, id).await);
+    panic!(
+        "no audit entry for {what}: {:#?}",
+        audit_entries(c, id).await
+    );
 }
 
 /// The host's first global IPv4 address that is not a test link's.
@@ -215,34 +166,34 @@ async fn allowlist_rules_bypasses_blocked_ranges_rebinding_and_audit() {
             NetworkRule {
                 domain: Some("*.svc.test".into()),
                 ports: vec![PortSpec::One(443)],
-                ..rule(RuleAction::Allow)
+                ..network_rule(RuleAction::Allow)
             },
             NetworkRule {
                 cidr: Some(format!("{}/28", up.ip2(0))),
                 ports: vec![PortSpec::Range("7000-7001".into())],
-                ..rule(RuleAction::Allow)
+                ..network_rule(RuleAction::Allow)
             },
             allow_domain("rebind.test"),
             allow_domain("private.test"),
             allow_domain("meta.test"),
             NetworkRule {
                 domain: Some("denied.svc.test".into()),
-                ..rule(RuleAction::Deny)
+                ..network_rule(RuleAction::Deny)
             },
             NetworkRule {
                 domain: Some("special.svc.test".into()),
-                ..rule(RuleAction::Deny)
+                ..network_rule(RuleAction::Deny)
             },
             NetworkRule {
                 domain: Some("special.svc.test".into()),
                 ports: vec![PortSpec::One(443)],
                 overrides: true,
                 name: Some("special exception".into()),
-                ..rule(RuleAction::Allow)
+                ..network_rule(RuleAction::Allow)
             },
         ],
     );
-    let id = create(&c, Some(p.clone())).await;
+    let id = create_small(&c, Some(p.clone())).await;
     assert_eq!(c.get_sandbox(&id).await.unwrap().network, Some(p.clone()));
     assert_eq!(c.get_network(&id).await.unwrap(), p);
 
@@ -338,7 +289,7 @@ async fn allowlist_rules_bypasses_blocked_ranges_rebinding_and_audit() {
     assert_eq!(curl(&c, &id, "http://172.16.0.1/").await, "403 rc=0");
     assert_eq!(curl(&c, &id, "http://192.168.1.1/").await, "403 rc=0");
     assert_eq!(curl(&c, &id, "http://100.64.0.1/").await, "403 rc=0");
-    let neighbour = create(&c, Some(policy(NetworkMode::Open, vec![]))).await;
+    let neighbour = create_small(&c, Some(policy(NetworkMode::Open, vec![]))).await;
     sh(
         &c,
         &neighbour,
@@ -364,7 +315,7 @@ async fn allowlist_rules_bypasses_blocked_ranges_rebinding_and_audit() {
             vec![NetworkRule {
                 cidr: Some("0.0.0.0/0".into()),
                 overrides: true,
-                ..rule(RuleAction::Allow)
+                ..network_rule(RuleAction::Allow)
             }],
         ),
     )
@@ -487,11 +438,7 @@ async fn allowlist_rules_bypasses_blocked_ranges_rebinding_and_audit() {
             .is_err()
     );
     // Another owner sees none of it.
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
-    let (_, other_key) = db.create_api_key("mallory", "test").await.unwrap();
-    let other = Client::new(&d.url, Some(other_key)).unwrap();
+    let other = d.owner("mallory").await;
     assert!(other.network_audit(&[]).await.unwrap().items.is_empty());
     assert_eq!(
         other.get_network(&id).await.unwrap_err().status(),
@@ -502,7 +449,7 @@ async fn allowlist_rules_bypasses_blocked_ranges_rebinding_and_audit() {
         Some(404)
     );
     // Egress counts in the usage.
-    let usage: serde_json::Value = reqwest::Client::new()
+    let usage: serde_json::Value = http()
         .get(format!("{}/v1/sandboxes/{id}/usage", d.url))
         .bearer_auth(&d.key)
         .send()
@@ -521,7 +468,7 @@ async fn live_policy_changes_none_mode_and_bad_policies() {
     let d = daemon(&up, "").await;
     let c = d.client();
     // The default mode is `none`: no route at all.
-    let id = create(&c, None).await;
+    let id = create_small(&c, None).await;
     assert_eq!(
         c.get_network(&id).await.unwrap(),
         policy(NetworkMode::None, vec![])
@@ -551,11 +498,11 @@ async fn live_policy_changes_none_mode_and_bad_policies() {
             vec![
                 NetworkRule {
                     cidr: Some(format!("{}/32", up.ip(3))),
-                    ..rule(RuleAction::Deny)
+                    ..network_rule(RuleAction::Deny)
                 },
                 NetworkRule {
                     domain: Some("other.test".into()),
-                    ..rule(RuleAction::Deny)
+                    ..network_rule(RuleAction::Deny)
                 },
             ],
         ),
@@ -628,7 +575,7 @@ async fn live_policy_changes_none_mode_and_bad_policies() {
         serde_json::json!({"mode": "allowlist", "rules": [{"action": "deny", "domain": "x.test", "override": true}]}),
         serde_json::json!({"mode": "open", "extra": 1}),
     ] {
-        let r = reqwest::Client::new()
+        let r = http()
             .put(format!("{}/v1/sandboxes/{id}/network", d.url))
             .bearer_auth(&d.key)
             .json(&bad)
@@ -645,7 +592,7 @@ async fn live_policy_changes_none_mode_and_bad_policies() {
         .create_sandbox(&CreateSandboxRequest {
             network: Some(policy(
                 NetworkMode::Allowlist,
-                vec![rule(RuleAction::Allow)],
+                vec![network_rule(RuleAction::Allow)],
             )),
             ..Default::default()
         })
@@ -665,7 +612,7 @@ async fn the_policy_survives_pause_hibernation_fork_snapshot_and_restart() {
     let mut d = daemon(&up, "").await;
     let c = d.client();
     let p = policy(NetworkMode::Allowlist, vec![allow_domain("allowed.test")]);
-    let id = create(&c, Some(p.clone())).await;
+    let id = create_small(&c, Some(p.clone())).await;
     let works = |c: Client, id: String| async move {
         assert_eq!(
             curl(&c, &id, "http://allowed.test/").await,
@@ -718,10 +665,7 @@ async fn the_policy_survives_pause_hibernation_fork_snapshot_and_restart() {
 
     // A restart re-adopts the sandbox with its link and policy.
     d.stop();
-    let port = d.port;
-    let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
-    drop(d);
-    let d = Daemon::start_in(data, port).await;
+    let d = d.restart().start().await;
     let c = d.client();
     assert_eq!(c.get_network(&id).await.unwrap(), p);
     works(c.clone(), id.clone()).await;
@@ -738,12 +682,12 @@ async fn nothing_is_left_after_delete_kill9_and_restart() {
     assert!(nft_table_exists(&table));
     // The pool's two, ready ahead.
     assert_eq!(wait_links(&prefix, 2).await.len(), 2);
-    let a = create(&c, None).await;
+    let a = create_small(&c, None).await;
     assert_eq!(wait_links(&prefix, 3).await.len(), 3);
     c.delete_sandbox(&a).await.unwrap();
     assert_eq!(wait_links(&prefix, 2).await.len(), 2);
 
-    let b = create(
+    let b = create_small(
         &c,
         Some(policy(
             NetworkMode::Allowlist,
@@ -778,10 +722,7 @@ async fn nothing_is_left_after_delete_kill9_and_restart() {
         .output()
         .unwrap();
     assert!(out.status.success());
-    let port = d.port;
-    let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
-    drop(d);
-    let d = Daemon::start_in(data, port).await;
+    let d = d.restart().start().await;
     let c = d.client();
     assert!(!nft_table_exists(stale));
     let links = wait_links(&prefix, 3).await;
@@ -818,7 +759,7 @@ async fn operator_exceptions_and_networking_off() {
     )
     .await;
     let c = d.client();
-    let id = create(&c, None).await;
+    let id = create_small(&c, None).await;
     assert_eq!(c.get_network(&id).await.unwrap().mode, NetworkMode::Open);
     // Only resolution: nothing is sent to the private address.
     let r = sh(&c, &id, "getent hosts private.test").await;
@@ -826,18 +767,12 @@ async fn operator_exceptions_and_networking_off() {
     assert_eq!(curl(&c, &id, "http://allowed.test/").await, "200 rc=0");
     d.shutdown().await;
 
-    let data = tempfile::Builder::new()
-        .prefix("sandpit-test-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    std::fs::write(
-        data.path().join("config.toml"),
-        "[network]\nenabled = false\n",
-    )
-    .unwrap();
-    let d = Daemon::start_in(data, free_port()).await;
+    let d = Daemon::builder()
+        .config("[network]\nenabled = false\n")
+        .start()
+        .await;
     let c = d.client();
-    let id = create(&c, None).await;
+    let id = create_small(&c, None).await;
     let devs = sh(&c, &id, "cat /proc/net/dev").await.stdout;
     assert!(devs.contains("lo:") && !devs.contains("eth0"), "{devs}");
     assert_eq!(c.get_sandbox(&id).await.unwrap().network, None);
@@ -859,7 +794,7 @@ async fn the_audit_streams_live() {
     let up = Upstream::start(&[("allowed.test", "@2")]);
     let d = daemon(&up, "").await;
     let c = d.client();
-    let id = create(
+    let id = create_small(
         &c,
         Some(policy(
             NetworkMode::Allowlist,
@@ -867,7 +802,7 @@ async fn the_audit_streams_live() {
         )),
     )
     .await;
-    let resp = reqwest::Client::new()
+    let resp = http()
         .get(format!("{}/v1/network/audit/stream?sandbox={id}", d.url))
         .bearer_auth(&d.key)
         .send()

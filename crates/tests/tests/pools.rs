@@ -3,16 +3,18 @@
 
 use sandpit_api::{CreateSandboxRequest, LimitsSpec, PoolSpec, RunCommandRequest};
 use sandpit_client::Client;
-use sandpit_tests::{Daemon, leftovers, sh, tmpfs_mounted_on, wait_no_leftovers};
+use sandpit_tests::{
+    Daemon, error_status, leftovers, memory_limit, sandboxes, sh, tmpfs_mounted_on,
+    wait_no_leftovers,
+};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 /// Limits of the pools under test (small, and distinct from the defaults).
 fn small() -> LimitsSpec {
     LimitsSpec {
-        memory_bytes: Some(128 << 20),
         max_processes: Some(128),
-        ..Default::default()
+        ..memory_limit(128)
     }
 }
 
@@ -41,9 +43,7 @@ async fn wait_ready(c: &Client, name: &str, n: u32) {
 
 /// Ids of a pool's idle sandboxes, read from the store (they belong to no API owner).
 async fn idle_members(d: &Daemon, name: &str) -> BTreeSet<String> {
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
+    let db = d.store().await;
     let ids = db
         .pool_members(name)
         .await
@@ -194,20 +194,10 @@ async fn concurrent_creates_never_share_a_sandbox() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pools_survive_a_restart_and_follow_the_config_file() {
-    let data = tempfile::Builder::new()
-        .prefix("sandpit-test-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    std::fs::write(
-        data.path().join("config.toml"),
-        "[[pools]]\nname = \"fromfile\"\nsize = 1\nlimits = { memory_bytes = 134217728, max_processes = 128 }\n",
-    )
-    .unwrap();
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let mut d = Daemon::start_in(data, port).await;
+    let mut d = Daemon::builder()
+        .config("[[pools]]\nname = \"fromfile\"\nsize = 1\nlimits = { memory_bytes = 134217728, max_processes = 128 }\n")
+        .start()
+        .await;
     let c = d.client();
     let p = c.get_pool("fromfile").await.unwrap();
     assert_eq!((p.source.as_str(), p.size), ("config", 1));
@@ -229,9 +219,7 @@ async fn pools_survive_a_restart_and_follow_the_config_file() {
 
     // A clean stop leaves idle members running; the next start adopts them.
     d.stop();
-    let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
-    drop(d);
-    let d = Daemon::start_in(data, port).await;
+    let d = d.restart().start().await;
     let c = d.client();
     let p = c.get_pool("byapi").await.unwrap();
     assert_eq!((p.ready, p.source.as_str()), (2, "api"));
@@ -262,9 +250,7 @@ async fn pools_survive_a_restart_and_follow_the_config_file() {
         "[[pools]]\nname = \"fromfile\"\nsize = 1\nlimits = { memory_bytes = 100663296, max_processes = 128 }\n",
     )
     .unwrap();
-    let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
-    drop(d);
-    let mut d = Daemon::start_in(data, port).await;
+    let mut d = d.restart().start().await;
     let c = d.client();
     assert_eq!(
         c.get_pool("fromfile").await.unwrap().limits.memory_bytes,
@@ -280,9 +266,7 @@ async fn pools_survive_a_restart_and_follow_the_config_file() {
     // The pool leaves the config file: at the next start it goes, with its sandbox.
     d.stop();
     std::fs::write(d.data.path().join("config.toml"), "").unwrap();
-    let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
-    drop(d);
-    let d = Daemon::start_in(data, port).await;
+    let d = d.restart().start().await;
     let c = d.client();
     assert_eq!(
         c.get_pool("fromfile").await.unwrap_err().status(),
@@ -299,23 +283,20 @@ async fn pools_survive_a_restart_and_follow_the_config_file() {
 async fn pool_requests_are_checked() {
     let d = Daemon::start().await;
     let c = d.client();
-    let status = |r: Result<sandpit_api::Pool, sandpit_client::ClientError>| {
-        r.expect_err("refused").status()
-    };
     let bad_name = PoolSpec {
         name: "../x".into(),
         ..pool("x", 1)
     };
-    assert_eq!(status(c.create_pool(&bad_name).await), Some(400));
+    assert_eq!(error_status(c.create_pool(&bad_name).await), Some(400));
     assert_eq!(
-        status(c.create_pool(&pool("big", 100_000)).await),
+        error_status(c.create_pool(&pool("big", 100_000)).await),
         Some(400)
     );
     let bad_template = PoolSpec {
         template: Some("nope".into()),
         ..pool("t", 1)
     };
-    assert_eq!(status(c.create_pool(&bad_template).await), Some(400));
+    assert_eq!(error_status(c.create_pool(&bad_template).await), Some(400));
     let bad_limits = PoolSpec {
         limits: LimitsSpec {
             memory_bytes: Some(1),
@@ -323,31 +304,32 @@ async fn pool_requests_are_checked() {
         },
         ..pool("l", 1)
     };
-    assert_eq!(status(c.create_pool(&bad_limits).await), Some(400));
+    assert_eq!(error_status(c.create_pool(&bad_limits).await), Some(400));
     let process = PoolSpec {
         runtime: Some("process".into()),
         ..pool("p", 1)
     };
-    assert_eq!(status(c.create_pool(&process).await), Some(403));
+    assert_eq!(error_status(c.create_pool(&process).await), Some(403));
     c.create_pool(&pool("one", 1)).await.unwrap();
-    assert_eq!(status(c.create_pool(&pool("one", 1)).await), Some(409));
-    // A second pool of the same kind would make claims ambiguous.
     assert_eq!(
-        status(c.create_pool(&pool("same-kind", 1)).await),
+        error_status(c.create_pool(&pool("one", 1)).await),
         Some(409)
     );
-    assert_eq!(status(c.resize_pool("nope", 1).await), Some(404));
+    // A second pool of the same kind would make claims ambiguous.
+    assert_eq!(
+        error_status(c.create_pool(&pool("same-kind", 1)).await),
+        Some(409)
+    );
+    assert_eq!(error_status(c.resize_pool("nope", 1).await), Some(404));
     assert_eq!(c.delete_pool("nope").await.unwrap_err().status(), Some(404));
 
     // Only the admin key manages pools; any key may read them.
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
-    let (_, key) = db.create_api_key("mallory", "test").await.unwrap();
-    db.close().await;
-    let other = Client::new(&d.url, Some(key)).unwrap();
-    assert_eq!(status(other.create_pool(&pool("m", 1)).await), Some(403));
-    assert_eq!(status(other.resize_pool("one", 5).await), Some(403));
+    let other = d.owner("mallory").await;
+    assert_eq!(
+        error_status(other.create_pool(&pool("m", 1)).await),
+        Some(403)
+    );
+    assert_eq!(error_status(other.resize_pool("one", 5).await), Some(403));
     assert_eq!(
         other.delete_pool("one").await.unwrap_err().status(),
         Some(403)
@@ -419,14 +401,7 @@ async fn the_default_user_applies_to_claimed_and_cold_sandboxes() {
         c.create_sandbox(&bad).await.unwrap_err().status(),
         Some(400)
     );
-    assert_eq!(
-        c.list_sandboxes(None, &[], None, None)
-            .await
-            .unwrap()
-            .items
-            .len(),
-        2
-    );
+    assert_eq!(sandboxes(&c).await.len(), 2);
     d.shutdown().await;
 }
 

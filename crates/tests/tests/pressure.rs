@@ -1,23 +1,8 @@
 //! The daemon under resource pressure: running out of file descriptors must refuse new
 //! work, never tear down the sandboxes that already run.
 
-use sandpit_api::LimitsSpec;
-use sandpit_tests::{Daemon, sh};
+use sandpit_tests::{Daemon, memory_limit, open_fds, sh};
 use std::time::{Duration, Instant};
-
-/// Open descriptors of process `pid`.
-fn fd_count(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|d| d.count())
-        .unwrap_or(0)
-}
-
-fn small() -> LimitsSpec {
-    LimitsSpec {
-        memory_bytes: Some(128 << 20),
-        ..Default::default()
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn running_out_of_descriptors_stops_no_sandbox() {
@@ -25,19 +10,17 @@ async fn running_out_of_descriptors_stops_no_sandbox() {
     // The listener's connection caps would stop the connections below long before the
     // descriptors run out: set above the limit, they let this test reach the liveness
     // sweep's second line of defence.
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = dir.path().join("config.toml");
-    std::fs::write(
-        &cfg,
-        "[http]\nmax_connections = 4096\nmax_connections_per_ip = 4096\nheader_read_timeout_secs = 120\n",
-    )
-    .expect("write the config");
-    let cfg = cfg.to_str().expect("utf-8 path");
-    let d = Daemon::start_with_fd_limit(LIMIT, &["--config", cfg]).await;
-    let pid = d.child.as_ref().expect("daemon child").id();
+    let d = Daemon::builder()
+        .config_file(
+            "[http]\nmax_connections = 4096\nmax_connections_per_ip = 4096\nheader_read_timeout_secs = 120\n",
+        )
+        .fd_limit(LIMIT)
+        .start()
+        .await;
+    let pid = d.pid();
     let c = d.client();
-    let a = d.sandbox(small()).await;
-    let b = d.sandbox(small()).await;
+    let a = d.sandbox(memory_limit(128)).await;
+    let b = d.sandbox(memory_limit(128)).await;
     assert_eq!(sh(&c, &a, "echo up").await.stdout, "up\n");
 
     // Plain TCP connections to the daemon's listener, never finishing a request, until
@@ -45,7 +28,7 @@ async fn running_out_of_descriptors_stops_no_sandbox() {
     // count and time; all are closed when `held` goes.
     let mut held = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(10);
-    while fd_count(pid) + 2 < LIMIT as usize && Instant::now() < deadline && held.len() < 4000 {
+    while open_fds(pid) + 2 < LIMIT as usize && Instant::now() < deadline && held.len() < 4000 {
         for _ in 0..16 {
             if let Ok(s) = tokio::net::TcpStream::connect(("127.0.0.1", d.port)).await {
                 held.push(s);
@@ -54,15 +37,15 @@ async fn running_out_of_descriptors_stops_no_sandbox() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     assert!(
-        fd_count(pid) + 2 >= LIMIT as usize,
+        open_fds(pid) + 2 >= LIMIT as usize,
         "the daemon's descriptors never ran out ({} of {LIMIT} after {} connections)",
-        fd_count(pid),
+        open_fds(pid),
         held.len()
     );
     // The liveness sweep runs every second: give it several passes while nothing can be
     // opened, /proc included.
     tokio::time::sleep(Duration::from_secs(4)).await;
-    let full_for_the_sweep = fd_count(pid) + 2 >= LIMIT as usize;
+    let full_for_the_sweep = open_fds(pid) + 2 >= LIMIT as usize;
     drop(held);
 
     // Back to normal: both sandboxes must still be the ones that ran before.

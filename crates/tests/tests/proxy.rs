@@ -7,9 +7,11 @@
 use base64::Engine;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty, Full};
-use sandpit_api::{CreateSandboxRequest, RunCommandRequest, Sandbox};
+use sandpit_api::{CreateSandboxRequest, RunCommandRequest};
 use sandpit_client::Client;
-use sandpit_tests::{Daemon, sh};
+use sandpit_tests::{
+    Daemon, connect_envelope, create, free_port, http, now_ms, port_host, wait_listening,
+};
 use sha2::{Digest, Sha256};
 use std::time::Duration;
 
@@ -93,26 +95,6 @@ const ECHO_PORT: u16 = 9000;
 const FILE_PORT: u16 = 8000;
 const MARKER: &str = "proxied-marker-7f3a";
 
-fn http() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
-
-fn host(d: &Daemon, port: u16, id: &str) -> String {
-    format!("{port}-{id}.sandpit.localhost:{}", d.port)
-}
-
-async fn wait_listening(c: &Client, id: &str, port: u16) {
-    let r = sh(
-        c,
-        id,
-        &format!(
-            "for i in $(seq 400); do (exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null && exit 0; sleep 0.05; done; exit 1"
-        ),
-    )
-    .await;
-    assert_eq!(r.exit_code, 0, "nothing listens on {port}: {}", r.stderr);
-}
-
 /// Starts python's http.server on 127.0.0.1 only (serving a file holding [`MARKER`]) and
 /// the echo server on every address.
 async fn start_servers(c: &Client, id: &str) {
@@ -149,15 +131,6 @@ async fn start_servers(c: &Client, id: &str) {
     wait_listening(c, id, ECHO_PORT).await;
 }
 
-async fn create(c: &Client, req: CreateSandboxRequest) -> Sandbox {
-    c.create_sandbox(&CreateSandboxRequest {
-        timeout: Some(600),
-        ..req
-    })
-    .await
-    .unwrap()
-}
-
 async fn json_of(r: reqwest::Response) -> (u16, serde_json::Value) {
     let status = r.status().as_u16();
     let text = r.text().await.unwrap();
@@ -175,7 +148,7 @@ async fn get_by_host(
 ) -> reqwest::Response {
     let mut r = http()
         .get(format!("{}{path}", d.url))
-        .header("host", host(d, port, id));
+        .header("host", port_host(d, port, id));
     for (k, v) in headers {
         r = r.header(*k, *v);
     }
@@ -197,13 +170,6 @@ fn now_secs() -> i64 {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_secs() as i64
-}
-
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as i64
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -272,7 +238,7 @@ async fn private_ports_by_host_and_header_with_tokens_and_signed_urls() {
     let payload = vec![7u8; 300_000];
     let r = http()
         .post(format!("{}/upload", d.url))
-        .header("host", host(&d, ECHO_PORT, &id))
+        .header("host", port_host(&d, ECHO_PORT, &id))
         .header("e2b-traffic-access-token", &traffic)
         .body(payload.clone())
         .send()
@@ -331,7 +297,7 @@ async fn private_ports_by_host_and_header_with_tokens_and_signed_urls() {
     )
     .await;
     assert_eq!(status, 200, "{signed}");
-    assert_eq!(signed["host"], host(&d, ECHO_PORT, &id));
+    assert_eq!(signed["host"], port_host(&d, ECHO_PORT, &id));
     let url = signed["url"].as_str().unwrap();
     let path_and_query = url
         .split_once(&signed["host"].as_str().unwrap().to_string())
@@ -495,7 +461,7 @@ async fn public_sandboxes_websockets_and_502s() {
             .unwrap();
         if by_host {
             req.headers_mut()
-                .insert("host", host(&d, ECHO_PORT, &id).parse().unwrap());
+                .insert("host", port_host(&d, ECHO_PORT, &id).parse().unwrap());
         } else {
             req.headers_mut()
                 .insert("e2b-sandbox-id", id.parse().unwrap());
@@ -533,7 +499,7 @@ async fn public_sandboxes_websockets_and_502s() {
         .into_client_request()
         .unwrap();
     req.headers_mut()
-        .insert("host", host(&d, ECHO_PORT, &id).parse().unwrap());
+        .insert("host", port_host(&d, ECHO_PORT, &id).parse().unwrap());
     assert!(tokio_tungstenite::connect_async(req).await.is_err());
 
     // Nothing listens: 502 naming the port, in both forms.
@@ -620,14 +586,6 @@ fn envelopes(mut body: &[u8]) -> Vec<(u8, serde_json::Value)> {
     out
 }
 
-fn envelope(v: &serde_json::Value) -> Vec<u8> {
-    let msg = v.to_string().into_bytes();
-    let mut out = vec![0u8];
-    out.extend((msg.len() as u32).to_be_bytes());
-    out.extend(msg);
-    out
-}
-
 fn user_basic() -> String {
     format!(
         "Basic {}",
@@ -692,7 +650,7 @@ async fn envd_through_the_proxy() {
     // By host name too, and /health.
     let r = http()
         .get(format!("{}/health", d.url))
-        .header("host", host(&d, 49983, &id))
+        .header("host", port_host(&d, 49983, &id))
         .header("x-access-token", &token)
         .send()
         .await
@@ -705,11 +663,11 @@ async fn envd_through_the_proxy() {
     });
     let r = http()
         .post(format!("{}/process.Process/Start", d.url))
-        .header("host", host(&d, 49983, &id))
+        .header("host", port_host(&d, 49983, &id))
         .header("x-access-token", &token)
         .header("authorization", user_basic())
         .header("content-type", "application/connect+json")
-        .body(envelope(&start))
+        .body(connect_envelope(&start))
         .send()
         .await
         .unwrap();
@@ -762,7 +720,7 @@ async fn envd_through_the_proxy() {
     );
     let r = http()
         .post(files_url(&wsig, exp))
-        .header("host", host(&d, 49983, &id))
+        .header("host", port_host(&d, 49983, &id))
         .multipart(form)
         .send()
         .await
@@ -784,7 +742,7 @@ async fn envd_through_the_proxy() {
     // expiry (E2B allows those) reads.
     let r = http()
         .get(files_url(&wsig, exp))
-        .header("host", host(&d, 49983, &id))
+        .header("host", port_host(&d, 49983, &id))
         .send()
         .await
         .unwrap();
@@ -793,7 +751,7 @@ async fn envd_through_the_proxy() {
     let osig = e2b_file_signature(path, "read", "user", &token, Some(old));
     let r = http()
         .get(files_url(&osig, old))
-        .header("host", host(&d, 49983, &id))
+        .header("host", port_host(&d, 49983, &id))
         .send()
         .await
         .unwrap();
@@ -808,7 +766,7 @@ async fn envd_through_the_proxy() {
             )
             .unwrap(),
         )
-        .header("host", host(&d, 49983, &id))
+        .header("host", port_host(&d, 49983, &id))
         .send()
         .await
         .unwrap();
@@ -935,7 +893,11 @@ async fn envd_client_streaming_is_not_buffered() {
         "process": {"cmd": "/bin/bash", "args": ["-c", "read a; echo first-$a; read b; echo second-$b"]},
         "stdin": true
     });
-    let r = post("Start").body(envelope(&start)).send().await.unwrap();
+    let r = post("Start")
+        .body(connect_envelope(&start))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     let mut events = ConnectReader::new(r);
     let (_, first) = events.next().await.unwrap();
@@ -949,11 +911,11 @@ async fn envd_client_streaming_is_not_buffered() {
     let input = reqwest::Body::wrap_stream(futures::StreamExt::map(rx, Ok::<_, std::io::Error>));
     let sending = tokio::spawn(post("StreamInput").body(input).send());
     let data = |s: &str| {
-        envelope(&serde_json::json!({
+        connect_envelope(&serde_json::json!({
             "data": {"input": {"stdin": base64::engine::general_purpose::STANDARD.encode(s)}}
         }))
     };
-    tx.unbounded_send(envelope(
+    tx.unbounded_send(connect_envelope(
         &serde_json::json!({"start": {"process": {"pid": pid}}}),
     ))
     .unwrap();
@@ -1132,21 +1094,15 @@ async fn h2c_reaches_ports_envd_and_the_api() {
     start_servers(&c, &id).await;
 
     // HTTP/2 with prior knowledge on the daemon's one port.
-    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", d.port))
-        .await
-        .unwrap();
-    let (mut send, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(tcp),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let mut send = sandpit_tests::h2_connect(d.port).await;
     // A port by host name (HTTP/2 carries it as the authority).
-    let req = http::Request::get(format!("http://{}/index.html", host(&d, FILE_PORT, &id)))
-        .header("e2b-traffic-access-token", &traffic)
-        .body(Empty::<Bytes>::new().map_err(|e| match e {}).boxed())
-        .unwrap();
+    let req = http::Request::get(format!(
+        "http://{}/index.html",
+        port_host(&d, FILE_PORT, &id)
+    ))
+    .header("e2b-traffic-access-token", &traffic)
+    .body(Empty::<Bytes>::new().map_err(|e| match e {}).boxed())
+    .unwrap();
     let resp = send.send_request(req).await.unwrap();
     assert_eq!(resp.version(), http::Version::HTTP_2);
     assert_eq!(resp.status(), 200);
@@ -1184,7 +1140,10 @@ async fn h2c_reaches_ports_envd_and_the_api() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn process_runtime_ports_are_on_the_host_loopback() {
-    let d = Daemon::start_with(&["--allow-process-runtime"]).await;
+    let d = Daemon::builder()
+        .args(&["--allow-process-runtime"])
+        .start()
+        .await;
     let c = d.client();
     let sb = create(
         &c,
@@ -1198,10 +1157,7 @@ async fn process_runtime_ports_are_on_the_host_loopback() {
     )
     .await;
     assert!(sb.secure && !sb.public, "{sb:?}");
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let port = free_port();
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("index.html"), MARKER).unwrap();
     let req = RunCommandRequest {

@@ -7,7 +7,7 @@
 use bytes::Bytes;
 use sandpit_api::{CreateSandboxRequest, RunCommandRequest, Sandbox};
 use sandpit_client::Client;
-use sandpit_tests::{Daemon, sh};
+use sandpit_tests::{Daemon, http, port_host, sh, wait_listening};
 
 /// Answers every `GET` with the request's path and headers (each name with all its
 /// values, in order) as JSON.
@@ -37,33 +37,9 @@ ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 
 const ECHO_PORT: u16 = 9000;
 
-fn http() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
-
-fn host(d: &Daemon, port: u16, id: &str) -> String {
-    format!("{port}-{id}.sandpit.localhost:{}", d.port)
-}
-
+/// A sandbox with the default limits.
 async fn create(c: &Client) -> Sandbox {
-    c.create_sandbox(&CreateSandboxRequest {
-        timeout: Some(600),
-        ..Default::default()
-    })
-    .await
-    .unwrap()
-}
-
-async fn wait_listening(c: &Client, id: &str, port: u16) {
-    let r = sh(
-        c,
-        id,
-        &format!(
-            "for i in $(seq 400); do (exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null && exit 0; sleep 0.05; done; exit 1"
-        ),
-    )
-    .await;
-    assert_eq!(r.exit_code, 0, "nothing listens on {port}: {}", r.stderr);
+    sandpit_tests::create(c, CreateSandboxRequest::default()).await
 }
 
 async fn start_echo(c: &Client, id: &str) {
@@ -92,7 +68,7 @@ async fn get(
 ) -> (u16, serde_json::Value) {
     let mut r = http()
         .get(format!("{}{path}", d.url))
-        .header("host", host(d, port, id));
+        .header("host", port_host(d, port, id));
     for (k, v) in headers {
         r = r.header(*k, *v);
     }
@@ -216,7 +192,7 @@ async fn a_stuck_sandbox_listener_does_not_hold_up_other_sandboxes() {
     for _ in 0..140 {
         let (url, host, token, finished) = (
             d.url.clone(),
-            host(&d, STUCK_PORT, &stuck.id),
+            port_host(&d, STUCK_PORT, &stuck.id),
             stuck.traffic_access_token.clone().unwrap(),
             finished.clone(),
         );
@@ -292,8 +268,8 @@ async fn access_cookies_count_only_for_their_own_pages() {
     let exp = signed["expires_at"].as_i64().unwrap();
     let sig = form_urlencoded_value(signed["query"].as_str().unwrap(), "sandpit_signature");
     let cookie = format!("sandpit_port_access={exp}.{sig}");
-    let own = format!("http://{}", host(&d, ECHO_PORT, &sb.id));
-    let other = format!("http://{}", host(&d, 8080, &attacker.id));
+    let own = format!("http://{}", port_host(&d, ECHO_PORT, &sb.id));
+    let other = format!("http://{}", port_host(&d, 8080, &attacker.id));
 
     // The sandbox port's own pages, and a person opening it (a navigation), keep access.
     for headers in [
@@ -392,7 +368,7 @@ async fn no_request_form_reaches_a_secure_envd_without_its_token() {
     let id = sb.id.clone();
     let traffic = sb.traffic_access_token.clone().unwrap();
     let envd = sb.envd_access_token.clone().unwrap();
-    let envd_host = host(&d, 49983, &id);
+    let envd_host = port_host(&d, 49983, &id);
     let list = |extra: &str, target: &str, host: &str| {
         format!(
             "POST {target} HTTP/1.1\r\nHost: {host}\r\n{extra}Content-Type: application/json\r\n\
@@ -476,21 +452,12 @@ async fn no_request_form_reaches_a_secure_envd_without_its_token() {
         let req = list(
             &format!("E2B-Traffic-Access-Token: {traffic}\r\n"),
             target,
-            &host(&d, 49999, &id),
+            &port_host(&d, 49999, &id),
         );
         assert_eq!(raw_status(&d, &req).await, 404, "{target}");
     }
     // HTTP/2: the authority decides, not a Host header beside it.
-    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", d.port))
-        .await
-        .unwrap();
-    let (mut send, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(tcp),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let mut send = sandpit_tests::h2_connect(d.port).await;
     // (envd refuses without the token; the API has no such route)
     for (authority, host_header, want) in [
         (envd_host.clone(), api.clone(), 401),
@@ -524,7 +491,7 @@ async fn every_request_that_wakes_a_hibernated_sandbox_gets_through() {
     for _ in 0..100 {
         let (url, host, envd) = (
             format!("{}/files?path=/tmp/kept.txt", d.url),
-            host(&d, 49983, &sb.id),
+            port_host(&d, 49983, &sb.id),
             envd.clone(),
         );
         all.push(tokio::spawn(async move {

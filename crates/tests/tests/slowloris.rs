@@ -5,10 +5,12 @@
 //! timeout while silent requests and streams on other connections run on past it.
 
 use base64::Engine;
-use sandpit_api::{CommandEvent, CreateSandboxRequest, RunCommandRequest};
-use sandpit_tests::{Daemon, sh};
+use sandpit_api::{CommandEvent, CreateSandboxRequest};
+use sandpit_tests::{
+    Daemon, bash, connect_envelope, connect_from, http_from, open_fds, port_host, sh,
+};
 use std::future::Future;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::Ipv4Addr;
 use std::pin::pin;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -22,27 +24,15 @@ const TOTAL: usize = 100;
 /// Time allowed beyond a timeout for the daemon to act on it.
 const SLACK: Duration = Duration::from_secs(6);
 
+/// A daemon with the `[http]` timeouts and caps above.
 async fn daemon() -> Daemon {
-    let dir = tempfile::Builder::new()
-        .prefix("sandpit-test-http-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    let path = dir.path().join("config.toml");
-    std::fs::write(
-        &path,
-        format!(
+    Daemon::builder()
+        .config_file(&format!(
             "[http]\nheader_read_timeout_secs = {HEADER_SECS}\nidle_timeout_secs = {IDLE_SECS}\n\
              max_connections = {TOTAL}\nmax_connections_per_ip = {PER_IP}\n"
-        ),
-    )
-    .unwrap();
-    Daemon::start_with(&["--config", path.to_str().unwrap()]).await
-}
-
-fn open_fds(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|d| d.count())
-        .unwrap_or(0)
+        ))
+        .start()
+        .await
 }
 
 /// Runs `f` while sampling the daemon's open descriptors; returns its output and the most
@@ -59,14 +49,6 @@ async fn max_fds_during<T>(pid: u32, f: impl Future<Output = T>) -> (T, usize) {
     }
 }
 
-async fn connect_from(port: u16, from: Ipv4Addr) -> TcpStream {
-    let s = tokio::net::TcpSocket::new_v4().unwrap();
-    s.bind(SocketAddr::new(from.into(), 0)).unwrap();
-    s.connect(SocketAddr::new(Ipv4Addr::LOCALHOST.into(), port))
-        .await
-        .unwrap()
-}
-
 /// How a connection with a partial head ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum End {
@@ -81,7 +63,7 @@ enum End {
 /// Opens a connection from `from`, sends part of a head and never finishes it, and
 /// reports how it ended (waiting up to `limit`).
 async fn slow_head(port: u16, from: Ipv4Addr, limit: Duration) -> (End, bool) {
-    let mut s = connect_from(port, from).await;
+    let mut s = connect_from(port, from).await.unwrap();
     let opened = Instant::now();
     // Refused connections may already be closed; the write may fail then.
     let _ = s
@@ -132,22 +114,13 @@ fn count(ends: &[(End, bool)], which: End) -> usize {
     ends.iter().filter(|(e, _)| *e == which).count()
 }
 
-/// A client whose connections come from `from`.
-fn http_from(from: Ipv4Addr) -> reqwest::Client {
-    reqwest::Client::builder()
-        .no_proxy()
-        .local_address(IpAddr::V4(from))
-        .build()
-        .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_heads_are_capped_and_cut_and_others_keep_working() {
     let d = daemon().await;
     let c = d.client();
     let id = d.sandbox(Default::default()).await;
     assert_eq!(sh(&c, &id, "echo ready").await.stdout, "ready\n");
-    let pid = d.child.as_ref().unwrap().id();
+    let pid = d.pid();
     let port = d.port;
     let baseline = open_fds(pid);
     let lo1 = Ipv4Addr::new(127, 0, 0, 1);
@@ -233,14 +206,6 @@ async fn slow_heads_are_capped_and_cut_and_others_keep_working() {
     d.shutdown().await;
 }
 
-fn envelope(v: &serde_json::Value) -> Vec<u8> {
-    let msg = v.to_string().into_bytes();
-    let mut out = vec![0u8];
-    out.extend((msg.len() as u32).to_be_bytes());
-    out.extend(msg);
-    out
-}
-
 /// The stdout of a Connect stream of envd's `process.Process/Start`.
 fn connect_stdout(mut body: &[u8]) -> String {
     let mut out = Vec::new();
@@ -301,10 +266,7 @@ async fn idle_connections_close_while_silent_streams_run_on() {
     let token = sb.envd_access_token.clone().unwrap();
     // Silent for longer than the idle timeout (and the header timeout), then one line.
     let script = format!("sleep {}; echo done", IDLE_SECS + 4);
-    let cmd = RunCommandRequest {
-        argv: vec!["bash".into(), "-c".into(), script.clone()],
-        ..Default::default()
-    };
+    let cmd = bash(&script);
 
     // A request whose answer comes only at the end.
     let run = {
@@ -335,11 +297,7 @@ async fn idle_connections_close_while_silent_streams_run_on() {
     // And as a Connect server stream through the port proxy: its head is answered at
     // once, then the body is silent until the command prints.
     let envd = {
-        let (url, host, token) = (
-            d.url.clone(),
-            format!("49983-{id}.sandpit.localhost:{}", d.port),
-            token.clone(),
-        );
+        let (url, host, token) = (d.url.clone(), port_host(&d, 49983, &id), token.clone());
         let start = serde_json::json!({"process": {"cmd": "/bin/bash", "args": ["-c", script]}});
         tokio::spawn(async move {
             let r = http_from(Ipv4Addr::LOCALHOST)
@@ -354,7 +312,7 @@ async fn idle_connections_close_while_silent_streams_run_on() {
                     ),
                 )
                 .header("content-type", "application/connect+json")
-                .body(envelope(&start))
+                .body(connect_envelope(&start))
                 .send()
                 .await
                 .unwrap();
@@ -365,20 +323,20 @@ async fn idle_connections_close_while_silent_streams_run_on() {
 
     // An idle keep-alive connection is closed after the idle timeout.
     let idle = async {
-        let mut s = connect_from(d.port, Ipv4Addr::LOCALHOST).await;
+        let mut s = connect_from(d.port, Ipv4Addr::LOCALHOST).await.unwrap();
         health_on(&mut s).await;
         closed_after(&mut s, Duration::from_secs(IDLE_SECS) + SLACK).await
     };
     // One kept idle past the header timeout still takes the next request.
     let kept = async {
-        let mut s = connect_from(d.port, Ipv4Addr::LOCALHOST).await;
+        let mut s = connect_from(d.port, Ipv4Addr::LOCALHOST).await.unwrap();
         health_on(&mut s).await;
         tokio::time::sleep(Duration::from_secs(HEADER_SECS + 1)).await;
         health_on(&mut s).await;
     };
     // A head begun on a kept-alive connection and never finished: the header timeout.
     let stalled = async {
-        let mut s = connect_from(d.port, Ipv4Addr::LOCALHOST).await;
+        let mut s = connect_from(d.port, Ipv4Addr::LOCALHOST).await.unwrap();
         health_on(&mut s).await;
         s.write_all(b"GET /v1/health HTTP/1.1\r\nHo").await.unwrap();
         closed_after(&mut s, Duration::from_secs(HEADER_SECS) + SLACK).await

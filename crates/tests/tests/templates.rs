@@ -5,24 +5,15 @@
 //! Debian template.
 
 use sandpit_api::{
-    BuildTemplateRequest, CreateSandboxRequest, LimitsSpec, PoolSpec, RunCommandRequest, Template,
+    BuildTemplateRequest, CreateSandboxRequest, LimitsSpec, PoolSpec, RunCommandRequest,
     TemplateSourceSpec,
 };
-use sandpit_client::Client;
-use sandpit_tests::{Daemon, sandpit_bin};
+use sandpit_tests::{
+    Daemon, build_ready, command, dir_build, error_status, rootfs_with_programs, sandboxes,
+    sandpit_bin, temp_dir, template_build, wait_built,
+};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-
-fn status<T: std::fmt::Debug>(r: Result<T, sandpit_client::ClientError>) -> Option<u16> {
-    r.expect_err("expected an error").status()
-}
-
-fn tempdir(prefix: &str) -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix(prefix)
-        .tempdir_in("/var/tmp")
-        .unwrap()
-}
 
 /// A root filesystem with one static program in it (the sandpit binary), a file to read,
 /// a symlink pointing at the host's /etc/passwd, and a FIFO.
@@ -42,79 +33,15 @@ fn tiny_rootfs(dir: &Path) {
 /// A root filesystem with a shell (`dash` as /bin/sh), `sleep` and `cat` and the host
 /// libraries they need (found with ldd), laid out like a merged-/usr Debian.
 fn shell_rootfs(dir: &Path) {
-    for d in ["usr/bin", "usr/lib", "usr/lib64", "etc"] {
-        std::fs::create_dir_all(dir.join(d)).unwrap();
-    }
-    for (link, target) in [
-        ("bin", "usr/bin"),
-        ("lib", "usr/lib"),
-        ("lib64", "usr/lib64"),
-    ] {
-        std::os::unix::fs::symlink(target, dir.join(link)).unwrap();
-    }
-    for (host, inside) in [
-        ("/bin/dash", "usr/bin/sh"),
-        ("/bin/sleep", "usr/bin/sleep"),
-        ("/bin/cat", "usr/bin/cat"),
-    ] {
-        std::fs::copy(host, dir.join(inside)).unwrap();
-        let out = std::process::Command::new("ldd")
-            .arg(host)
-            .output()
-            .unwrap();
-        for word in String::from_utf8_lossy(&out.stdout).split_whitespace() {
-            if word.starts_with('/') {
-                let to = dir.join(word.trim_start_matches('/'));
-                std::fs::create_dir_all(to.parent().unwrap()).unwrap();
-                std::fs::copy(word, &to).unwrap();
-            }
-        }
-    }
-}
-
-/// Waits for a build to end and returns the template.
-async fn wait_built(c: &Client, name: &str, max: Duration) -> (Template, Vec<String>) {
-    let deadline = tokio::time::Instant::now() + max;
-    let mut offset = 0;
-    let mut log = Vec::new();
-    loop {
-        let b = c.template_build(name, offset, 5_000).await.unwrap();
-        for l in &b.lines {
-            assert_eq!(l.offset, log.len() as u64, "offsets count lines");
-            log.push(l.text.clone());
-        }
-        offset = b.next_offset;
-        if b.state != "building" {
-            return (c.get_template(name).await.unwrap(), log);
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "build of {name} did not end; log so far: {log:#?}"
-        );
-    }
-}
-
-fn dir_build(name: &str, path: &Path) -> BuildTemplateRequest {
-    BuildTemplateRequest {
-        name: name.into(),
-        source: TemplateSourceSpec::Dir {
-            path: path.to_str().unwrap().into(),
-        },
-        default_user: None,
-        workdir: None,
-        env: Default::default(),
-        start_cmd: None,
-        ready_cmd: None,
-        ready_timeout_secs: None,
-    }
-}
-
-async fn build_ready(c: &Client, req: &BuildTemplateRequest) -> Template {
-    let started = c.build_template(req).await.unwrap();
-    assert_eq!(started.state, "building");
-    let (t, log) = wait_built(c, &req.name, Duration::from_secs(300)).await;
-    assert_eq!(t.state, "ready", "{t:?} {log:#?}");
-    t
+    rootfs_with_programs(
+        dir,
+        &[
+            ("/bin/dash", "usr/bin/sh"),
+            ("/bin/sleep", "usr/bin/sleep"),
+            ("/bin/cat", "usr/bin/cat"),
+        ],
+    );
+    std::fs::create_dir_all(dir.join("etc")).unwrap();
 }
 
 fn shell(script: &str) -> RunCommandRequest {
@@ -140,7 +67,7 @@ fn from(template: &str) -> CreateSandboxRequest {
 async fn a_directory_build_copies_without_following_symlinks() {
     let d = Daemon::start().await;
     let c = d.client();
-    let src = tempdir("sandpit-tsrc-");
+    let src = temp_dir("sandpit-tsrc-");
     tiny_rootfs(src.path());
     // Built through the CLI, which follows the build's progress.
     let out = std::process::Command::new(sandpit_bin())
@@ -202,13 +129,7 @@ async fn a_directory_build_copies_without_following_symlinks() {
         "{inside:?}"
     );
     let r = c
-        .run(
-            &sb.id,
-            &RunCommandRequest {
-                argv: vec!["/usr/bin/sandpit".into(), "--version".into()],
-                ..Default::default()
-            },
-        )
+        .run(&sb.id, &command(&["/usr/bin/sandpit", "--version"]))
         .await
         .unwrap();
     assert_eq!(r.exit_code, 0, "{r:?}");
@@ -250,7 +171,7 @@ async fn a_directory_build_copies_without_following_symlinks() {
     );
     assert!(!rootfs.exists(), "the build's directory is removed with it");
     assert!(!rootfs.parent().unwrap().exists());
-    assert_eq!(status(c.get_template("tiny").await), Some(404));
+    assert_eq!(error_status(c.get_template("tiny").await), Some(404));
     d.shutdown().await;
 }
 
@@ -258,7 +179,7 @@ async fn a_directory_build_copies_without_following_symlinks() {
 async fn template_settings_apply_and_a_create_overrides_them() {
     let d = Daemon::start().await;
     let c = d.client();
-    let src = tempdir("sandpit-tsrc-");
+    let src = temp_dir("sandpit-tsrc-");
     shell_rootfs(src.path());
     let req = BuildTemplateRequest {
         default_user: Some("root".into()),
@@ -314,7 +235,7 @@ async fn template_settings_apply_and_a_create_overrides_them() {
 async fn a_start_command_and_readiness_check_gate_sandboxes_and_pool_members() {
     let d = Daemon::start().await;
     let c = d.client();
-    let src = tempdir("sandpit-tsrc-");
+    let src = temp_dir("sandpit-tsrc-");
     shell_rootfs(src.path());
     // A small service: it takes a moment to come up, then writes a file and keeps
     // counting; the readiness check waits for the file.
@@ -397,7 +318,7 @@ async fn a_start_command_and_readiness_check_gate_sandboxes_and_pool_members() {
 async fn a_failing_readiness_check_fails_the_create_and_leaves_nothing() {
     let d = Daemon::start().await;
     let c = d.client();
-    let src = tempdir("sandpit-tsrc-");
+    let src = temp_dir("sandpit-tsrc-");
     shell_rootfs(src.path());
     let req = BuildTemplateRequest {
         start_cmd: Some("while :; do sleep 1; done".into()),
@@ -413,15 +334,8 @@ async fn a_failing_readiness_check_fails_the_create_and_leaves_nothing() {
     assert!(msg.contains("exit code 3"), "{msg}");
     assert!(msg.contains("still starting"), "{msg}");
     // Nothing is left: no record, no directory, no mount.
-    assert!(
-        c.list_sandboxes(None, &[], None, None)
-            .await
-            .unwrap()
-            .items
-            .is_empty()
-    );
-    let sandboxes = d.data.path().join("sandboxes");
-    let dirs: Vec<_> = std::fs::read_dir(&sandboxes)
+    assert!(sandboxes(&c).await.is_empty());
+    let dirs: Vec<_> = std::fs::read_dir(d.data.path().join("sandboxes"))
         .map(|rd| rd.flatten().map(|e| e.path()).collect())
         .unwrap_or_default();
     assert!(dirs.is_empty(), "{dirs:?}");
@@ -429,7 +343,7 @@ async fn a_failing_readiness_check_fails_the_create_and_leaves_nothing() {
     let rootfs = c.get_template("never").await.unwrap().rootfs;
     assert!(!mounts.contains(&rootfs), "{mounts}");
     // A start command that cannot start (no such shell in the template) fails likewise.
-    let src2 = tempdir("sandpit-tsrc-");
+    let src2 = temp_dir("sandpit-tsrc-");
     tiny_rootfs(src2.path());
     let req = BuildTemplateRequest {
         start_cmd: Some("true".into()),
@@ -439,13 +353,7 @@ async fn a_failing_readiness_check_fails_the_create_and_leaves_nothing() {
     let e = c.create_sandbox(&from("noshell")).await.unwrap_err();
     assert_eq!(e.status(), Some(422), "{e}");
     assert!(e.to_string().contains("start command"), "{e}");
-    assert!(
-        c.list_sandboxes(None, &[], None, None)
-            .await
-            .unwrap()
-            .items
-            .is_empty()
-    );
+    assert!(sandboxes(&c).await.is_empty());
     d.shutdown().await;
 }
 
@@ -453,7 +361,7 @@ async fn a_failing_readiness_check_fails_the_create_and_leaves_nothing() {
 async fn a_template_in_use_cannot_be_removed() {
     let d = Daemon::start().await;
     let c = d.client();
-    let src = tempdir("sandpit-tsrc-");
+    let src = temp_dir("sandpit-tsrc-");
     tiny_rootfs(src.path());
     let t = build_ready(&c, &dir_build("busy", src.path())).await;
     let sb = c.create_sandbox(&from("busy")).await.unwrap();
@@ -481,8 +389,11 @@ async fn a_template_in_use_cannot_be_removed() {
     // Sandboxes just deleted may still be being torn down: the delete waits for them.
     c.delete_template("busy").await.unwrap();
     assert!(!Path::new(&t.rootfs).exists());
-    assert_eq!(status(c.create_sandbox(&from("busy")).await), Some(400));
-    assert_eq!(status(c.delete_template("busy").await), Some(404));
+    assert_eq!(
+        error_status(c.create_sandbox(&from("busy")).await),
+        Some(400)
+    );
+    assert_eq!(error_status(c.delete_template("busy").await), Some(404));
     // The name is free again.
     build_ready(&c, &dir_build("busy", src.path())).await;
     d.shutdown().await;
@@ -492,7 +403,7 @@ async fn a_template_in_use_cannot_be_removed() {
 async fn bad_names_paths_and_sources_are_refused() {
     let d = Daemon::start().await;
     let c = d.client();
-    let src = tempdir("sandpit-tsrc-");
+    let src = temp_dir("sandpit-tsrc-");
     tiny_rootfs(src.path());
     let ok = dir_build("good", src.path());
     for name in [
@@ -511,10 +422,10 @@ async fn bad_names_paths_and_sources_are_refused() {
                 ..ok.clone()
             })
             .await;
-        assert_eq!(status(e), Some(400), "{name:?}");
+        assert_eq!(error_status(e), Some(400), "{name:?}");
     }
     let file = src.path().join("etc/greeting");
-    let not_rootfs = tempdir("sandpit-tsrc-");
+    let not_rootfs = temp_dir("sandpit-tsrc-");
     for path in [
         "relative/dir".to_string(),
         "/var/tmp/sandpit-no-such-dir".to_string(),
@@ -536,7 +447,7 @@ async fn bad_names_paths_and_sources_are_refused() {
                 ..ok.clone()
             })
             .await;
-        assert_eq!(status(e), Some(400), "{path:?}");
+        assert_eq!(error_status(e), Some(400), "{path:?}");
     }
     for source in [
         TemplateSourceSpec::Debootstrap {
@@ -564,7 +475,7 @@ async fn bad_names_paths_and_sources_are_refused() {
                 ..ok.clone()
             })
             .await;
-        assert_eq!(status(e), Some(400), "{source:?}");
+        assert_eq!(error_status(e), Some(400), "{source:?}");
     }
     for bad in [
         BuildTemplateRequest {
@@ -588,10 +499,14 @@ async fn bad_names_paths_and_sources_are_refused() {
             ..ok.clone()
         },
     ] {
-        assert_eq!(status(c.build_template(&bad).await), Some(400), "{bad:?}");
+        assert_eq!(
+            error_status(c.build_template(&bad).await),
+            Some(400),
+            "{bad:?}"
+        );
     }
     // Unknown fields are refused rather than ignored.
-    let raw = reqwest::Client::new()
+    let raw = sandpit_tests::http()
         .post(format!("{}/v1/templates", d.url))
         .header("authorization", format!("Bearer {}", d.key))
         .json(&serde_json::json!({
@@ -602,13 +517,8 @@ async fn bad_names_paths_and_sources_are_refused() {
         .unwrap();
     assert_eq!(raw.status(), 400);
     // Builds and removals need the admin key; reading does not.
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
-    let (_, alice) = db.create_api_key("alice", "k").await.unwrap();
-    db.close().await;
-    let a = Client::new(&d.url, Some(alice)).unwrap();
-    assert_eq!(status(a.build_template(&ok).await), Some(403));
+    let a = d.owner("alice").await;
+    assert_eq!(error_status(a.build_template(&ok).await), Some(403));
     // Nothing of the refused requests was recorded.
     let names: Vec<String> = c
         .list_templates()
@@ -619,17 +529,20 @@ async fn bad_names_paths_and_sources_are_refused() {
         .collect();
     assert_eq!(names, ["host"]);
     build_ready(&c, &ok).await;
-    assert_eq!(status(a.delete_template("good").await), Some(403));
+    assert_eq!(error_status(a.delete_template("good").await), Some(403));
     assert_eq!(a.get_template("good").await.unwrap().state, "ready");
     // A second build of an existing name conflicts; unknown names are 404s.
-    assert_eq!(status(c.build_template(&ok).await), Some(409));
-    assert_eq!(status(c.get_template("nope").await), Some(404));
-    assert_eq!(status(c.template_build("nope", 0, 0).await), Some(404));
-    assert_eq!(status(c.delete_template("nope").await), Some(404));
-    assert_eq!(status(c.delete_template("host").await), Some(400));
+    assert_eq!(error_status(c.build_template(&ok).await), Some(409));
+    assert_eq!(error_status(c.get_template("nope").await), Some(404));
+    assert_eq!(
+        error_status(c.template_build("nope", 0, 0).await),
+        Some(404)
+    );
+    assert_eq!(error_status(c.delete_template("nope").await), Some(404));
+    assert_eq!(error_status(c.delete_template("host").await), Some(400));
     assert_eq!(c.get_template("host").await.unwrap().rootfs, "host");
     // A build that fails leaves a failed record and no directory; its name can be reused.
-    let deep = tempdir("sandpit-tsrc-");
+    let deep = temp_dir("sandpit-tsrc-");
     std::fs::create_dir_all(deep.path().join("usr/bin")).unwrap();
     let mut p = deep.path().join("d");
     for _ in 0..300 {
@@ -694,19 +607,13 @@ async fn debootstrap_builds_a_debian_template_and_a_cancelled_build_leaves_nothi
     let mirror = apt_mirror().expect("a Debian mirror in /etc/apt/sources.list(.d)");
     let d = Daemon::start().await;
     let c = d.client();
-    let deb = |name: &str| BuildTemplateRequest {
-        name: name.into(),
-        source: TemplateSourceSpec::Debootstrap {
+    let deb = |name: &str| {
+        let source = TemplateSourceSpec::Debootstrap {
             suite: "bookworm".into(),
             packages: vec![],
             mirror: Some(mirror.clone()),
-        },
-        default_user: None,
-        workdir: None,
-        env: Default::default(),
-        start_cmd: None,
-        ready_cmd: None,
-        ready_timeout_secs: None,
+        };
+        template_build(name, source)
     };
     // A build removed while it runs is cancelled: debootstrap stops, its directory goes.
     let first = c.build_template(&deb("cancelled")).await.unwrap();
@@ -724,7 +631,7 @@ async fn debootstrap_builds_a_debian_template_and_a_cancelled_build_leaves_nothi
     }
     c.delete_template("cancelled").await.unwrap();
     assert!(!work.exists(), "{} is left", work.display());
-    assert_eq!(status(c.get_template("cancelled").await), Some(404));
+    assert_eq!(error_status(c.get_template("cancelled").await), Some(404));
     let ps = std::process::Command::new("pgrep")
         .args(["-f", &work.to_string_lossy()])
         .output()
@@ -743,13 +650,7 @@ async fn debootstrap_builds_a_debian_template_and_a_cancelled_build_leaves_nothi
     assert!(t.size_bytes > 100 << 20, "{t:?}");
     let sb = c.create_sandbox(&from("bookworm")).await.unwrap();
     let r = c
-        .run(
-            &sb.id,
-            &RunCommandRequest {
-                argv: vec!["cat".into(), "/etc/debian_version".into()],
-                ..Default::default()
-            },
-        )
+        .run(&sb.id, &command(&["cat", "/etc/debian_version"]))
         .await
         .unwrap();
     assert_eq!(r.exit_code, 0, "{r:?}");
@@ -840,19 +741,15 @@ fn oci_layout(dir: &Path, layers: &[Vec<u8>], config: serde_json::Value) {
 }
 
 fn oci_build(name: &str, path: &Path) -> BuildTemplateRequest {
-    BuildTemplateRequest {
-        source: TemplateSourceSpec::Oci {
-            path: path.to_str().unwrap().into(),
-        },
-        ..dir_build(name, path)
-    }
+    let path = path.to_str().unwrap().into();
+    template_build(name, TemplateSourceSpec::Oci { path })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_oci_image_becomes_a_template_with_its_config() {
     let d = Daemon::start().await;
     let c = d.client();
-    let base = tempdir("sandpit-tsrc-");
+    let base = temp_dir("sandpit-tsrc-");
     shell_rootfs(base.path());
     std::fs::write(base.path().join("etc/motd"), "base\n").unwrap();
     // Layer 2 replaces a file, adds one, and deletes `cat` with a whiteout.
@@ -861,7 +758,7 @@ async fn an_oci_image_becomes_a_template_with_its_config() {
         ("app/hello", b"hello\n"),
         ("usr/bin/.wh.cat", b""),
     ]);
-    let image = tempdir("sandpit-image-");
+    let image = temp_dir("sandpit-image-");
     oci_layout(
         image.path(),
         &[tar_of_dir(base.path()), top],
@@ -919,7 +816,10 @@ async fn an_oci_image_becomes_a_template_with_its_config() {
         c.read_file(&sb.id, "/app/hello").await.unwrap().as_ref(),
         b"hello\n"
     );
-    assert_eq!(status(c.stat(&sb.id, "/usr/bin/cat").await), Some(404));
+    assert_eq!(
+        error_status(c.stat(&sb.id, "/usr/bin/cat").await),
+        Some(404)
+    );
     assert!(c.stat(&sb.id, "/usr/bin/sleep").await.is_ok());
     d.shutdown().await;
 }
@@ -955,7 +855,7 @@ async fn a_docker_save_tarball_with_a_path_traversal_is_refused() {
     add("config.json", &config);
     add("aaa/layer.tar", &good);
     add("bbb/layer.tar", &evil);
-    let tarball = tempdir("sandpit-image-");
+    let tarball = temp_dir("sandpit-image-");
     let path = tarball.path().join("evil.tar");
     std::fs::write(&path, outer.into_inner().unwrap()).unwrap();
     let started = c.build_template(&oci_build("evil", &path)).await.unwrap();
@@ -977,7 +877,10 @@ async fn a_docker_save_tarball_with_a_path_traversal_is_refused() {
         .filter(|n| n.starts_with("evil"))
         .collect();
     assert!(left.is_empty(), "{left:?}");
-    assert_eq!(status(c.create_sandbox(&from("evil")).await), Some(409));
+    assert_eq!(
+        error_status(c.create_sandbox(&from("evil")).await),
+        Some(409)
+    );
     // A path that is neither a directory nor a tarball of an image fails the same way.
     let junk = tarball.path().join("junk.tar");
     std::fs::write(&junk, b"not a tarball").unwrap();
@@ -991,7 +894,7 @@ async fn a_docker_save_tarball_with_a_path_traversal_is_refused() {
 async fn a_build_cut_short_by_a_daemon_stop_is_failed_and_cleaned_at_the_next_start() {
     let mut d = Daemon::start().await;
     let c = d.client();
-    let src = tempdir("sandpit-tsrc-");
+    let src = temp_dir("sandpit-tsrc-");
     tiny_rootfs(src.path());
     let kept = build_ready(&c, &dir_build("kept", src.path())).await;
     d.stop();
@@ -1004,9 +907,7 @@ async fn a_build_cut_short_by_a_daemon_stop_is_failed_and_cleaned_at_the_next_st
         std::fs::create_dir_all(dir.join("rootfs/usr/bin")).unwrap();
         std::fs::write(dir.join("sandpit-build.json"), "{}").unwrap();
     }
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
+    let db = d.store().await;
     db.insert_template_build(&sandpit_store::TemplateRecord {
         name: "half".into(),
         rootfs: half.join("rootfs").to_str().unwrap().into(),
@@ -1018,10 +919,7 @@ async fn a_build_cut_short_by_a_daemon_stop_is_failed_and_cleaned_at_the_next_st
     .await
     .unwrap();
     db.close().await;
-    let port = d.port;
-    let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
-    drop(d);
-    let d = Daemon::start_in(data, port).await;
+    let d = d.restart().start().await;
     let c = d.client();
     let t = c.get_template("half").await.unwrap();
     assert_eq!(t.state, "failed", "{t:?}");
@@ -1040,7 +938,7 @@ async fn a_build_cut_short_by_a_daemon_stop_is_failed_and_cleaned_at_the_next_st
 async fn a_woken_or_forked_sandbox_runs_its_start_command_again() {
     let d = Daemon::start().await;
     let c = d.client();
-    let src = tempdir("sandpit-tsrc-");
+    let src = temp_dir("sandpit-tsrc-");
     shell_rootfs(src.path());
     // Counts its starts in a file that the sandbox's files keep. The ready flag lives in
     // /dev/shm, which is not part of the captured files: a flag in /tmp would be copied into

@@ -4,18 +4,11 @@
 use sandpit_api::usage::Execution;
 use sandpit_api::{CommandEvent, LimitsSpec, RunCommandRequest};
 use sandpit_client::Client;
-use sandpit_tests::{Daemon, sh};
+use sandpit_tests::{Daemon, command, sh};
 use std::time::Duration;
 
 /// 300,000 iterations of a shell loop: a few hundred milliseconds of CPU.
 const SPIN: &str = "i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done";
-
-fn cmd(argv: &[&str]) -> RunCommandRequest {
-    RunCommandRequest {
-        argv: argv.iter().map(|s| s.to_string()).collect(),
-        ..Default::default()
-    }
-}
 
 /// The newest `n` execution records of a sandbox, once that many have ended (records are
 /// written in the background after a command ends).
@@ -126,7 +119,7 @@ async fn execution_records_count_cpu_memory_and_every_output_byte() {
     // Its own work is small; most of the CPU is a background child, killed (not waited
     // for) and collected by the agent as an orphan of the command's session.
     let script = "head -c 3000000 /dev/zero | wc -c; yes > /dev/null & sleep 0.3; kill %1";
-    let out = c.run(&id, &cmd(&["bash", "-c", script])).await.unwrap();
+    let out = c.run(&id, &command(&["bash", "-c", script])).await.unwrap();
     assert_eq!((out.exit_code, out.stdout.as_str()), (0, "3000000\n"));
     let e = &ended_executions(&c, &id, 1).await[0];
     assert_eq!(e.sandbox_id, id);
@@ -150,7 +143,7 @@ async fn execution_records_count_cpu_memory_and_every_output_byte() {
     assert!(t.created_ms <= started && started <= ended, "{t:?}");
     // The agent counted two processes for it: bash, and `yes`, which bash did not wait
     // for (it was collected by the agent as an orphan of the command's session).
-    let agent = reqwest::Client::new()
+    let agent = sandpit_tests::http()
         .get(format!(
             "{}/v1/sandboxes/{id}/agent/rusage?pid={}",
             d.url, out.pid
@@ -163,7 +156,7 @@ async fn execution_records_count_cpu_memory_and_every_output_byte() {
     assert_eq!(v["processes"], 2, "{v}");
     assert_eq!((v["cpu_time_us"].as_u64().unwrap() + 500) / 1000, cpu);
     // A fixed amount of work in the command's own shell is counted in full.
-    let spin = c.run(&id, &cmd(&["sh", "-c", SPIN])).await;
+    let spin = c.run(&id, &command(&["sh", "-c", SPIN])).await;
     assert_eq!(spin.unwrap().exit_code, 0);
     let spun = &ended_executions(&c, &id, 2).await[0];
     assert!(spun.resources.cpu_time_ms.unwrap() >= 20, "{spun:?}");
@@ -172,7 +165,7 @@ async fn execution_records_count_cpu_memory_and_every_output_byte() {
     let s = c
         .stream_command(
             &id,
-            &cmd(&["sh", "-c", "printf abc; printf de >&2; exit 3"]),
+            &command(&["sh", "-c", "printf abc; printf de >&2; exit 3"]),
         )
         .await
         .unwrap();
@@ -184,14 +177,14 @@ async fn execution_records_count_cpu_memory_and_every_output_byte() {
     // Every byte is counted, also beyond what the response returns.
     let big = RunCommandRequest {
         max_output_bytes: Some(1000),
-        ..cmd(&["head", "-c", "2000000", "/dev/zero"])
+        ..command(&["head", "-c", "2000000", "/dev/zero"])
     };
     let out = c.run(&id, &big).await.unwrap();
     assert!(out.truncated);
     // A command killed by its timeout.
     let slow = RunCommandRequest {
         timeout_ms: Some(300),
-        ..cmd(&["sleep", "30"])
+        ..command(&["sleep", "30"])
     };
     let out = c.run(&id, &slow).await.unwrap();
     assert!(out.timed_out);
@@ -209,7 +202,10 @@ async fn execution_records_count_cpu_memory_and_every_output_byte() {
     assert_eq!(sleep.output.exit_code, Some(137));
 
     // A background command is recorded when it starts.
-    let bg = c.run_background(&id, &cmd(&["sleep", "1"])).await.unwrap();
+    let bg = c
+        .run_background(&id, &command(&["sleep", "1"]))
+        .await
+        .unwrap();
     let mut found = None;
     for _ in 0..100 {
         let list = c.executions(&id, None, None).await.unwrap();
@@ -260,12 +256,7 @@ async fn usage_is_private_and_queries_are_checked() {
     let id = d.sandbox(LimitsSpec::default()).await;
     sh(&c, &id, "true").await;
     ended_executions(&c, &id, 1).await;
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
-    let (_, key) = db.create_api_key("mallory", "test").await.unwrap();
-    db.close().await;
-    let m = Client::new(&d.url, Some(key)).unwrap();
+    let m = d.owner("mallory").await;
     let err = m.sandbox_usage(&id).await.unwrap_err();
     assert!(err.is_sandbox_gone(), "{err:?}");
     let err = m.executions(&id, None, None).await.unwrap_err();
@@ -304,7 +295,7 @@ async fn usage_is_private_and_queries_are_checked() {
             .unwrap_err()
             .is_sandbox_gone()
     );
-    let raw = reqwest::Client::new()
+    let raw = sandpit_tests::http()
         .get(format!("{}/v1/usage?from=abc", d.url))
         .bearer_auth(&d.key)
         .send()
@@ -321,7 +312,7 @@ async fn the_agents_usage_route_does_not_change_the_e2b_protocol() {
     let id = d.sandbox(LimitsSpec::default()).await;
     // Commands through the stream report the same events as before: start, output, end.
     let mut s = c
-        .stream_command(&id, &cmd(&["sh", "-c", "echo hi"]))
+        .stream_command(&id, &command(&["sh", "-c", "echo hi"]))
         .await
         .unwrap();
     let mut kinds = Vec::new();
@@ -335,8 +326,8 @@ async fn the_agents_usage_route_does_not_change_the_e2b_protocol() {
     }
     assert_eq!(kinds, ["start", "stdout", "end"]);
     // The usage is a route of its own on the agent, for pids of commands only.
-    let out = c.run(&id, &cmd(&["true"])).await.unwrap();
-    let http = reqwest::Client::new();
+    let out = c.run(&id, &command(&["true"])).await.unwrap();
+    let http = sandpit_tests::http();
     let get = |pid: u32| {
         http.get(format!(
             "{}/v1/sandboxes/{id}/agent/rusage?pid={pid}",
@@ -354,30 +345,16 @@ async fn the_agents_usage_route_does_not_change_the_e2b_protocol() {
     d.shutdown().await;
 }
 
-fn cli(d: &Daemon, args: &[&str]) -> (bool, String, String) {
-    let out = std::process::Command::new(sandpit_tests::sandpit_bin())
-        .args(args)
-        .env("SANDPIT_URL", &d.url)
-        .env("SANDPIT_DATA_DIR", d.data.path())
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cli_shows_usage_and_executions() {
     let d = Daemon::start().await;
     let c = d.client();
     let id = d.sandbox(LimitsSpec::default()).await;
-    c.run(&id, &cmd(&["sh", "-c", "printf hello"]))
+    c.run(&id, &command(&["sh", "-c", "printf hello"]))
         .await
         .unwrap();
     ended_executions(&c, &id, 1).await;
-    let (ok, table, err) = cli(&d, &["executions", &id]);
+    let (ok, table, err) = d.cli(&["executions", &id]);
     assert!(ok, "{err}");
     let mut lines = table.lines();
     assert!(lines.next().unwrap().starts_with("EXECUTION"), "{table}");
@@ -386,17 +363,17 @@ async fn the_cli_shows_usage_and_executions() {
         row.starts_with("ex_") && row.contains(" sh ") && row.contains("5 B"),
         "{table}"
     );
-    let (ok, json, _) = cli(&d, &["--json", "executions", &id]);
+    let (ok, json, _) = d.cli(&["--json", "executions", &id]);
     assert!(ok);
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert_eq!(v["items"][0]["output"]["stdout_bytes"], 5);
-    let (ok, json, err) = cli(&d, &["--json", "usage", "--from", "1h"]);
+    let (ok, json, err) = d.cli(&["--json", "usage", "--from", "1h"]);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert_eq!(v["owner"], "admin");
     assert_eq!(v["sandboxes"], 1);
     assert_eq!(v["executions"], 1);
-    let (ok, table, _) = cli(&d, &["usage", &id]);
+    let (ok, table, _) = d.cli(&["usage", &id]);
     assert!(ok);
     assert!(table.contains(sandpit_api::usage::EGRESS_NOTE), "{table}");
     assert!(
@@ -405,10 +382,10 @@ async fn the_cli_shows_usage_and_executions() {
             .any(|l| l.starts_with("executions") && l.ends_with('1')),
         "{table}"
     );
-    let (ok, _, err) = cli(&d, &["usage", "--from", "yesterday"]);
+    let (ok, _, err) = d.cli(&["usage", "--from", "yesterday"]);
     assert!(!ok);
     assert!(err.contains("yesterday"), "{err}");
-    let (ok, _, err) = cli(&d, &["executions", "no-such-sandbox"]);
+    let (ok, _, err) = d.cli(&["executions", "no-such-sandbox"]);
     assert!(!ok);
     assert!(err.contains("not found"), "{err}");
     d.shutdown().await;

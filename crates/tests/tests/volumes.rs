@@ -4,7 +4,7 @@
 
 use sandpit_api::{CreateSandboxRequest, PoolSpec, VolumeMountSpec};
 use sandpit_client::Client;
-use sandpit_tests::{Daemon, sandpit_bin, sh, sh_root, wait_no_leftovers};
+use sandpit_tests::{Daemon, sandboxes, sandpit_bin, sh, sh_root, wait_no_leftovers};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -329,12 +329,7 @@ async fn volume_requests_are_checked_and_owner_scoped() {
     assert_eq!(names, ["mine"]);
 
     // Another owner neither sees nor mounts nor deletes it, and may use the same name.
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
-    let (_, key) = db.create_api_key("mallory", "test").await.unwrap();
-    db.close().await;
-    let m = Client::new(&d.url, Some(key)).unwrap();
+    let m = d.owner("mallory").await;
     assert!(m.list_volumes().await.unwrap().is_empty());
     assert!(m.get_volume("mine").await.unwrap_err().is_not_found());
     assert!(m.delete_volume("mine").await.unwrap_err().is_not_found());
@@ -344,13 +339,7 @@ async fn volume_requests_are_checked_and_owner_scoped() {
         .unwrap_err();
     assert_eq!(e.status(), Some(404), "{e}");
     assert!(e.to_string().contains("volume mine not found"), "{e}");
-    assert!(
-        m.list_sandboxes(None, &[], None, None)
-            .await
-            .unwrap()
-            .items
-            .is_empty()
-    );
+    assert!(sandboxes(&m).await.is_empty());
     m.create_volume("mine", 16 * MIB).await.unwrap();
     m.delete_volume("mine").await.unwrap();
     assert_eq!(c.get_volume("mine").await.unwrap().state, "ready");
@@ -409,13 +398,7 @@ async fn hostile_mount_paths_are_refused_and_leave_nothing() {
     assert_eq!(e.status(), Some(404), "{e}");
     assert!(e.to_string().contains("volume nope not found"), "{e}");
     // No half-made sandbox, and the volume is free.
-    assert!(
-        c.list_sandboxes(None, &[], None, None)
-            .await
-            .unwrap()
-            .items
-            .is_empty()
-    );
+    assert!(sandboxes(&c).await.is_empty());
     for _ in 0..200 {
         if std::fs::read_dir(d.data.path().join("sandboxes"))
             .unwrap()
@@ -441,14 +424,8 @@ async fn template_symlinks_cannot_lead_a_mount_onto_the_host() {
     let c = d.client();
     // A root filesystem with one static program (the sandpit binary) and symlinks that
     // would point at host paths if followed outside the sandbox.
-    let rootfs = tempfile::Builder::new()
-        .prefix("sandpit-rootfs-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
-    let victim = tempfile::Builder::new()
-        .prefix("sandpit-victim-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
+    let rootfs = sandpit_tests::temp_dir("sandpit-rootfs-");
+    let victim = sandpit_tests::temp_dir("sandpit-victim-");
     let r = rootfs.path();
     std::fs::create_dir_all(r.join("usr/bin")).unwrap();
     // The template has its own directory at the victim's path: a mount through `victim`
@@ -585,7 +562,6 @@ async fn a_create_with_volumes_never_takes_a_pool_sandbox() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn volumes_keep_their_data_across_daemon_restarts() {
     let mut d = Daemon::start().await;
-    let port = d.port;
     let c = d.client();
     c.create_volume("keep", 32 * MIB).await.unwrap();
     let a = c
@@ -599,9 +575,7 @@ async fn volumes_keep_their_data_across_daemon_restarts() {
     d.stop();
     assert_eq!(host_mounts(&d), Vec::<String>::new());
     assert_eq!(loop_devices(&d).len(), 1, "{:?}", loop_devices(&d));
-    let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
-    drop(d);
-    let mut d = Daemon::start_in(data, port).await;
+    let mut d = d.restart().start().await;
     let c = d.client();
     let r = sh(&c, &a.id, "cat /data/f; echo two >> /data/f").await;
     assert_eq!(r.stdout, "one\n", "{r:?}");
@@ -625,9 +599,7 @@ async fn volumes_keep_their_data_across_daemon_restarts() {
     assert_eq!(wait_no_leftovers(&d, &b.id).await, Vec::<String>::new());
     d.kill9();
     assert_eq!(host_mounts(&d).len(), 1, "a crash leaves the host mount");
-    let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
-    drop(d);
-    let d = Daemon::start_in(data, port).await;
+    let d = d.restart().start().await;
     let c = d.client();
     assert_eq!(loop_devices(&d).len(), 1, "{:?}", loop_devices(&d));
     let sb = c
@@ -645,16 +617,13 @@ async fn volumes_keep_their_data_across_daemon_restarts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_removes_volumes_a_crash_left_half_made() {
     let mut d = Daemon::start().await;
-    let port = d.port;
     let c = d.client();
     c.create_volume("good", 16 * MIB).await.unwrap();
     c.create_volume("half", 16 * MIB).await.unwrap();
     d.kill9();
     // As if the daemon had died in the middle of deleting "half", and had left an image
     // no record knows (a create cut short before its record).
-    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
-        .await
-        .unwrap();
+    let db = d.store().await;
     let half = db.get_volume("admin", "half").await.unwrap().unwrap();
     assert!(
         db.set_volume_state(
@@ -669,9 +638,7 @@ async fn a_restart_removes_volumes_a_crash_left_half_made() {
     let stray = d.data.path().join("volumes/images/stray.img");
     std::fs::write(&stray, b"").unwrap();
     assert_eq!(loop_devices(&d).len(), 2);
-    let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
-    drop(d);
-    let d = Daemon::start_in(data, port).await;
+    let d = d.restart().start().await;
     let c = d.client();
     let names: Vec<String> = c
         .list_volumes()
