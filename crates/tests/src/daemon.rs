@@ -151,13 +151,20 @@ impl DaemonBuilder {
             }
             None => cmd.stderr(Stdio::inherit()),
         };
-        let child = cmd.spawn().expect("spawn sandpit serve");
+        let mut child = cmd.spawn().expect("spawn sandpit serve");
         let url = format!("http://127.0.0.1:{port}");
         let probe = Client::new(&url, None).expect("client");
-        for _ in 0..500 {
-            if probe.health().await.is_ok() {
-                break;
+        // Generous: on a loaded 2-core CI machine the store's first fsync alone has taken
+        // over 5 s. A daemon that exits early fails at once instead of waiting it out.
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while probe.health().await.is_err() {
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!("sandpit serve exited before it was healthy: {status}");
             }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "sandpit serve was not healthy within 60 s"
+            );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let key =
