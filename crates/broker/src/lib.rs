@@ -6,6 +6,8 @@
 //! into a connection to an address its host resolves to (see [`Destination`]); a request
 //! that would carry one anywhere else is refused.
 
+#![forbid(unsafe_code)]
+
 pub mod ca;
 pub mod crypto;
 mod proxy;

@@ -2,11 +2,11 @@
 //! lines file as it arrives (a test that runs the binary in a namespace reads that file).
 
 use crate::wire::Api;
+use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::sync::Mutex;
 use std::time::Duration;
 use tokio::sync::Notify;
 
@@ -76,7 +76,7 @@ impl Recorder {
             match serde_json::to_string(&req) {
                 Ok(mut line) => {
                     line.push('\n');
-                    let mut file = log.lock().unwrap_or_else(|e| e.into_inner());
+                    let mut file = log.lock();
                     // One write per line, so a reader never sees half a request.
                     if let Err(e) = file.write_all(line.as_bytes()).and_then(|()| file.flush()) {
                         tracing::warn!(error = %e, "writing the request log");
@@ -85,18 +85,12 @@ impl Recorder {
                 Err(e) => tracing::warn!(error = %e, "encoding a request for the log"),
             }
         }
-        self.requests
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(req);
+        self.requests.lock().push(req);
         self.arrived.notify_waiters();
     }
 
     pub(crate) fn all(&self) -> Vec<RecordedRequest> {
-        self.requests
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.requests.lock().clone()
     }
 
     /// Waits until `pred` holds for the requests so far, or `timeout` passes.
@@ -110,7 +104,7 @@ impl Recorder {
             // Registered before the check, so a push between check and wait is not missed.
             let arrived = self.arrived.notified();
             {
-                let all = self.requests.lock().unwrap_or_else(|e| e.into_inner());
+                let all = self.requests.lock();
                 if pred(&all) {
                     return Some(all.clone());
                 }

@@ -36,6 +36,17 @@ impl ApiError {
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
     }
+    /// An internal failure caused by `e`, its whole chain of causes kept in the message.
+    pub fn internal_from(context: &str, e: &(dyn std::error::Error + 'static)) -> Self {
+        let mut message = format!("{context}: {e}");
+        let mut cur = e.source();
+        while let Some(s) = cur {
+            message.push_str(": ");
+            message.push_str(&s.to_string());
+            cur = s.source();
+        }
+        Self::internal(message)
+    }
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message)
     }

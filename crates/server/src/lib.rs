@@ -54,18 +54,14 @@ pub enum ServerError {
     Store(#[from] sandpit_store::StoreError),
     #[error("runtime: {0}")]
     Runtime(#[from] sandpit_runtime::RuntimeError),
+    #[error("networking: {0}")]
+    Net(#[from] sandpit_net::NetError),
+    #[error("credential broker: {0}")]
+    Broker(#[from] sandpit_broker::BrokerError),
+    #[error("snapshot storage: {0}")]
+    Storage(#[from] sandpit_core::snapshot_store::StorageError),
     #[error("{0}: {1}")]
-    Io(String, std::io::Error),
-}
-
-impl From<sandpit_net::NetError> for ServerError {
-    fn from(e: sandpit_net::NetError) -> Self {
-        match e {
-            sandpit_net::NetError::Io(what, source) => ServerError::Io(what, source),
-            sandpit_net::NetError::Store(e) => ServerError::Store(e),
-            other => ServerError::Config(other.to_string()),
-        }
-    }
+    Io(String, #[source] std::io::Error),
 }
 
 /// Name of the file in the data dir holding the first admin key (mode 0600).
@@ -166,9 +162,9 @@ pub async fn prepare(
     let volumes = Arc::new(sandpit_runtime::volume::VolumeHost::new(&cfg.data_dir)?);
     let broker = broker::Broker::new(&file.broker, store.clone())
         .await
-        .map_err(|e| ServerError::Config(format!("credential broker: {e}")))?;
+        .map_err(ServerError::Broker)?;
     let snapshot_store = snapshots::SnapshotStore::open(&file.snapshots, &cfg.data_dir)
-        .map_err(|e| ServerError::Config(format!("snapshot storage: {e}")))?;
+        .map_err(ServerError::Storage)?;
     tracing::info!(store = %snapshot_store.describe, "snapshot storage");
     let broker = Arc::new(broker);
     let manager = Manager::new(

@@ -163,10 +163,11 @@ fn split(socket: WebSocket) -> (WsTx, WsRx) {
 
 async fn send_event(tx: &mut WsTx, ev: &CommandEvent) -> Result<(), ApiError> {
     use futures::SinkExt;
-    let text = serde_json::to_string(ev).map_err(|e| ApiError::internal(e.to_string()))?;
+    let text =
+        serde_json::to_string(ev).map_err(|e| ApiError::internal_from("encode an event", &e))?;
     tx.send(Message::Text(text.into()))
         .await
-        .map_err(|e| ApiError::internal(format!("websocket: {e}")))
+        .map_err(|e| ApiError::internal_from("websocket", &e))
 }
 
 async fn stream_new(

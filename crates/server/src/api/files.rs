@@ -156,7 +156,7 @@ pub async fn download(
     let uri = files_uri(&q)?;
     let req = http::Request::get(uri)
         .body(Body::empty())
-        .map_err(|e| ApiError::internal(e.to_string()))?;
+        .map_err(|e| ApiError::internal_from("build the agent request", &e))?;
     let resp = send_to_agent(&conn, req).await?;
     let (parts, body) = resp.into_parts();
     let mut out = Response::new(Body::new(body));
@@ -192,7 +192,7 @@ pub async fn upload(
     let req = http::Request::post(uri)
         .header(http::header::CONTENT_TYPE, "application/octet-stream")
         .body(request.into_body())
-        .map_err(|e| ApiError::internal(e.to_string()))?;
+        .map_err(|e| ApiError::internal_from("build the agent request", &e))?;
     send_to_agent(&conn, req).await?;
     let opts = as_user(q.user.as_deref())?;
     let st = conn

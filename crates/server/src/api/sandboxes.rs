@@ -300,7 +300,7 @@ pub async fn stats(
     let (rt, h) = state.manager.runtime_of(&rec)?;
     let s = tokio::task::spawn_blocking(move || rt.stats(&h))
         .await
-        .map_err(|e| ApiError::internal(e.to_string()))??;
+        .map_err(|e| ApiError::internal_from("the stats task failed", &e))??;
     Ok(Json(SandboxStats {
         cpu_usage_ns: s.cpu_usage_ns,
         memory_current_bytes: s.memory_current_bytes,

@@ -489,7 +489,7 @@ pub async fn metrics(
     let h2 = h.clone();
     let stats = tokio::task::spawn_blocking(move || rt.stats(&h2))
         .await
-        .map_err(|e| ApiError::internal(e.to_string()))??;
+        .map_err(|e| ApiError::internal_from("the stats task failed", &e))??;
     let disk_used = tokio::task::spawn_blocking(move || crate::usage::disk_used(&h))
         .await
         .ok()
