@@ -340,11 +340,18 @@ async fn cancel_kills_the_harness_and_a_late_answer_changes_nothing() {
         8081,
         json!({"turns": [
             {"tool_calls": [{"name": "bash", "arguments": {"command": "sleep 300 & sleep 300"}}]},
-            {"text": "late answer", "delay_ms": 4000}
+            {"text": "never asked"}
         ]}),
     );
+    // A second model that holds its answer: a cancel while the model "thinks".
+    let slow = ModelSim::start(
+        &up,
+        &ip,
+        8082,
+        json!({"turns": [{"text": "late answer", "delay_ms": 3000}]}),
+    );
     let d = daemon(&up).await;
-    let sb = sandbox(&d, &ip, &[8081]).await;
+    let sb = sandbox(&d, &ip, &[8081, 8082]).await;
     let rt = runtime(&d, &sb, &m).await;
     let path = format!("/v1/agents/{rt}/runs");
     let (status, run) = api(
@@ -392,16 +399,40 @@ async fn cancel_kills_the_harness_and_a_late_answer_changes_nothing() {
     let left = harness_processes(&d, &sb).await;
     assert!(left.is_empty(), "left in the sandbox: {left:#?}");
 
-    // Past the model's delay the run is still cancelled, its log ends with `end`.
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    let (_, now) = api(&d, reqwest::Method::GET, &format!("/v1/runs/{id}"), None).await;
-    assert_eq!(now["state"], "cancelled", "{now}");
-    let events = all_events(&d, &id, 0).await;
-    let n = events.len() as i64;
-    assert_eq!(seqs(&events), (1..=n).collect::<Vec<_>>());
-    let last = events.last().unwrap();
-    assert_eq!(last["kind"], "end");
-    assert_eq!(last["payload"]["state"], "cancelled", "{last}");
+    assert_cancelled_for_good(&d, &id).await;
+
+    // Cancel while the model holds its answer: once the answer is due the run is still
+    // cancelled and no harness process is left.
+    let rt2 = runtime(&d, &sb, &slow).await;
+    let (status, run2) = api(
+        &d,
+        reqwest::Method::POST,
+        &format!("/v1/agents/{rt2}/runs"),
+        Some(json!({"task": "think"})),
+    )
+    .await;
+    assert_eq!(status, 201, "{run2}");
+    let id2 = run2["id"].as_str().unwrap().to_string();
+    let start = Instant::now();
+    while slow.requests().is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the model was never asked"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (status, cancelled) = api(
+        &d,
+        reqwest::Method::POST,
+        &format!("/v1/runs/{id2}/cancel"),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{cancelled}");
+    assert_eq!(cancelled["state"], "cancelled", "{cancelled}");
+    let left = harness_processes(&d, &sb).await;
+    assert!(left.is_empty(), "left in the sandbox: {left:#?}");
+    assert_cancelled_for_good(&d, &id2).await;
     // A new run may start now.
     let (status, body) = api(
         &d,
@@ -421,6 +452,19 @@ async fn cancel_kills_the_harness_and_a_late_answer_changes_nothing() {
     .await;
     assert_eq!(status, 200);
     d.shutdown().await;
+}
+
+/// Past the slow model's delay, the run is still cancelled and its log ends with `end`.
+async fn assert_cancelled_for_good(d: &Daemon, id: &str) {
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let (_, now) = api(d, reqwest::Method::GET, &format!("/v1/runs/{id}"), None).await;
+    assert_eq!(now["state"], "cancelled", "{now}");
+    let events = all_events(d, id, 0).await;
+    let n = events.len() as i64;
+    assert_eq!(seqs(&events), (1..=n).collect::<Vec<_>>());
+    let last = events.last().unwrap();
+    assert_eq!(last["kind"], "end");
+    assert_eq!(last["payload"]["state"], "cancelled", "{last}");
 }
 
 /// An API key of a new owner.
