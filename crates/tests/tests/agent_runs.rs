@@ -36,6 +36,11 @@ struct ModelSim {
 
 impl ModelSim {
     fn start(up: &Upstream, ip: &str, port: u16, script: Value) -> ModelSim {
+        Self::start_with_key(up, ip, port, script, NO_KEY)
+    }
+
+    /// As [`ModelSim::start`], refusing (401) requests without `key`.
+    fn start_with_key(up: &Upstream, ip: &str, port: u16, script: Value, key: &str) -> ModelSim {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("script.json"), script.to_string()).unwrap();
         let bin = sandpit_bin().with_file_name("sandpit-modelsim");
@@ -47,7 +52,7 @@ impl ModelSim {
         let mut child = Command::new("ip")
             .args(["netns", "exec", &up.ns])
             .arg(bin)
-            .args(["--listen", &format!("{ip}:{port}"), "--api-key", NO_KEY])
+            .args(["--listen", &format!("{ip}:{port}"), "--api-key", key])
             .arg("--script")
             .arg(dir.path().join("script.json"))
             .arg("--log")
@@ -86,6 +91,11 @@ impl Drop for ModelSim {
 
 /// A daemon with networking over the upstream namespace and the harnesses bound in.
 async fn daemon(up: &Upstream) -> Daemon {
+    daemon_with(up, "").await
+}
+
+/// As [`daemon`], with more config appended.
+async fn daemon_with(up: &Upstream, extra: &str) -> Daemon {
     let data = tempfile::Builder::new()
         .prefix("sandpit-test-")
         .tempdir_in("/var/tmp")
@@ -93,7 +103,7 @@ async fn daemon(up: &Upstream) -> Daemon {
     std::fs::write(
         data.path().join("config.toml"),
         format!(
-            "{}[agents]\nharness_dir = {:?}\n",
+            "{}[agents]\nharness_dir = {:?}\n{extra}",
             up.config(""),
             harness_dir().display().to_string()
         ),
@@ -475,4 +485,119 @@ async fn other_owner_key(d: &Daemon, owner: &str) -> String {
     let (_, key) = db.create_api_key(owner, "test").await.unwrap();
     db.close().await;
     key
+}
+
+/// The model key is a broker secret: the harness holds only its placeholder (in its
+/// config file inside the sandbox), the broker puts the real key into the request on the
+/// way out, and neither the key nor the placeholder shows in an event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_model_key_is_a_broker_secret_that_never_enters_the_sandbox() {
+    use std::os::unix::fs::PermissionsExt;
+    const REAL: &str = "sk-real-model-key-0123456789abcdef";
+    let up = Upstream::start(&[("model.upstream.test", "@11")]);
+    let m = ModelSim::start_with_key(
+        &up,
+        &up.ip(11),
+        8083,
+        json!({"turns": [{"text": "done"}]}),
+        REAL,
+    );
+    let keys = tempfile::tempdir().unwrap();
+    let key = keys.path().join("broker.key");
+    std::fs::write(&key, format!("{}\n", "4f".repeat(32))).unwrap();
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let d = daemon_with(
+        &up,
+        &format!("[broker]\nkey_file = {:?}\n", key.display().to_string()),
+    )
+    .await;
+    let (status, body) = api(
+        &d,
+        reqwest::Method::POST,
+        "/v1/secrets",
+        Some(json!({
+            "name": "modelkey", "value": REAL, "hosts": ["model.upstream.test"],
+            "methods": ["POST"], "ttl_secs": 3600, "inject": {"type": "placeholder"},
+            "allow_http": true,
+        })),
+    )
+    .await;
+    assert_eq!(status, 201, "{body}");
+    let (status, sb) = api(
+        &d,
+        reqwest::Method::POST,
+        "/v1/sandboxes",
+        Some(json!({
+            "timeout": 600,
+            "limits": {"memory_bytes": 1u64 << 30},
+            "secrets": ["modelkey"],
+            "network": {"mode": "allowlist", "rules": [
+                {"action": "allow", "domain": "model.upstream.test", "ports": [8083]}]},
+        })),
+    )
+    .await;
+    assert_eq!(status, 201, "{sb}");
+    let sb = sb["id"].as_str().unwrap().to_string();
+    let (status, rt) = api(
+        &d,
+        reqwest::Method::POST,
+        &format!("/v1/sandboxes/{sb}/agents"),
+        Some(json!({"harness": "pi", "model": {
+            "base_url": "http://model.upstream.test:8083/v1", "model": "modelsim",
+            "api_key_secret": "modelkey"}})),
+    )
+    .await;
+    assert_eq!(status, 201, "{rt}");
+    let rt = rt["id"].as_str().unwrap().to_string();
+    let (status, run) = api(
+        &d,
+        reqwest::Method::POST,
+        &format!("/v1/agents/{rt}/runs"),
+        Some(json!({"task": "say done"})),
+    )
+    .await;
+    assert_eq!(status, 201, "{run}");
+    let id = run["id"].as_str().unwrap().to_string();
+    let done = wait_final(&d, &id, Duration::from_secs(120)).await;
+    let events = all_events(&d, &id, 0).await;
+    // The model refuses any other key, so success means the broker put the real one in.
+    assert_eq!(
+        done["state"],
+        "succeeded",
+        "{done}\n{events:#?}\n{:#?}",
+        m.requests()
+    );
+    let reqs = m.requests();
+    assert!(!reqs.is_empty());
+    for r in &reqs {
+        assert_eq!(
+            r["headers"]["authorization"],
+            format!("Bearer {REAL}"),
+            "{r}"
+        );
+    }
+    let text = serde_json::to_string(&events).unwrap();
+    assert!(!text.contains(REAL), "the key is in an event");
+    assert!(
+        !text.contains("SANDPIT_SECRET_modelkey"),
+        "the placeholder is in an event"
+    );
+    // Inside the sandbox only the placeholder exists: in the harness's config, nowhere
+    // the real key.
+    let c = d.client();
+    let found = sh(
+        &c,
+        &sb,
+        "grep -rl SANDPIT_SECRET_modelkey /home/user/.sandpit-agents",
+    )
+    .await;
+    assert!(found.stdout.contains("models.json"), "{found:?}");
+    let leak = sh(
+        &c,
+        &sb,
+        &format!("grep -rl {REAL} /home /tmp /etc 2>/dev/null; env | grep -c {REAL}"),
+    )
+    .await;
+    assert_eq!(leak.stdout.trim(), "0", "{leak:?}");
+    d.shutdown().await;
 }
