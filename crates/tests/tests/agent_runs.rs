@@ -238,6 +238,28 @@ async fn a_pi_run_writes_a_file_runs_a_command_and_its_events_resume_without_gap
     assert_eq!(status, 200, "{again}");
     assert_eq!(again["id"], id.as_str());
 
+    // A follower that goes away after its first event does not stop the run.
+    let mut follower = reqwest::Client::new()
+        .get(format!("{}/v1/runs/{id}/events/stream", d.url))
+        .bearer_auth(d.key.trim())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(follower.status(), 200);
+    let first = tokio::time::timeout(Duration::from_secs(60), follower.chunk())
+        .await
+        .expect("a first event")
+        .unwrap()
+        .expect("a chunk");
+    let first = String::from_utf8_lossy(&first).into_owned();
+    assert!(
+        first
+            .lines()
+            .any(|l| l.strip_prefix("id:").map(str::trim) == Some("1")),
+        "{first}"
+    );
+    drop(follower);
+
     let done = wait_final(&d, &id, Duration::from_secs(120)).await;
     let events = all_events(&d, &id, 0).await;
     assert_eq!(done["state"], "succeeded", "{done}\n{events:#?}");
