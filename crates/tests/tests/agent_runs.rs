@@ -221,7 +221,8 @@ async fn a_pi_run_writes_a_file_runs_a_command_and_its_events_resume_without_gap
             {"text": "Writing the file.", "tool_calls": [
                 {"name": "write", "arguments": {"path": "hello.txt", "content": "hi\n"}}]},
             {"tool_calls": [{"name": "bash", "arguments": {"command": "cat hello.txt && echo ran > ran.txt"}}]},
-            {"text": "done"}
+            {"text": "done"},
+            {"text": "continued"}
         ]}),
     );
     let d = daemon(&up).await;
@@ -313,6 +314,31 @@ async fn a_pi_run_writes_a_file_runs_a_command_and_its_events_resume_without_gap
         .map(|v| v.trim().parse().unwrap())
         .collect();
     assert_eq!(ids, (k + 1..=n).collect::<Vec<_>>());
+
+    // `continue` resumes pi's session: the model is asked with the three earlier
+    // assistant turns in the conversation (modelsim answers with turn 3).
+    let (status, cont) = api(
+        &d,
+        reqwest::Method::POST,
+        &path,
+        Some(json!({"task": "and now?", "mode": "continue"})),
+    )
+    .await;
+    assert_eq!(status, 201, "{cont}");
+    assert_eq!(cont["parent_run_id"], id.as_str(), "{cont}");
+    let cont_id = cont["id"].as_str().unwrap().to_string();
+    let cont_done = wait_final(&d, &cont_id, Duration::from_secs(120)).await;
+    let cont_events = all_events(&d, &cont_id, 0).await;
+    assert_eq!(
+        cont_done["state"], "succeeded",
+        "{cont_done}\n{cont_events:#?}"
+    );
+    let last = m.requests().last().cloned().unwrap();
+    assert_eq!(last["turn"], 3, "{last}");
+    assert_eq!(
+        seqs(&cont_events),
+        (1..=cont_events.len() as i64).collect::<Vec<_>>()
+    );
 
     // Another owner sees none of it.
     let other = other_owner_key(&d, "mallory").await;
