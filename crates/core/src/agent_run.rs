@@ -292,6 +292,33 @@ impl Manager {
         Ok(update_run(now))
     }
 
+    /// After a start: runs left active by the previous daemon have no driver. Their
+    /// harness (if the sandbox kept it) is killed by its tag and they are marked failed;
+    /// re-attaching them is not done yet.
+    pub async fn fail_orphaned_runs(&self) {
+        let runs = match self.store.live_runs().await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(error = %e, "listing active agent runs");
+                return;
+            }
+        };
+        for run in runs {
+            if let Ok((_, conn)) = self.agent(&run.owner, &run.sandbox_id).await {
+                kill_tagged(&conn, &run_tag(&run.id)).await;
+            }
+            let reason = "the daemon restarted while the run was active; its harness was stopped";
+            match self
+                .store
+                .transition_run(&run.id, RunState::Failed, Some(reason))
+                .await
+            {
+                Ok(_) => tracing::info!(run_id = %run.id, "orphaned agent run failed"),
+                Err(e) => tracing::warn!(run_id = %run.id, error = %e, "failing an orphaned run"),
+            }
+        }
+    }
+
     /// Ends the runtimes and runs of a sandbox being deleted; their processes go with it.
     pub(crate) async fn end_sandbox_agents(&self, sandbox_id: &str) {
         match self
@@ -307,6 +334,31 @@ impl Manager {
                 }
             }
             Err(e) => tracing::warn!(sandbox_id, error = %e, "ending the sandbox's agent runs"),
+        }
+    }
+}
+
+/// The process tag a run's harness is started with.
+fn run_tag(run_id: &str) -> String {
+    format!("agent-run:{run_id}")
+}
+
+/// Kills (with its tree) every process in the sandbox started with `tag`.
+async fn kill_tagged(conn: &AgentConn, tag: &str) {
+    let list = match conn
+        .process
+        .list(sandpit_proto::process::ListRequest::default())
+        .await
+    {
+        Ok(l) => l.into_owned(),
+        Err(e) => {
+            tracing::debug!(error = %e, "listing the sandbox's processes");
+            return;
+        }
+    };
+    for p in list.processes {
+        if p.tag.as_deref() == Some(tag) {
+            exec::kill(conn, p.pid).await;
         }
     }
 }
@@ -385,7 +437,7 @@ impl Drive {
             cwd: Some(launch.cwd.clone()),
             // Attached: the output comes on this stream. The agent keeps the process (and
             // its output) if the daemon goes away, as with any command.
-            tag: Some(format!("agent-run:{}", self.run.id)),
+            tag: Some(run_tag(&self.run.id)),
             ..Default::default()
         };
         let (pid, stream) = exec::start(&conn, &req, true).await?;

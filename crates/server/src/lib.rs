@@ -206,6 +206,7 @@ pub async fn prepare(
     if let Err(e) = manager.reconcile().await {
         tracing::warn!(error = %e.chain(), "reconcile failed");
     }
+    manager.fail_orphaned_runs().await;
     if let Some(n) = &net {
         n.run().await?;
     }

@@ -649,3 +649,54 @@ async fn the_model_key_is_a_broker_secret_that_never_enters_the_sandbox() {
     assert_eq!(leak.stdout.trim(), "0", "{leak:?}");
     d.shutdown().await;
 }
+
+/// A run whose daemon was killed has no driver after the restart: its harness is
+/// stopped and it is marked failed with the reason; its stored events stay whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_left_active_by_a_killed_daemon_is_failed_and_its_harness_stopped() {
+    let up = Upstream::start(&[]);
+    let ip = up.ip(12);
+    let slow = ModelSim::start(
+        &up,
+        &ip,
+        8084,
+        json!({"turns": [{"text": "too late", "delay_ms": 60000}]}),
+    );
+    let mut d = daemon(&up).await;
+    let sb = sandbox(&d, &ip, &[8084]).await;
+    let rt = runtime(&d, &sb, &slow).await;
+    let (status, run) = api(
+        &d,
+        reqwest::Method::POST,
+        &format!("/v1/agents/{rt}/runs"),
+        Some(json!({"task": "think"})),
+    )
+    .await;
+    assert_eq!(status, 201, "{run}");
+    let id = run["id"].as_str().unwrap().to_string();
+    let start = Instant::now();
+    while slow.requests().is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the model was never asked"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    d.kill9();
+    let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
+    let d = Daemon::start_in(data, d.port).await;
+    let (status, now) = api(&d, reqwest::Method::GET, &format!("/v1/runs/{id}"), None).await;
+    assert_eq!(status, 200, "{now}");
+    assert_eq!(now["state"], "failed", "{now}");
+    assert!(
+        now["reason"].as_str().unwrap().contains("daemon restarted"),
+        "{now}"
+    );
+    let left = harness_processes(&d, &sb).await;
+    assert!(left.is_empty(), "left in the sandbox: {left:#?}");
+    let events = all_events(&d, &id, 0).await;
+    let n = events.len() as i64;
+    assert_eq!(seqs(&events), (1..=n).collect::<Vec<_>>());
+    assert_eq!(events.last().unwrap()["kind"], "end");
+    d.shutdown().await;
+}
