@@ -88,9 +88,9 @@ impl Manager {
             ));
         }
         let sandbox = self.get(owner, sandbox_id).await?;
-        if sandbox.template != "host" {
+        if sandbox.template != "host" || sandbox.runtime != "container" {
             return Err(CoreError::invalid(
-                "agent runtimes need a sandbox of the host template (the harnesses are bound there)",
+                "agent runtimes need a container sandbox of the host template (the harnesses are bound there)",
             ));
         }
         if let Some(secret) = &req.model.api_key_secret {

@@ -228,6 +228,25 @@ async fn a_pi_run_writes_a_file_runs_a_command_and_its_events_resume_without_gap
     let d = daemon(&up).await;
     let sb = sandbox(&d, &ip, &[8080]).await;
     let rt = runtime(&d, &sb, &m).await;
+    // Harnesses without a driver yet, unknown ones and bad modes are refused clearly.
+    for harness in ["opencode", "nosuch"] {
+        let (status, body) = api(
+            &d,
+            reqwest::Method::POST,
+            &format!("/v1/sandboxes/{sb}/agents"),
+            Some(json!({"harness": harness, "model": {"base_url": m.url, "model": "modelsim"}})),
+        )
+        .await;
+        assert_eq!(status, 400, "{harness}: {body}");
+    }
+    let (status, body) = api(
+        &d,
+        reqwest::Method::POST,
+        &format!("/v1/agents/{rt}/runs"),
+        Some(json!({"task": "x", "mode": "sideways"})),
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
 
     let start = json!({"task": "write hello.txt, then run a command", "idempotency_key": "one"});
     let path = format!("/v1/agents/{rt}/runs");
