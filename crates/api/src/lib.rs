@@ -1,6 +1,7 @@
 //! Request and response bodies of the REST API under `/v1`, shared by server and client.
 #![forbid(unsafe_code)]
 
+pub mod agents;
 pub mod leases;
 pub mod network;
 pub mod paths;
@@ -9,6 +10,10 @@ pub mod templates;
 pub mod usage;
 pub mod volumes;
 
+pub use agents::{
+    AgentModelSpec, AgentRun, AgentRunEvent, AgentRunEventPage, AgentRuntime, CreateAgentRequest,
+    StartRunRequest,
+};
 pub use network::{NetworkAuditEntry, NetworkAuditList, NetworkMode, NetworkPolicy, NetworkRule};
 pub use volumes::{CreateVolumeRequest, Volume, VolumeList, VolumeMountSpec};
 

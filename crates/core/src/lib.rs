@@ -12,6 +12,8 @@
 
 pub mod access;
 pub mod agent_conn;
+pub mod agent_run;
+pub mod agent_runtime;
 pub mod error;
 pub mod exec;
 pub mod leases;

@@ -41,6 +41,8 @@ pub struct ManagerConfig {
     pub default_runtime: String,
     /// Whether clients may ask for the unisolated `process` runtime.
     pub allow_process_runtime: bool,
+    /// Agent-run settings (`[agents]`).
+    pub agents: crate::agent_runtime::AgentsConfig,
 }
 
 /// Owns sandbox lifecycles.
@@ -77,6 +79,8 @@ pub struct Manager {
     pub(crate) snapshot_store: crate::snapshots::SnapshotStore,
     /// Sandboxes whose automatic pause failed, and when.
     pub(crate) auto_failures: Mutex<HashMap<String, std::time::Instant>>,
+    /// Agent runs this daemon is driving.
+    pub(crate) agent_runs: Arc<crate::agent_run::LiveRuns>,
     /// Template builds, and creates holding templates.
     pub(crate) templates: crate::templates::Templates,
     /// Usage metering queue.
@@ -227,6 +231,7 @@ impl Manager {
             gc_wanted: Arc::new(std::sync::atomic::AtomicBool::new(true)),
             snapshot_store,
             auto_failures: Mutex::default(),
+            agent_runs: Arc::default(),
             usage: Default::default(),
             broker,
             net: Default::default(),

@@ -50,6 +50,7 @@ impl Manager {
             return Ok(());
         };
         crate::usage::on_state(self, &cur, SandboxState::Stopping);
+        self.end_sandbox_agents(&cur.id).await;
         self.forget(&cur.id);
         self.pools.forget(&cur.id);
         // Set once the record is gone: its layers are unused from then on.

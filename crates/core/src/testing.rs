@@ -642,6 +642,7 @@ async fn manager(data_dir: &Path, fake: Arc<FakeRuntime>) -> Arc<Manager> {
             max_timeout_secs: 3600,
             default_runtime: FAKE.into(),
             allow_process_runtime: false,
+            agents: Default::default(),
         },
         snapshots,
     )

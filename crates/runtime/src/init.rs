@@ -32,6 +32,10 @@ pub struct InitConfig {
     pub dir: PathBuf,
     pub lower: PathBuf,
     pub host_binds: Vec<PathBuf>,
+    /// Host directories bound read-only at another path (host path, absolute sandbox
+    /// path), each target made a real directory first (the agent-run harnesses).
+    #[serde(default)]
+    pub ro_binds: Vec<(PathBuf, PathBuf)>,
     /// True for the `host` template: generate /etc/passwd and friends, apply Landlock.
     pub host_template: bool,
     pub disk_bytes: u64,
@@ -559,6 +563,19 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
     for b in &cfg.host_binds {
         let target = root.join(b.strip_prefix("/").unwrap_or(b));
         bind_ro(b, &target, MsFlags::MS_NOSUID | MsFlags::MS_NODEV)?;
+    }
+    for (src, at) in &cfg.ro_binds {
+        // Each component a real directory: a symlink in the tree must not lead the bind
+        // onto a host path.
+        let mut target = root.clone();
+        for part in at
+            .components()
+            .filter(|c| matches!(c, std::path::Component::Normal(_)))
+        {
+            target.push(part);
+            real_dir(&target)?;
+        }
+        bind_ro(src, &target, MsFlags::MS_NOSUID | MsFlags::MS_NODEV)?;
     }
     mark("c_binds");
 

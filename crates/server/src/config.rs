@@ -39,6 +39,35 @@ pub struct FileConfig {
     /// Limits of the HTTP listener (`[http]`: timeouts, connection caps).
     #[serde(default)]
     pub http: crate::listener::HttpConfig,
+    /// Agent runs (`[agents]`: where the harness installs are).
+    #[serde(default)]
+    pub agents: AgentsFileConfig,
+}
+
+/// The `[agents]` section.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentsFileConfig {
+    /// Host directory of the harness installs (`node_modules/.bin/pi`, ...), bound
+    /// read-only into `host` sandboxes. Default: the build tree's `.deps/harnesses`
+    /// (where `scripts/setup.sh --harnesses` puts them) when it exists.
+    #[serde(default)]
+    pub harness_dir: Option<std::path::PathBuf>,
+}
+
+impl AgentsFileConfig {
+    /// The harness directory to bind: the configured one, else the build tree's if
+    /// present; `None` when there is none (agent runtimes are then refused).
+    pub fn resolve(&self) -> Result<Option<std::path::PathBuf>, ServerError> {
+        if let Some(dir) = &self.harness_dir {
+            let dir = dir.canonicalize().map_err(|e| {
+                ServerError::Config(format!("[agents] harness_dir {}: {e}", dir.display()))
+            })?;
+            return Ok(Some(dir));
+        }
+        let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.deps/harnesses");
+        Ok(built.canonicalize().ok().filter(|d| d.is_dir()))
+    }
 }
 
 impl FileConfig {

@@ -147,6 +147,17 @@ pub async fn prepare(
         cfg.self_exe.clone(),
         std::path::Path::new("/sys/fs/cgroup"),
     )?;
+    let harness_dir = file.agents.resolve()?;
+    let container = match &harness_dir {
+        Some(dir) => {
+            tracing::info!(dir = %dir.display(), "agent harnesses bound into host sandboxes");
+            container.with_ro_bind(
+                dir.clone(),
+                sandpit_core::agent_runtime::HARNESS_MOUNT.into(),
+            )
+        }
+        None => container,
+    };
     let last_audit = store.max_audit_id().await?;
     let net = net::Net::start(&file.network, &cfg.data_dir, store.clone(), last_audit)?;
     let container: Arc<dyn Runtime> = Arc::new(container);
@@ -178,6 +189,7 @@ pub async fn prepare(
             max_timeout_secs: cfg.max_timeout_secs,
             default_runtime: "container".into(),
             allow_process_runtime: cfg.allow_process_runtime,
+            agents: sandpit_core::agent_runtime::AgentsConfig { harness_dir },
         },
         snapshot_store,
     );
@@ -190,6 +202,7 @@ pub async fn prepare(
     if let Err(e) = manager.reconcile().await {
         tracing::warn!(error = %e.chain(), "reconcile failed");
     }
+    manager.fail_orphaned_runs().await;
     if let Some(n) = &net {
         n.run().await?;
     }

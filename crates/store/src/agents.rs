@@ -14,7 +14,7 @@ use crate::{SandboxState, Store, StoreError, now_ms};
 
 pub(crate) const RUNTIME_COLUMNS: &str = "id, sandbox_id, owner, harness, harness_version, \
      harness_template, approval_policy, session_id, state, reason, created_at_ms, \
-     updated_at_ms, ended_at_ms";
+     updated_at_ms, ended_at_ms, model";
 
 stored_enum! {
     /// Whether a runtime can still start runs.
@@ -43,6 +43,8 @@ pub struct NewAgentRuntime {
     pub harness_template: Option<String>,
     /// Which capabilities need a person's approval, as JSON the daemon interprets.
     pub approval_policy: serde_json::Value,
+    /// The model endpoint its harness uses, as JSON the daemon interprets.
+    pub model: serde_json::Value,
 }
 
 /// One agent runtime as stored.
@@ -62,6 +64,8 @@ pub struct AgentRuntimeRecord {
     pub harness_template: Option<String>,
     /// Approval policy, opaque JSON.
     pub approval_policy: serde_json::Value,
+    /// Model endpoint, opaque JSON.
+    pub model: serde_json::Value,
     /// The harness's own session id last reported by one of its runs; a `continue` run
     /// resumes it when its previous run reported none.
     pub session_id: Option<String>,
@@ -92,6 +96,9 @@ pub(crate) fn runtime_from_row(row: &SqliteRow) -> Result<AgentRuntimeRecord, St
     let policy: String = row.try_get("approval_policy")?;
     let approval_policy = serde_json::from_str(&policy)
         .map_err(|e| StoreError::Corrupt(format!("agent runtime {id}: approval_policy: {e}")))?;
+    let model: String = row.try_get("model")?;
+    let model = serde_json::from_str(&model)
+        .map_err(|e| StoreError::Corrupt(format!("agent runtime {id}: model: {e}")))?;
     Ok(AgentRuntimeRecord {
         sandbox_id: row.try_get("sandbox_id")?,
         owner: row.try_get("owner")?,
@@ -99,6 +106,7 @@ pub(crate) fn runtime_from_row(row: &SqliteRow) -> Result<AgentRuntimeRecord, St
         harness_version: row.try_get("harness_version")?,
         harness_template: row.try_get("harness_template")?,
         approval_policy,
+        model,
         session_id: row.try_get("session_id")?,
         state: state.parse()?,
         reason: row.try_get("reason")?,
@@ -129,7 +137,7 @@ impl Store {
         // sandbox's teardown has begun (which then ends every runtime it has).
         let row = sqlx::query(&format!(
             "INSERT INTO agent_runtimes ({RUNTIME_COLUMNS}) \
-             SELECT $1, $2, $3, $4, $5, $6, $7, NULL, $8, NULL, $9, $9, NULL \
+             SELECT $1, $2, $3, $4, $5, $6, $7, NULL, $8, NULL, $9, $9, NULL, $13 \
              WHERE EXISTS (SELECT 1 FROM sandboxes WHERE id = $2 AND owner = $3 \
              AND state NOT IN ($10, $11, $12)) RETURNING {RUNTIME_COLUMNS}"
         ))
@@ -145,6 +153,7 @@ impl Store {
         .bind(GONE[0].as_str())
         .bind(GONE[1].as_str())
         .bind(GONE[2].as_str())
+        .bind(serde_json::to_string(&new.model)?)
         .fetch_optional(&self.writer)
         .await
         .map_err(|e| match StoreError::from(e) {

@@ -520,6 +520,7 @@ mod tests {
             harness_version: None,
             harness_template: None,
             approval_policy: serde_json::json!({}),
+            model: serde_json::json!({}),
         })
         .await
         .unwrap();

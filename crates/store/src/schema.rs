@@ -387,10 +387,18 @@ pub(crate) const MIGRATIONS: &[(i64, &[&str])] = &[
             "CREATE INDEX agent_approvals_expiry_idx ON agent_approvals (state, expires_at_ms)",
         ],
     ),
+    (
+        12,
+        &[
+            // The model endpoint a runtime's harness is pointed at (JSON the daemon reads;
+            // a secret's name, never a key).
+            "ALTER TABLE agent_runtimes ADD COLUMN model TEXT NOT NULL DEFAULT '{}'",
+        ],
+    ),
 ];
 
 /// Highest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 11;
+pub const SCHEMA_VERSION: i64 = 12;
 
 /// Brings the database up to [`SCHEMA_VERSION`]; a no-op when it is already there.
 pub(crate) async fn apply(pool: &SqlitePool) -> Result<(), StoreError> {

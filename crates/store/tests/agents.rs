@@ -51,6 +51,7 @@ fn runtime(id: &str, sandbox_id: &str, owner: &str) -> NewAgentRuntime {
         harness_version: Some("0.73.1".into()),
         harness_template: None,
         approval_policy: json!({"egress": true}),
+        model: json!({"model": "m"}),
     }
 }
 

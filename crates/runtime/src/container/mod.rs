@@ -28,6 +28,8 @@ pub struct ContainerRuntime {
     sandboxes_dir: PathBuf,
     host_skeleton: PathBuf,
     host_binds: Vec<PathBuf>,
+    /// Read-only binds at other paths for `host` sandboxes (host path, sandbox path).
+    ro_binds: Vec<(PathBuf, PathBuf)>,
     self_exe: PathBuf,
     cgroups: Cgroups,
     /// Uid-range slots in use, each with the sandbox that holds it.
@@ -56,11 +58,18 @@ impl ContainerRuntime {
             sandboxes_dir,
             host_skeleton,
             host_binds,
+            ro_binds: Vec::new(),
             self_exe,
             cgroups,
             slots: Mutex::default(),
             pending: Default::default(),
         })
+    }
+
+    /// Binds host directory `host` read-only at `at` in every `host`-template sandbox.
+    pub fn with_ro_bind(mut self, host: PathBuf, at: PathBuf) -> Self {
+        self.ro_binds.push((host, at));
+        self
     }
 
     fn alloc_slot(&self, id: &str) -> Result<u32, RuntimeError> {
@@ -144,6 +153,11 @@ impl ContainerRuntime {
             lower,
             host_binds: if host_template {
                 self.host_binds.clone()
+            } else {
+                Vec::new()
+            },
+            ro_binds: if host_template {
+                self.ro_binds.clone()
             } else {
                 Vec::new()
             },

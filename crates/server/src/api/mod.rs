@@ -1,5 +1,6 @@
 //! The REST API under `/v1`: routing, authentication and request decoding.
 
+pub mod agents;
 pub mod commands;
 pub mod e2b;
 pub mod files;
@@ -214,6 +215,8 @@ async fn authenticate(
         crate::ingress::api::get, crate::ingress::api::update, crate::ingress::api::port_url,
         secrets::create, secrets::list, secrets::get_one, secrets::delete, secrets::sandbox_get, secrets::sandbox_put,
         network::get_policy, network::set_policy, network::audit, network::audit_stream,
+        agents::create, agents::list, agents::get_one, agents::delete, agents::start_run,
+        agents::get_run, agents::cancel, agents::events, agents::stream,
     ),
     components(schemas(sandpit_api::ErrorBody, sandpit_api::CommandEvent, sandpit_api::ClientMessage)),
     modifiers(&BearerAuth)
@@ -261,6 +264,7 @@ fn api_router(state: AppState) -> Router {
     let doc = openapi();
     let authed = Router::new()
         .merge(network::routes())
+        .merge(agents::routes())
         .route("/v1/info", get(sandboxes::info))
         .route("/v1/templates", get(templates::list).post(templates::build))
         .route(

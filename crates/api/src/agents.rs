@@ -1,0 +1,112 @@
+//! Agent runtimes (a coding-agent harness in a sandbox), their runs, and run events.
+
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+/// Where a runtime's harness reaches its model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AgentModelSpec {
+    /// The URL the wire API's paths are relative to (for Chat Completions the one ending
+    /// in `/v1`). It must be reachable through the sandbox's egress policy.
+    pub base_url: String,
+    /// The model id to ask for.
+    pub model: String,
+    /// A broker secret (placeholder form) holding the API key: the harness is given only
+    /// its placeholder, which the broker swaps for the key on the way out. Without one
+    /// the harness gets a fixed dummy key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key_secret: Option<String>,
+    /// `chat_completions` (default), `responses` or `anthropic_messages`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{id}/agents`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateAgentRequest {
+    /// `pi` (others are not driven yet).
+    pub harness: String,
+    /// The model endpoint.
+    pub model: AgentModelSpec,
+}
+
+/// An agent runtime.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct AgentRuntime {
+    pub id: String,
+    pub sandbox_id: String,
+    pub harness: String,
+    pub model: AgentModelSpec,
+    /// `active` or `ended`.
+    pub state: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    pub created_at_ms: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_at_ms: Option<i64>,
+}
+
+/// `POST /v1/agents/{id}/runs`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StartRunRequest {
+    /// The task (prompt).
+    pub task: String,
+    /// `fresh` (default) or `continue`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    /// Retries with the same key return the same run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
+}
+
+/// A run of an agent runtime.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct AgentRun {
+    pub id: String,
+    pub runtime_id: String,
+    pub sandbox_id: String,
+    /// 1 for the runtime's first run, then 2, 3, ...
+    pub number: i64,
+    pub task: String,
+    pub mode: String,
+    /// `queued`, `running`, `waiting_approval`, `succeeded`, `failed` or `cancelled`.
+    pub state: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_run_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
+    pub created_at_ms: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at_ms: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_at_ms: Option<i64>,
+    /// Events stored so far.
+    pub events: i64,
+    /// Events refused because the run reached its cap.
+    pub events_dropped: i64,
+}
+
+/// One stored run event: numbered from 1 without gaps, stored before it is served.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct AgentRunEvent {
+    pub seq: i64,
+    pub at_ms: i64,
+    pub kind: String,
+    #[schema(value_type = Object)]
+    pub payload: serde_json::Value,
+}
+
+/// `GET /v1/runs/{id}/events`: the events after `after`, in order.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct AgentRunEventPage {
+    pub events: Vec<AgentRunEvent>,
+    /// The sequence to pass as `after` for the next page.
+    pub next_after: i64,
+    /// The run is finished and every event is in this page or before it.
+    pub complete: bool,
+}

@@ -1,0 +1,568 @@
+//! Runs of an agent runtime: start (fresh or continue, idempotent by key, one active per
+//! runtime), execution of the harness inside the sandbox, its events, and cancel.
+//!
+//! A run executes as a process started through the sandbox's agent
+//! ([`crate::exec`]). Each line the harness prints goes through its adapter's `parse`,
+//! then [`sandpit_agentrun::sanitize`] (secret-named fields and the known secret values
+//! masked, limits applied), then the store's `append_event`: an event is stored before
+//! anyone can read it. The outcome the harness reports (or its exit without one) ends the
+//! run with a compare-and-set, so a result arriving after a cancel changes nothing.
+//!
+//! Cancel sends the harness's own abort, then SIGKILL through the agent (which kills the
+//! process's whole tree: every harness orphans its tools' children), then marks the run
+//! cancelled. Nothing else cancels a run: readers of its events come and go freely.
+
+use crate::agent_conn::AgentConn;
+use crate::agent_runtime::{HARNESS_MOUNT, NO_KEY, model_of, wire_api};
+use crate::error::CoreError;
+use crate::exec;
+use crate::manager::{Manager, new_id};
+use base64::Engine;
+use parking_lot::Mutex;
+use sandpit_agentrun::{
+    Control, Harness, LaunchFile, LaunchSpec, Limits, ModelEndpoint, Outcome, Redactor, adapter,
+    sanitize,
+};
+use sandpit_api::{CommandEvent, RunCommandRequest};
+use sandpit_proto::process::Signal;
+use sandpit_store::{NewEvent, NewRun, RunMode, RunRecord, RunStart, RunState, RunUpdate, Store};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Where a runtime keeps the harness's config and sessions inside the sandbox.
+const STATE_ROOT: &str = "/home/user/.sandpit-agents";
+/// The directory the harness works in.
+const WORKDIR: &str = "/home/user";
+/// How long the harness's own abort gets before the process tree is killed.
+const ABORT_GRACE: Duration = Duration::from_millis(300);
+/// How long a cancel waits for the killed harness's end to be seen.
+const KILL_WAIT: Duration = Duration::from_secs(5);
+/// Bytes of the harness's stderr kept for the failure reason.
+const STDERR_TAIL: usize = 2048;
+
+/// What a live run's process is, shared between its driver and a cancel.
+#[derive(Default)]
+struct Proc {
+    pid: Option<u32>,
+    /// Set by a cancel (or the sandbox's end): the driver no longer ends the run itself.
+    stopping: bool,
+}
+
+/// One run being driven.
+struct LiveRun {
+    conn: Arc<AgentConn>,
+    harness: Harness,
+    proc: Mutex<Proc>,
+    /// Notified when the driver has finished.
+    done: tokio::sync::Notify,
+    finished: std::sync::atomic::AtomicBool,
+}
+
+/// The runs this daemon is driving, by run id.
+#[derive(Default)]
+pub struct LiveRuns {
+    runs: Mutex<HashMap<String, Arc<LiveRun>>>,
+}
+
+impl LiveRuns {
+    fn get(&self, run_id: &str) -> Option<Arc<LiveRun>> {
+        self.runs.lock().get(run_id).cloned()
+    }
+
+    /// Marks a run as stopped elsewhere (its runtime or sandbox ended) and kills its
+    /// process tree if it has one.
+    pub(crate) async fn stop_process(&self, run_id: &str) {
+        let Some(live) = self.get(run_id) else { return };
+        let pid = {
+            let mut p = live.proc.lock();
+            p.stopping = true;
+            p.pid
+        };
+        if let Some(pid) = pid {
+            exec::kill(&live.conn, pid).await;
+        }
+    }
+}
+
+/// The API view of a run.
+pub fn to_api(r: &RunRecord) -> sandpit_api::AgentRun {
+    sandpit_api::AgentRun {
+        id: r.id.clone(),
+        runtime_id: r.runtime_id.clone(),
+        sandbox_id: r.sandbox_id.clone(),
+        number: r.number,
+        task: r.task.clone(),
+        mode: r.mode.as_str().into(),
+        state: r.state.as_str().into(),
+        reason: r.reason.clone(),
+        parent_run_id: r.parent_run_id.clone(),
+        idempotency_key: r.idempotency_key.clone(),
+        created_at_ms: r.created_at_ms,
+        started_at_ms: r.started_at_ms,
+        ended_at_ms: r.ended_at_ms,
+        events: r.next_seq - 1,
+        events_dropped: r.events_dropped,
+    }
+}
+
+/// Everything the driver task needs, owned.
+struct Drive {
+    store: Store,
+    live_runs: Arc<LiveRuns>,
+    live: Arc<LiveRun>,
+    run: RunRecord,
+    spec: LaunchSpec,
+    redactor: Redactor,
+    limits: Limits,
+}
+
+impl Manager {
+    /// Starts a run on the caller's runtime: `(run, created)`, where an idempotency key
+    /// seen before gives that run back (`created` false) and a second active run is the
+    /// store's `ActiveRun` conflict.
+    pub async fn start_agent_run(
+        &self,
+        owner: &str,
+        runtime_id: &str,
+        req: &sandpit_api::StartRunRequest,
+    ) -> Result<(RunRecord, bool), CoreError> {
+        let rt = self.agent_runtime(owner, runtime_id).await?;
+        let mode: RunMode = req
+            .mode
+            .as_deref()
+            .unwrap_or("fresh")
+            .parse()
+            .map_err(|_| CoreError::invalid("mode must be \"fresh\" or \"continue\""))?;
+        if req.task.trim().is_empty() {
+            return Err(CoreError::invalid("task must not be empty"));
+        }
+        let limits = Limits::default();
+        let start = self
+            .store
+            .start_run(&NewRun {
+                id: format!("run{}", new_id()),
+                runtime_id: rt.id.clone(),
+                task: req.task.clone(),
+                mode,
+                idempotency_key: req.idempotency_key.clone(),
+                max_events: limits.max_events(),
+            })
+            .await?;
+        let run = match start {
+            RunStart::Existing(r) => return Ok((r, false)),
+            RunStart::Started(r) => r,
+        };
+        if let Err(e) = self.launch_run(&rt, &run, limits).await {
+            let reason = format!("could not start the harness: {}", e.chain());
+            tracing::warn!(run_id = %run.id, %reason, "agent run failed to start");
+            let now = self
+                .store
+                .transition_run(&run.id, RunState::Failed, Some(&reason))
+                .await?;
+            return Ok((update_run(now), true));
+        }
+        Ok((run, true))
+    }
+
+    /// Builds the launch and spawns the driver of a new run.
+    async fn launch_run(
+        &self,
+        rt: &sandpit_store::AgentRuntimeRecord,
+        run: &RunRecord,
+        limits: Limits,
+    ) -> Result<(), CoreError> {
+        let harness: Harness = rt
+            .harness
+            .parse()
+            .map_err(|e: sandpit_agentrun::LaunchError| CoreError::invalid(e.to_string()))?;
+        let model = model_of(rt)?;
+        let api_key = match &model.api_key_secret {
+            Some(name) => crate::broker::rules::placeholder(name),
+            None => NO_KEY.to_string(),
+        };
+        let resume = match (run.mode, &run.resume_session_id) {
+            (RunMode::Continue, Some(s)) => Some(sandpit_agentrun::Resume::Session(s.clone())),
+            (RunMode::Continue, None) => Some(sandpit_agentrun::Resume::Latest),
+            (RunMode::Fresh, _) => None,
+        };
+        let spec = LaunchSpec {
+            task: run.task.clone(),
+            model: ModelEndpoint {
+                provider: "sandpit".into(),
+                api: wire_api(&model)?,
+                base_url: model.base_url.clone(),
+                model: model.model.clone(),
+                api_key: api_key.clone(),
+            },
+            workdir: WORKDIR.into(),
+            state_dir: format!("{STATE_ROOT}/{}", rt.id),
+            resume,
+            approvals: false,
+            program: Some(format!(
+                "{HARNESS_MOUNT}/node_modules/.bin/{}",
+                harness.program()
+            )),
+        };
+        let (_, conn) = self.agent(&rt.owner, &rt.sandbox_id).await?;
+        let live = Arc::new(LiveRun {
+            conn,
+            harness,
+            proc: Mutex::default(),
+            done: tokio::sync::Notify::new(),
+            finished: Default::default(),
+        });
+        self.agent_runs
+            .runs
+            .lock()
+            .insert(run.id.clone(), live.clone());
+        let drive = Drive {
+            store: self.store.clone(),
+            live_runs: self.agent_runs.clone(),
+            live,
+            run: run.clone(),
+            spec,
+            // The key the harness holds is a placeholder, but it must not show in events
+            // either: an agent told to print its config would otherwise publish it.
+            redactor: Redactor::new([api_key]),
+            limits,
+        };
+        tokio::spawn(drive.run());
+        Ok(())
+    }
+
+    /// The caller's run `id`.
+    pub async fn agent_run(&self, owner: &str, id: &str) -> Result<RunRecord, CoreError> {
+        match self.store.get_run(id).await? {
+            Some(r) if r.owner == owner => Ok(r),
+            _ => Err(CoreError::not_found(format!("run {id} not found"))),
+        }
+    }
+
+    /// Up to `limit` stored events of the caller's run after sequence `after`.
+    pub async fn agent_run_events(
+        &self,
+        owner: &str,
+        id: &str,
+        after: i64,
+        limit: u32,
+    ) -> Result<(RunRecord, Vec<sandpit_store::RunEvent>), CoreError> {
+        let run = self.agent_run(owner, id).await?;
+        let events = self.store.events_after(&run.id, after, limit).await?;
+        Ok((run, events))
+    }
+
+    /// Cancels the caller's run: the harness's abort, then its process tree killed, then
+    /// `cancelled` by compare-and-set (a finished run is returned unchanged).
+    pub async fn cancel_agent_run(&self, owner: &str, id: &str) -> Result<RunRecord, CoreError> {
+        let run = self.agent_run(owner, id).await?;
+        if run.state.is_terminal() {
+            return Ok(run);
+        }
+        if let Some(live) = self.agent_runs.get(&run.id) {
+            let pid = {
+                let mut p = live.proc.lock();
+                p.stopping = true;
+                p.pid
+            };
+            if let Some(pid) = pid {
+                if let Some(Control::StdinLine(line)) =
+                    adapter(live.harness).abort(run.session_id.as_deref())
+                {
+                    let mut data = line.into_bytes();
+                    data.push(b'\n');
+                    if let Err(e) = exec::write_stdin(&live.conn, pid, data, false).await {
+                        tracing::debug!(run_id = %run.id, error = %e.chain(), "abort not delivered");
+                    }
+                    tokio::time::sleep(ABORT_GRACE).await;
+                }
+                if let Err(e) = exec::send_signal(&live.conn, pid, Signal::SIGNAL_SIGKILL).await {
+                    tracing::debug!(run_id = %run.id, error = %e.chain(), "kill after abort");
+                }
+                let done = live.done.notified();
+                if !live.finished.load(std::sync::atomic::Ordering::Acquire) {
+                    let _ = tokio::time::timeout(KILL_WAIT, done).await;
+                }
+            }
+        }
+        let now = self
+            .store
+            .transition_run(&run.id, RunState::Cancelled, Some("cancelled on request"))
+            .await?;
+        Ok(update_run(now))
+    }
+
+    /// After a start: runs left active by the previous daemon have no driver. Their
+    /// harness (if the sandbox kept it) is killed by its tag and they are marked failed;
+    /// re-attaching them is not done yet.
+    pub async fn fail_orphaned_runs(&self) {
+        let runs = match self.store.live_runs().await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(error = %e, "listing active agent runs");
+                return;
+            }
+        };
+        for run in runs {
+            if let Ok((_, conn)) = self.agent(&run.owner, &run.sandbox_id).await {
+                kill_tagged(&conn, &run_tag(&run.id)).await;
+            }
+            let reason = "the daemon restarted while the run was active; its harness was stopped";
+            match self
+                .store
+                .transition_run(&run.id, RunState::Failed, Some(reason))
+                .await
+            {
+                Ok(_) => tracing::info!(run_id = %run.id, "orphaned agent run failed"),
+                Err(e) => tracing::warn!(run_id = %run.id, error = %e, "failing an orphaned run"),
+            }
+        }
+    }
+
+    /// Ends the runtimes and runs of a sandbox being deleted; their processes go with it.
+    pub(crate) async fn end_sandbox_agents(&self, sandbox_id: &str) {
+        match self
+            .store
+            .end_sandbox_agents(sandbox_id, "sandbox deleted")
+            .await
+        {
+            Ok(ended) => {
+                for run in ended.runs {
+                    if let Some(live) = self.agent_runs.get(&run.id) {
+                        live.proc.lock().stopping = true;
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(sandbox_id, error = %e, "ending the sandbox's agent runs"),
+        }
+    }
+}
+
+/// The process tag a run's harness is started with.
+fn run_tag(run_id: &str) -> String {
+    format!("agent-run:{run_id}")
+}
+
+/// Kills (with its tree) every process in the sandbox started with `tag`.
+async fn kill_tagged(conn: &AgentConn, tag: &str) {
+    let list = match conn
+        .process
+        .list(sandpit_proto::process::ListRequest::default())
+        .await
+    {
+        Ok(l) => l.into_owned(),
+        Err(e) => {
+            tracing::debug!(error = %e, "listing the sandbox's processes");
+            return;
+        }
+    };
+    for p in list.processes {
+        if p.tag.as_deref() == Some(tag) {
+            exec::kill(conn, p.pid).await;
+        }
+    }
+}
+
+fn update_run(u: RunUpdate) -> RunRecord {
+    match u {
+        RunUpdate::Applied(r) | RunUpdate::AlreadyFinal(r) | RunUpdate::NotAllowed(r) => r,
+    }
+}
+
+impl Drive {
+    async fn run(self) {
+        let outcome = self.drive().await;
+        let stopping = self.live.proc.lock().stopping;
+        let end = match outcome {
+            Ok(Some(Outcome::Succeeded { .. })) => (RunState::Succeeded, None),
+            Ok(Some(Outcome::Failed { reason })) => (RunState::Failed, Some(reason)),
+            Ok(Some(Outcome::Aborted)) => (RunState::Cancelled, Some("aborted".into())),
+            Ok(None) => (
+                RunState::Failed,
+                Some("the harness ended without reporting an outcome".into()),
+            ),
+            Err(e) => (RunState::Failed, Some(e.chain())),
+        };
+        // A cancel (or the sandbox's end) decides the state itself; the CAS would keep
+        // it anyway, this only spares a misleading log line.
+        if !stopping {
+            let reason = end
+                .1
+                .as_deref()
+                .map(|r| self.redactor.redact_text(r).into_owned());
+            match self
+                .store
+                .transition_run(&self.run.id, end.0, reason.as_deref())
+                .await
+            {
+                Ok(RunUpdate::Applied(_)) => {}
+                Ok(other) => {
+                    tracing::debug!(run_id = %self.run.id, now = ?update_run(other).state, "run already ended")
+                }
+                Err(e) => tracing::warn!(run_id = %self.run.id, error = %e, "ending the run"),
+            }
+        }
+        self.live
+            .finished
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.live.done.notify_waiters();
+        self.live_runs.runs.lock().remove(&self.run.id);
+    }
+
+    /// Runs the harness to its end; the outcome it reported, if any.
+    async fn drive(&self) -> Result<Option<Outcome>, CoreError> {
+        let conn = self.live.conn.clone();
+        let mut adapter = adapter(self.live.harness);
+        let launch = adapter
+            .launch(&self.spec)
+            .map_err(|e| CoreError::invalid(e.to_string()))?;
+        for f in &launch.files {
+            write_file(&conn, f).await?;
+        }
+        match self
+            .store
+            .transition_run(&self.run.id, RunState::Running, None)
+            .await?
+        {
+            RunUpdate::Applied(_) => {}
+            other => {
+                // Cancelled before it started: nothing to run.
+                tracing::debug!(run_id = %self.run.id, state = ?update_run(other).state, "run not started");
+                return Ok(None);
+            }
+        }
+        let req = RunCommandRequest {
+            argv: launch.argv.clone(),
+            env: launch.env.clone(),
+            cwd: Some(launch.cwd.clone()),
+            // Attached: the output comes on this stream. The agent keeps the process (and
+            // its output) if the daemon goes away, as with any command.
+            tag: Some(run_tag(&self.run.id)),
+            ..Default::default()
+        };
+        let (pid, stream) = exec::start(&conn, &req, true).await?;
+        let stopping = {
+            let mut p = self.live.proc.lock();
+            p.pid = Some(pid);
+            p.stopping
+        };
+        if stopping {
+            exec::kill(&conn, pid).await;
+            return Ok(None);
+        }
+        tracing::debug!(run_id = %self.run.id, pid, "harness started");
+        for step in &launch.steps {
+            if let Control::StdinLine(line) = step {
+                let mut data = line.clone().into_bytes();
+                data.push(b'\n');
+                exec::write_stdin(&conn, pid, data, false).await?;
+            }
+        }
+        let mut events = exec::start_events(stream);
+        let mut buf: Vec<u8> = Vec::new();
+        let mut stderr: Vec<u8> = Vec::new();
+        let mut outcome = None;
+        let mut exit = None;
+        use futures::StreamExt;
+        while let Some(ev) = events.next().await {
+            match ev? {
+                CommandEvent::Stdout { data } => {
+                    buf.extend(exec::B64.decode(data).unwrap_or_default());
+                    while let Some(nl) = buf.iter().position(|b| *b == b'\n') {
+                        let line: Vec<u8> = buf.drain(..=nl).collect();
+                        let line = String::from_utf8_lossy(&line[..nl]);
+                        if self.line(&mut *adapter, &line, &mut outcome).await? {
+                            // Told its outcome: closing stdin lets the RPC harness exit.
+                            exec::write_stdin(&conn, pid, Vec::new(), true).await?;
+                        }
+                    }
+                }
+                CommandEvent::Stderr { data } => {
+                    stderr.extend(exec::B64.decode(data).unwrap_or_default());
+                    if stderr.len() > STDERR_TAIL {
+                        stderr.drain(..stderr.len() - STDERR_TAIL);
+                    }
+                }
+                CommandEvent::End { exit_code, .. } => {
+                    exit = Some(exit_code);
+                    break;
+                }
+                _ => {}
+            }
+        }
+        if !buf.is_empty() {
+            let line = String::from_utf8_lossy(&buf).into_owned();
+            self.line(&mut *adapter, &line, &mut outcome).await?;
+        }
+        if outcome.is_none() && !self.live.proc.lock().stopping {
+            let tail = String::from_utf8_lossy(&stderr);
+            return Ok(Some(Outcome::Failed {
+                reason: format!(
+                    "the harness exited ({}) without an outcome: {}",
+                    exit.map_or("no exit status".into(), |c| format!("code {c}")),
+                    tail.trim()
+                ),
+            }));
+        }
+        Ok(outcome)
+    }
+
+    /// Parses, sanitizes and stores one output line; true when it gave the outcome.
+    async fn line(
+        &self,
+        adapter: &mut dyn sandpit_agentrun::Adapter,
+        line: &str,
+        outcome: &mut Option<Outcome>,
+    ) -> Result<bool, CoreError> {
+        let parsed = adapter.parse(line);
+        if parsed.unrecognized {
+            tracing::debug!(run_id = %self.run.id, "harness printed a line that is not its JSON");
+        }
+        let mut batch = Vec::with_capacity(parsed.events.len());
+        for mut ev in parsed.events {
+            sanitize(&mut ev, &self.redactor, &self.limits);
+            batch.push(NewEvent {
+                kind: ev.kind.as_str().to_string(),
+                payload: ev.payload,
+            });
+        }
+        if !batch.is_empty() {
+            self.store.append_events(&self.run.id, &batch).await?;
+        }
+        if let Some(session) = parsed.session_id {
+            self.store.set_run_session(&self.run.id, &session).await?;
+        }
+        let first = outcome.is_none() && parsed.outcome.is_some();
+        if first {
+            *outcome = parsed.outcome;
+        }
+        Ok(first)
+    }
+}
+
+/// Writes a launch file as the sandbox's user, making its directory.
+async fn write_file(conn: &AgentConn, f: &LaunchFile) -> Result<(), CoreError> {
+    let req = RunCommandRequest {
+        argv: vec![
+            "sh".into(),
+            "-c".into(),
+            "umask 077 && mkdir -p \"$(dirname \"$1\")\" && cat > \"$1\" && chmod \"$2\" \"$1\""
+                .into(),
+            "sh".into(),
+            f.path.clone(),
+            format!("{:o}", f.mode),
+        ],
+        stdin: Some(f.contents.clone()),
+        timeout_ms: Some(30_000),
+        ..Default::default()
+    };
+    let out = exec::run_to_end(conn, &req).await?;
+    if out.exit_code != 0 {
+        return Err(CoreError::internal(format!(
+            "writing {} in the sandbox failed: {}",
+            f.path,
+            out.stderr.trim()
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,163 @@
+//! Agent runtimes: a coding-agent harness set up in one sandbox of the caller's, which
+//! runs are started on ([`crate::agent_run`]). Owner-scoped: another owner's runtime is
+//! not found. The harness packages come from the host, bound read-only into `host`
+//! sandboxes at [`HARNESS_MOUNT`] (see [`AgentsConfig`]).
+
+use crate::error::CoreError;
+use crate::manager::{Manager, new_id};
+use sandpit_agentrun::{Harness, WireApi};
+use sandpit_api::AgentModelSpec;
+use sandpit_store::{AgentRuntimeRecord, NewAgentRuntime};
+use std::path::PathBuf;
+
+/// Where the harness directory appears inside a `host` sandbox.
+pub const HARNESS_MOUNT: &str = "/opt/sandpit/harnesses";
+/// Key given to a harness whose runtime names no secret (the model server needs none).
+pub const NO_KEY: &str = "sandpit-no-key";
+
+/// Daemon settings for agent runs (`[agents]`).
+#[derive(Debug, Clone, Default)]
+pub struct AgentsConfig {
+    /// Host directory holding the harness installs (`node_modules/.bin/pi`, ...), as
+    /// `scripts/setup.sh --harnesses` makes it; bound read-only at [`HARNESS_MOUNT`].
+    /// `None`: no harness can run.
+    pub harness_dir: Option<PathBuf>,
+}
+
+/// The harnesses this daemon drives so far.
+const DRIVEN: [Harness; 1] = [Harness::Pi];
+
+/// The wire API named in a model spec.
+pub(crate) fn wire_api(spec: &AgentModelSpec) -> Result<WireApi, CoreError> {
+    match spec.api.as_deref().unwrap_or("chat_completions") {
+        "chat_completions" => Ok(WireApi::ChatCompletions),
+        "responses" => Ok(WireApi::Responses),
+        "anthropic_messages" => Ok(WireApi::AnthropicMessages),
+        other => Err(CoreError::invalid(format!(
+            "unknown model api {other:?}: use chat_completions, responses or anthropic_messages"
+        ))),
+    }
+}
+
+/// The model spec a runtime was created with.
+pub(crate) fn model_of(rec: &AgentRuntimeRecord) -> Result<AgentModelSpec, CoreError> {
+    serde_json::from_value(rec.model.clone())
+        .map_err(|e| CoreError::internal_from(format!("agent runtime {}: model", rec.id), e))
+}
+
+/// The API view of a runtime.
+pub fn to_api(rec: &AgentRuntimeRecord) -> Result<sandpit_api::AgentRuntime, CoreError> {
+    Ok(sandpit_api::AgentRuntime {
+        id: rec.id.clone(),
+        sandbox_id: rec.sandbox_id.clone(),
+        harness: rec.harness.clone(),
+        model: model_of(rec)?,
+        state: rec.state.as_str().into(),
+        reason: rec.reason.clone(),
+        created_at_ms: rec.created_at_ms,
+        ended_at_ms: rec.ended_at_ms,
+    })
+}
+
+impl Manager {
+    /// Creates a runtime for `harness` in the caller's running sandbox `sandbox_id`.
+    pub async fn create_agent_runtime(
+        &self,
+        owner: &str,
+        sandbox_id: &str,
+        req: &sandpit_api::CreateAgentRequest,
+    ) -> Result<AgentRuntimeRecord, CoreError> {
+        let harness: Harness = req
+            .harness
+            .parse()
+            .map_err(|e: sandpit_agentrun::LaunchError| CoreError::invalid(e.to_string()))?;
+        if !DRIVEN.contains(&harness) {
+            return Err(CoreError::invalid(format!(
+                "harness {harness} is not driven yet (supported: pi)"
+            )));
+        }
+        wire_api(&req.model)?;
+        if req.model.base_url.is_empty() || req.model.model.is_empty() {
+            return Err(CoreError::invalid(
+                "model.base_url and model.model are required",
+            ));
+        }
+        if self.cfg.agents.harness_dir.is_none() {
+            return Err(CoreError::unavailable(
+                "no harness directory is configured ([agents] harness_dir)",
+            ));
+        }
+        let sandbox = self.get(owner, sandbox_id).await?;
+        if sandbox.template != "host" || sandbox.runtime != "container" {
+            return Err(CoreError::invalid(
+                "agent runtimes need a container sandbox of the host template (the harnesses are bound there)",
+            ));
+        }
+        if let Some(secret) = &req.model.api_key_secret {
+            self.broker
+                .check_names(owner, std::slice::from_ref(secret))
+                .await?;
+        }
+        let rec = self
+            .store
+            .insert_agent_runtime(&NewAgentRuntime {
+                id: format!("agt{}", new_id()),
+                sandbox_id: sandbox.id.clone(),
+                owner: owner.to_string(),
+                harness: harness.as_str().into(),
+                harness_version: None,
+                harness_template: None,
+                approval_policy: serde_json::json!({}),
+                model: serde_json::to_value(&req.model)
+                    .map_err(|e| CoreError::internal_from("model spec", e))?,
+            })
+            .await
+            .map_err(|e| match e {
+                sandpit_store::StoreError::NotFound(_) => CoreError::sandbox_not_found(sandbox_id),
+                other => other.into(),
+            })?;
+        Ok(rec)
+    }
+
+    /// The caller's runtime `id`.
+    pub async fn agent_runtime(
+        &self,
+        owner: &str,
+        id: &str,
+    ) -> Result<AgentRuntimeRecord, CoreError> {
+        match self.store.get_agent_runtime(id).await? {
+            Some(r) if r.owner == owner => Ok(r),
+            _ => Err(CoreError::not_found(format!(
+                "agent runtime {id} not found"
+            ))),
+        }
+    }
+
+    /// The caller's runtimes in sandbox `sandbox_id`.
+    pub async fn list_agent_runtimes(
+        &self,
+        owner: &str,
+        sandbox_id: &str,
+    ) -> Result<Vec<AgentRuntimeRecord>, CoreError> {
+        Ok(self
+            .store
+            .list_agent_runtimes(Some(owner), Some(sandbox_id))
+            .await?)
+    }
+
+    /// Ends the caller's runtime `id`: its active run is cancelled and its processes
+    /// killed. The record stays, `ended`.
+    pub async fn delete_agent_runtime(&self, owner: &str, id: &str) -> Result<(), CoreError> {
+        let rec = self.agent_runtime(owner, id).await?;
+        if let Some(ended) = self
+            .store
+            .end_agent_runtime(&rec.id, "runtime deleted")
+            .await?
+        {
+            for run in ended.runs {
+                self.agent_runs.stop_process(&run.id).await;
+            }
+        }
+        Ok(())
+    }
+}

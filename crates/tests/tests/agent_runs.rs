@@ -1,0 +1,721 @@
+//! Agent runs end to end with a real harness (pi, from `scripts/setup.sh --harnesses`):
+//! the scripted model server (`sandpit-modelsim`) listens inside a test upstream network
+//! namespace, the sandbox reaches it through its own egress allow-list, and the daemon
+//! drives pi in the sandbox. Nothing leaves the machine.
+
+use sandpit_tests::netfix::Upstream;
+use sandpit_tests::{Daemon, sandpit_bin, sh};
+use serde_json::{Value, json};
+use std::io::BufRead;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The key the harness is given when its runtime names no secret.
+const NO_KEY: &str = "sandpit-no-key";
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+fn harness_dir() -> std::path::PathBuf {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.deps/harnesses");
+    assert!(
+        dir.join("node_modules/.bin/pi").exists(),
+        "pi missing: run scripts/setup.sh --harnesses"
+    );
+    dir.canonicalize().unwrap()
+}
+
+/// `sandpit-modelsim` inside the upstream namespace; stopped when dropped.
+struct ModelSim {
+    child: Child,
+    dir: tempfile::TempDir,
+    url: String,
+}
+
+impl ModelSim {
+    fn start(up: &Upstream, ip: &str, port: u16, script: Value) -> ModelSim {
+        Self::start_with_key(up, ip, port, script, NO_KEY)
+    }
+
+    /// As [`ModelSim::start`], refusing (401) requests without `key`.
+    fn start_with_key(up: &Upstream, ip: &str, port: u16, script: Value, key: &str) -> ModelSim {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("script.json"), script.to_string()).unwrap();
+        let bin = sandpit_bin().with_file_name("sandpit-modelsim");
+        assert!(
+            bin.exists(),
+            "{} missing: cargo build -p sandpit-modelsim",
+            bin.display()
+        );
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &up.ns])
+            .arg(bin)
+            .args(["--listen", &format!("{ip}:{port}"), "--api-key", key])
+            .arg("--script")
+            .arg(dir.path().join("script.json"))
+            .arg("--log")
+            .arg(dir.path().join("requests.jsonl"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(line.contains("listening"), "modelsim: {line}");
+        ModelSim {
+            child,
+            dir,
+            url: format!("http://{ip}:{port}/v1"),
+        }
+    }
+
+    fn requests(&self) -> Vec<Value> {
+        std::fs::read_to_string(self.dir.path().join("requests.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+}
+
+impl Drop for ModelSim {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A daemon with networking over the upstream namespace and the harnesses bound in.
+async fn daemon(up: &Upstream) -> Daemon {
+    daemon_with(up, "").await
+}
+
+/// As [`daemon`], with more config appended.
+async fn daemon_with(up: &Upstream, extra: &str) -> Daemon {
+    let data = tempfile::Builder::new()
+        .prefix("sandpit-test-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    std::fs::write(
+        data.path().join("config.toml"),
+        format!(
+            "{}[agents]\nharness_dir = {:?}\n{extra}",
+            up.config(""),
+            harness_dir().display().to_string()
+        ),
+    )
+    .unwrap();
+    Daemon::start_in(data, free_port()).await
+}
+
+async fn req(
+    d: &Daemon,
+    key: &str,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<Value>,
+) -> (u16, Value) {
+    let mut rb = reqwest::Client::new()
+        .request(method, format!("{}{path}", d.url))
+        .bearer_auth(key.trim());
+    if let Some(b) = body {
+        rb = rb.json(&b);
+    }
+    let resp = rb.send().await.unwrap();
+    let status = resp.status().as_u16();
+    let text = resp.text().await.unwrap();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+async fn api(d: &Daemon, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
+    req(d, &d.key, method, path, body).await
+}
+
+/// A host-template sandbox allowed to reach only `ip` on `ports`.
+async fn sandbox(d: &Daemon, ip: &str, ports: &[u16]) -> String {
+    let (status, sb) = api(
+        d,
+        reqwest::Method::POST,
+        "/v1/sandboxes",
+        Some(json!({
+            "timeout": 600,
+            "limits": {"memory_bytes": 1u64 << 30},
+            "network": {"mode": "allowlist", "rules": [
+                {"action": "allow", "cidr": format!("{ip}/32"), "ports": ports}]},
+        })),
+    )
+    .await;
+    assert_eq!(status, 201, "{sb}");
+    sb["id"].as_str().unwrap().to_string()
+}
+
+async fn runtime(d: &Daemon, sb: &str, m: &ModelSim) -> String {
+    let (status, rt) = api(
+        d,
+        reqwest::Method::POST,
+        &format!("/v1/sandboxes/{sb}/agents"),
+        Some(json!({"harness": "pi", "model": {"base_url": m.url, "model": "modelsim"}})),
+    )
+    .await;
+    assert_eq!(status, 201, "{rt}");
+    assert_eq!(rt["state"], "active");
+    rt["id"].as_str().unwrap().to_string()
+}
+
+async fn wait_final(d: &Daemon, run: &str, within: Duration) -> Value {
+    let start = Instant::now();
+    loop {
+        let (status, r) = api(d, reqwest::Method::GET, &format!("/v1/runs/{run}"), None).await;
+        assert_eq!(status, 200, "{r}");
+        if ["succeeded", "failed", "cancelled"].contains(&r["state"].as_str().unwrap()) {
+            return r;
+        }
+        assert!(start.elapsed() < within, "run still {}: {r}", r["state"]);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn all_events(d: &Daemon, run: &str, after: i64) -> Vec<Value> {
+    let (status, page) = api(
+        d,
+        reqwest::Method::GET,
+        &format!("/v1/runs/{run}/events?after={after}&limit=1000"),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{page}");
+    page["events"].as_array().unwrap().clone()
+}
+
+fn seqs(events: &[Value]) -> Vec<i64> {
+    events.iter().map(|e| e["seq"].as_i64().unwrap()).collect()
+}
+
+/// Processes in the sandbox that belong to the harness (node running pi).
+async fn harness_processes(d: &Daemon, sb: &str) -> Vec<String> {
+    let out = sh(&d.client(), sb, "ps -eo pid,args").await;
+    out.stdout
+        .lines()
+        .filter(|l| l.contains("node") || l.contains("pi-coding-agent") || l.contains("sleep 300"))
+        .filter(|l| !l.contains("ps -eo"))
+        .map(String::from)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pi_run_writes_a_file_runs_a_command_and_its_events_resume_without_gaps() {
+    let up = Upstream::start(&[]);
+    let ip = up.ip(9);
+    let m = ModelSim::start(
+        &up,
+        &ip,
+        8080,
+        json!({"turns": [
+            {"text": "Writing the file.", "tool_calls": [
+                {"name": "write", "arguments": {"path": "hello.txt", "content": "hi\n"}}]},
+            {"tool_calls": [{"name": "bash", "arguments": {"command": "cat hello.txt && echo ran > ran.txt"}}]},
+            {"text": "done"},
+            {"text": "continued"}
+        ]}),
+    );
+    let d = daemon(&up).await;
+    let sb = sandbox(&d, &ip, &[8080]).await;
+    let rt = runtime(&d, &sb, &m).await;
+    // Harnesses without a driver yet, unknown ones and bad modes are refused clearly.
+    for harness in ["opencode", "nosuch"] {
+        let (status, body) = api(
+            &d,
+            reqwest::Method::POST,
+            &format!("/v1/sandboxes/{sb}/agents"),
+            Some(json!({"harness": harness, "model": {"base_url": m.url, "model": "modelsim"}})),
+        )
+        .await;
+        assert_eq!(status, 400, "{harness}: {body}");
+    }
+    let (status, body) = api(
+        &d,
+        reqwest::Method::POST,
+        &format!("/v1/agents/{rt}/runs"),
+        Some(json!({"task": "x", "mode": "sideways"})),
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+
+    let start = json!({"task": "write hello.txt, then run a command", "idempotency_key": "one"});
+    let path = format!("/v1/agents/{rt}/runs");
+    let (status, run) = api(&d, reqwest::Method::POST, &path, Some(start.clone())).await;
+    assert_eq!(status, 201, "{run}");
+    let id = run["id"].as_str().unwrap().to_string();
+    // The same key gives the same run back, not a second one.
+    let (status, again) = api(&d, reqwest::Method::POST, &path, Some(start)).await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["id"], id.as_str());
+
+    // A follower that goes away after its first event does not stop the run.
+    let mut follower = reqwest::Client::new()
+        .get(format!("{}/v1/runs/{id}/events/stream", d.url))
+        .bearer_auth(d.key.trim())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(follower.status(), 200);
+    let first = tokio::time::timeout(Duration::from_secs(60), follower.chunk())
+        .await
+        .expect("a first event")
+        .unwrap()
+        .expect("a chunk");
+    let first = String::from_utf8_lossy(&first).into_owned();
+    assert!(
+        first
+            .lines()
+            .any(|l| l.strip_prefix("id:").map(str::trim) == Some("1")),
+        "{first}"
+    );
+    drop(follower);
+
+    let done = wait_final(&d, &id, Duration::from_secs(120)).await;
+    let events = all_events(&d, &id, 0).await;
+    assert_eq!(done["state"], "succeeded", "{done}\n{events:#?}");
+    let c = d.client();
+    assert_eq!(sh(&c, &sb, "cat /home/user/hello.txt").await.stdout, "hi\n");
+    assert_eq!(sh(&c, &sb, "cat /home/user/ran.txt").await.stdout, "ran\n");
+
+    // Ordered 1..N, no gap, the `end` event last; the run counts the same N.
+    let n = events.len() as i64;
+    assert!(n > 3, "{events:#?}");
+    assert_eq!(seqs(&events), (1..=n).collect::<Vec<_>>());
+    assert_eq!(done["events"].as_i64(), Some(n));
+    assert_eq!(events.last().unwrap()["kind"], "end");
+    let kinds: Vec<&str> = events.iter().map(|e| e["kind"].as_str().unwrap()).collect();
+    assert!(kinds.contains(&"tool_call"), "{kinds:?}");
+    assert!(kinds.contains(&"tool_result"), "{kinds:?}");
+    // The model got the placeholder key; no stored event shows it.
+    let reqs = m.requests();
+    assert!(reqs.len() >= 3, "{reqs:#?}");
+    for r in &reqs {
+        assert_eq!(r["status"], 200, "{r}");
+        assert_eq!(
+            r["headers"]["authorization"],
+            format!("Bearer {NO_KEY}"),
+            "{r}"
+        );
+    }
+    let text = serde_json::to_string(&events).unwrap();
+    assert!(!text.contains(NO_KEY), "the key is in an event");
+
+    // A reader that saw up to k gets exactly the rest, as a page and as SSE.
+    let k = n / 2;
+    let rest = all_events(&d, &id, k).await;
+    assert_eq!(seqs(&rest), (k + 1..=n).collect::<Vec<_>>());
+    assert_eq!(rest, events[k as usize..].to_vec());
+    let sse = reqwest::Client::new()
+        .get(format!("{}/v1/runs/{id}/events/stream", d.url))
+        .bearer_auth(d.key.trim())
+        .header("last-event-id", k.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(sse.status(), 200);
+    let body = tokio::time::timeout(Duration::from_secs(20), sse.text())
+        .await
+        .expect("the stream of a finished run ends")
+        .unwrap();
+    let ids: Vec<i64> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("id:"))
+        .map(|v| v.trim().parse().unwrap())
+        .collect();
+    assert_eq!(ids, (k + 1..=n).collect::<Vec<_>>());
+
+    // `continue` resumes pi's session: the model is asked with the three earlier
+    // assistant turns in the conversation (modelsim answers with turn 3).
+    let (status, cont) = api(
+        &d,
+        reqwest::Method::POST,
+        &path,
+        Some(json!({"task": "and now?", "mode": "continue"})),
+    )
+    .await;
+    assert_eq!(status, 201, "{cont}");
+    assert_eq!(cont["parent_run_id"], id.as_str(), "{cont}");
+    let cont_id = cont["id"].as_str().unwrap().to_string();
+    let cont_done = wait_final(&d, &cont_id, Duration::from_secs(120)).await;
+    let cont_events = all_events(&d, &cont_id, 0).await;
+    assert_eq!(
+        cont_done["state"], "succeeded",
+        "{cont_done}\n{cont_events:#?}"
+    );
+    let last = m.requests().last().cloned().unwrap();
+    assert_eq!(last["turn"], 3, "{last}");
+    assert_eq!(
+        seqs(&cont_events),
+        (1..=cont_events.len() as i64).collect::<Vec<_>>()
+    );
+
+    // Another owner sees none of it.
+    let other = other_owner_key(&d, "mallory").await;
+    for p in [
+        format!("/v1/agents/{rt}"),
+        format!("/v1/runs/{id}"),
+        format!("/v1/runs/{id}/events"),
+    ] {
+        let (status, body) = req(&d, &other, reqwest::Method::GET, &p, None).await;
+        assert_eq!(status, 404, "{p}: {body}");
+    }
+    for p in [
+        format!("/v1/runs/{id}/cancel"),
+        format!("/v1/agents/{rt}/runs"),
+    ] {
+        let (status, body) = req(
+            &d,
+            &other,
+            reqwest::Method::POST,
+            &p,
+            Some(json!({"task": "x"})),
+        )
+        .await;
+        assert_eq!(status, 404, "{p}: {body}");
+    }
+    let (status, body) = req(
+        &d,
+        &other,
+        reqwest::Method::POST,
+        &format!("/v1/sandboxes/{sb}/agents"),
+        Some(json!({"harness": "pi", "model": {"base_url": m.url, "model": "modelsim"}})),
+    )
+    .await;
+    assert_eq!(status, 404, "{body}");
+
+    // Deleting the sandbox ends its runtime.
+    let (status, _) = api(
+        &d,
+        reqwest::Method::DELETE,
+        &format!("/v1/sandboxes/{sb}"),
+        None,
+    )
+    .await;
+    assert_eq!(status, 204);
+    let (_, after) = api(&d, reqwest::Method::GET, &format!("/v1/agents/{rt}"), None).await;
+    assert_eq!(after["state"], "ended", "{after}");
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_kills_the_harness_and_a_late_answer_changes_nothing() {
+    let up = Upstream::start(&[]);
+    let ip = up.ip(10);
+    let m = ModelSim::start(
+        &up,
+        &ip,
+        8081,
+        json!({"turns": [
+            {"tool_calls": [{"name": "bash", "arguments": {"command": "sleep 300 & sleep 300"}}]},
+            {"text": "never asked"}
+        ]}),
+    );
+    // A second model that holds its answer: a cancel while the model "thinks".
+    let slow = ModelSim::start(
+        &up,
+        &ip,
+        8082,
+        json!({"turns": [{"text": "late answer", "delay_ms": 3000}]}),
+    );
+    let d = daemon(&up).await;
+    let sb = sandbox(&d, &ip, &[8081, 8082]).await;
+    let rt = runtime(&d, &sb, &m).await;
+    let path = format!("/v1/agents/{rt}/runs");
+    let (status, run) = api(
+        &d,
+        reqwest::Method::POST,
+        &path,
+        Some(json!({"task": "sleep", "idempotency_key": "a"})),
+    )
+    .await;
+    assert_eq!(status, 201, "{run}");
+    let id = run["id"].as_str().unwrap().to_string();
+    // A second run while this one is active is a conflict.
+    let (status, body) = api(
+        &d,
+        reqwest::Method::POST,
+        &path,
+        Some(json!({"task": "other", "idempotency_key": "b"})),
+    )
+    .await;
+    assert_eq!(status, 409, "{body}");
+
+    // Wait until the harness's tool runs (sleep in the background and foreground).
+    let start = Instant::now();
+    while !harness_processes(&d, &sb)
+        .await
+        .iter()
+        .any(|l| l.contains("sleep 300"))
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the tool never started: {:#?}",
+            m.requests()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (status, cancelled) = api(
+        &d,
+        reqwest::Method::POST,
+        &format!("/v1/runs/{id}/cancel"),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{cancelled}");
+    assert_eq!(cancelled["state"], "cancelled", "{cancelled}");
+    let left = harness_processes(&d, &sb).await;
+    assert!(left.is_empty(), "left in the sandbox: {left:#?}");
+
+    assert_cancelled_for_good(&d, &id).await;
+
+    // Cancel while the model holds its answer: once the answer is due the run is still
+    // cancelled and no harness process is left.
+    let rt2 = runtime(&d, &sb, &slow).await;
+    let (status, run2) = api(
+        &d,
+        reqwest::Method::POST,
+        &format!("/v1/agents/{rt2}/runs"),
+        Some(json!({"task": "think"})),
+    )
+    .await;
+    assert_eq!(status, 201, "{run2}");
+    let id2 = run2["id"].as_str().unwrap().to_string();
+    let start = Instant::now();
+    while slow.requests().is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the model was never asked"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (status, cancelled) = api(
+        &d,
+        reqwest::Method::POST,
+        &format!("/v1/runs/{id2}/cancel"),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{cancelled}");
+    assert_eq!(cancelled["state"], "cancelled", "{cancelled}");
+    let left = harness_processes(&d, &sb).await;
+    assert!(left.is_empty(), "left in the sandbox: {left:#?}");
+    assert_cancelled_for_good(&d, &id2).await;
+    // A new run may start now.
+    let (status, body) = api(
+        &d,
+        reqwest::Method::POST,
+        &path,
+        Some(json!({"task": "again"})),
+    )
+    .await;
+    assert_eq!(status, 201, "{body}");
+    let second = body["id"].as_str().unwrap().to_string();
+    let (status, _) = api(
+        &d,
+        reqwest::Method::POST,
+        &format!("/v1/runs/{second}/cancel"),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    d.shutdown().await;
+}
+
+/// Past the slow model's delay, the run is still cancelled and its log ends with `end`.
+async fn assert_cancelled_for_good(d: &Daemon, id: &str) {
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let (_, now) = api(d, reqwest::Method::GET, &format!("/v1/runs/{id}"), None).await;
+    assert_eq!(now["state"], "cancelled", "{now}");
+    let events = all_events(d, id, 0).await;
+    let n = events.len() as i64;
+    assert_eq!(seqs(&events), (1..=n).collect::<Vec<_>>());
+    let last = events.last().unwrap();
+    assert_eq!(last["kind"], "end");
+    assert_eq!(last["payload"]["state"], "cancelled", "{last}");
+}
+
+/// An API key of a new owner.
+async fn other_owner_key(d: &Daemon, owner: &str) -> String {
+    let db = sandpit_store::Store::open(&d.data.path().join("sandpit.db"))
+        .await
+        .unwrap();
+    let (_, key) = db.create_api_key(owner, "test").await.unwrap();
+    db.close().await;
+    key
+}
+
+/// The model key is a broker secret: the harness holds only its placeholder (in its
+/// config file inside the sandbox), the broker puts the real key into the request on the
+/// way out, and neither the key nor the placeholder shows in an event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_model_key_is_a_broker_secret_that_never_enters_the_sandbox() {
+    use std::os::unix::fs::PermissionsExt;
+    const REAL: &str = "sk-real-model-key-0123456789abcdef";
+    let up = Upstream::start(&[("model.upstream.test", "@11")]);
+    let m = ModelSim::start_with_key(
+        &up,
+        &up.ip(11),
+        8083,
+        json!({"turns": [{"text": "done"}]}),
+        REAL,
+    );
+    let keys = tempfile::tempdir().unwrap();
+    let key = keys.path().join("broker.key");
+    std::fs::write(&key, format!("{}\n", "4f".repeat(32))).unwrap();
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let d = daemon_with(
+        &up,
+        &format!("[broker]\nkey_file = {:?}\n", key.display().to_string()),
+    )
+    .await;
+    let (status, body) = api(
+        &d,
+        reqwest::Method::POST,
+        "/v1/secrets",
+        Some(json!({
+            "name": "modelkey", "value": REAL, "hosts": ["model.upstream.test"],
+            "methods": ["POST"], "ttl_secs": 3600, "inject": {"type": "placeholder"},
+            "allow_http": true,
+        })),
+    )
+    .await;
+    assert_eq!(status, 201, "{body}");
+    let (status, sb) = api(
+        &d,
+        reqwest::Method::POST,
+        "/v1/sandboxes",
+        Some(json!({
+            "timeout": 600,
+            "limits": {"memory_bytes": 1u64 << 30},
+            "secrets": ["modelkey"],
+            "network": {"mode": "allowlist", "rules": [
+                {"action": "allow", "domain": "model.upstream.test", "ports": [8083]}]},
+        })),
+    )
+    .await;
+    assert_eq!(status, 201, "{sb}");
+    let sb = sb["id"].as_str().unwrap().to_string();
+    let (status, rt) = api(
+        &d,
+        reqwest::Method::POST,
+        &format!("/v1/sandboxes/{sb}/agents"),
+        Some(json!({"harness": "pi", "model": {
+            "base_url": "http://model.upstream.test:8083/v1", "model": "modelsim",
+            "api_key_secret": "modelkey"}})),
+    )
+    .await;
+    assert_eq!(status, 201, "{rt}");
+    let rt = rt["id"].as_str().unwrap().to_string();
+    let (status, run) = api(
+        &d,
+        reqwest::Method::POST,
+        &format!("/v1/agents/{rt}/runs"),
+        Some(json!({"task": "say done"})),
+    )
+    .await;
+    assert_eq!(status, 201, "{run}");
+    let id = run["id"].as_str().unwrap().to_string();
+    let done = wait_final(&d, &id, Duration::from_secs(120)).await;
+    let events = all_events(&d, &id, 0).await;
+    // The model refuses any other key, so success means the broker put the real one in.
+    assert_eq!(
+        done["state"],
+        "succeeded",
+        "{done}\n{events:#?}\n{:#?}",
+        m.requests()
+    );
+    let reqs = m.requests();
+    assert!(!reqs.is_empty());
+    for r in &reqs {
+        assert_eq!(
+            r["headers"]["authorization"],
+            format!("Bearer {REAL}"),
+            "{r}"
+        );
+    }
+    let text = serde_json::to_string(&events).unwrap();
+    assert!(!text.contains(REAL), "the key is in an event");
+    assert!(
+        !text.contains("SANDPIT_SECRET_modelkey"),
+        "the placeholder is in an event"
+    );
+    // Inside the sandbox only the placeholder exists: in the harness's config, nowhere
+    // the real key.
+    let c = d.client();
+    let found = sh(
+        &c,
+        &sb,
+        "grep -rl SANDPIT_SECRET_modelkey /home/user/.sandpit-agents",
+    )
+    .await;
+    assert!(found.stdout.contains("models.json"), "{found:?}");
+    let leak = sh(
+        &c,
+        &sb,
+        &format!("grep -rl {REAL} /home /tmp /etc 2>/dev/null; env | grep -c {REAL}"),
+    )
+    .await;
+    assert_eq!(leak.stdout.trim(), "0", "{leak:?}");
+    d.shutdown().await;
+}
+
+/// A run whose daemon was killed has no driver after the restart: its harness is
+/// stopped and it is marked failed with the reason; its stored events stay whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_left_active_by_a_killed_daemon_is_failed_and_its_harness_stopped() {
+    let up = Upstream::start(&[]);
+    let ip = up.ip(12);
+    let slow = ModelSim::start(
+        &up,
+        &ip,
+        8084,
+        json!({"turns": [{"text": "too late", "delay_ms": 60000}]}),
+    );
+    let mut d = daemon(&up).await;
+    let sb = sandbox(&d, &ip, &[8084]).await;
+    let rt = runtime(&d, &sb, &slow).await;
+    let (status, run) = api(
+        &d,
+        reqwest::Method::POST,
+        &format!("/v1/agents/{rt}/runs"),
+        Some(json!({"task": "think"})),
+    )
+    .await;
+    assert_eq!(status, 201, "{run}");
+    let id = run["id"].as_str().unwrap().to_string();
+    let start = Instant::now();
+    while slow.requests().is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the model was never asked"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    d.kill9();
+    let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
+    let d = Daemon::start_in(data, d.port).await;
+    let (status, now) = api(&d, reqwest::Method::GET, &format!("/v1/runs/{id}"), None).await;
+    assert_eq!(status, 200, "{now}");
+    assert_eq!(now["state"], "failed", "{now}");
+    assert!(
+        now["reason"].as_str().unwrap().contains("daemon restarted"),
+        "{now}"
+    );
+    let left = harness_processes(&d, &sb).await;
+    assert!(left.is_empty(), "left in the sandbox: {left:#?}");
+    let events = all_events(&d, &id, 0).await;
+    let n = events.len() as i64;
+    assert_eq!(seqs(&events), (1..=n).collect::<Vec<_>>());
+    assert_eq!(events.last().unwrap()["kind"], "end");
+    d.shutdown().await;
+}
