@@ -3,7 +3,7 @@
 # integration tests that create real sandboxes (they need root, cgroups and user namespaces).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/setup.sh --test
+./scripts/setup.sh --test --harnesses
 cargo fmt --all --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo build --workspace --all-targets

@@ -109,7 +109,11 @@ async fn daemon_with(up: &Upstream, extra: &str) -> Daemon {
         ),
     )
     .unwrap();
-    Daemon::start_in(data, free_port()).await
+    Daemon::builder()
+        .data_dir(data)
+        .port(free_port())
+        .start()
+        .await
 }
 
 async fn req(
@@ -702,8 +706,7 @@ async fn a_run_left_active_by_a_killed_daemon_is_failed_and_its_harness_stopped(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     d.kill9();
-    let data = std::mem::replace(&mut d.data, tempfile::tempdir().unwrap());
-    let d = Daemon::start_in(data, d.port).await;
+    let d = d.restart().start().await;
     let (status, now) = api(&d, reqwest::Method::GET, &format!("/v1/runs/{id}"), None).await;
     assert_eq!(status, 200, "{now}");
     assert_eq!(now["state"], "failed", "{now}");
