@@ -4,7 +4,7 @@
 //! drives pi in the sandbox. Nothing leaves the machine.
 
 use sandpit_tests::netfix::Upstream;
-use sandpit_tests::{Daemon, sandpit_bin, sh};
+use sandpit_tests::{Daemon, free_port, sandpit_bin, sh};
 use serde_json::{Value, json};
 use std::io::BufRead;
 use std::process::{Child, Command, Stdio};
@@ -12,11 +12,6 @@ use std::time::{Duration, Instant};
 
 /// The key the harness is given when its runtime names no secret.
 const NO_KEY: &str = "sandpit-no-key";
-
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
-}
 
 fn harness_dir() -> std::path::PathBuf {
     let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.deps/harnesses");
@@ -79,6 +74,18 @@ impl ModelSim {
             .lines()
             .map(|l| serde_json::from_str(l).unwrap())
             .collect()
+    }
+
+    /// Waits until the model has been asked at least once (a minute at most).
+    async fn wait_asked(&self) {
+        let start = Instant::now();
+        while self.requests().is_empty() {
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "the model was never asked"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 }
 
@@ -494,14 +501,7 @@ async fn cancel_kills_the_harness_and_a_late_answer_changes_nothing() {
     .await;
     assert_eq!(status, 201, "{run2}");
     let id2 = run2["id"].as_str().unwrap().to_string();
-    let start = Instant::now();
-    while slow.requests().is_empty() {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "the model was never asked"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    slow.wait_asked().await;
     let (status, cancelled) = api(
         &d,
         reqwest::Method::POST,
@@ -697,14 +697,7 @@ async fn a_run_left_active_by_a_killed_daemon_is_failed_and_its_harness_stopped(
     .await;
     assert_eq!(status, 201, "{run}");
     let id = run["id"].as_str().unwrap().to_string();
-    let start = Instant::now();
-    while slow.requests().is_empty() {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "the model was never asked"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    slow.wait_asked().await;
     d.kill9();
     let d = d.restart().start().await;
     let (status, now) = api(&d, reqwest::Method::GET, &format!("/v1/runs/{id}"), None).await;
