@@ -255,8 +255,14 @@ impl RunFollower {
         }
         if event.seq > known + 1 {
             self.fill(Some(event.seq - 1)).await?;
-            if event.seq <= self.last_known() {
-                return Ok(());
+            // The stream serves only stored events, so the pages hold every one before it.
+            if self.last_known() != event.seq - 1 {
+                return Err(ClientError::Protocol(format!(
+                    "run {}: events {}..{} are missing from the pages",
+                    self.run_id,
+                    self.last_known() + 1,
+                    event.seq - 1
+                )));
             }
         }
         self.failures = 0;
