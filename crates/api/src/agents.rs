@@ -110,3 +110,41 @@ pub struct AgentRunEventPage {
     /// The run is finished and every event is in this page or before it.
     pub complete: bool,
 }
+
+/// `POST /v1/workspaces`: a sandbox and an agent runtime in it, made in one call. The
+/// sandbox fields are those of [`crate::CreateSandboxRequest`] an agent's sandbox needs;
+/// the rest are the runtime's ([`CreateAgentRequest`]).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateWorkspaceRequest {
+    /// Template name (default `host`; agent runtimes need `host` today).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
+    /// Seconds until the sandbox expires (default 300).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<u64>,
+    #[serde(default)]
+    pub limits: crate::LimitsSpec,
+    /// Environment of the sandbox's commands.
+    #[serde(default)]
+    pub env: std::collections::BTreeMap<String, String>,
+    #[serde(default)]
+    pub metadata: std::collections::BTreeMap<String, String>,
+    /// Names of the owner's secrets the broker may inject (the model key's among them).
+    #[serde(default)]
+    pub secrets: Vec<String>,
+    /// Egress policy; the model's address must be allowed by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<crate::NetworkPolicy>,
+    /// `pi` (others are not driven yet).
+    pub harness: String,
+    /// The model endpoint.
+    pub model: AgentModelSpec,
+}
+
+/// A workspace: the sandbox and the agent runtime made in it.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Workspace {
+    pub sandbox: crate::Sandbox,
+    pub agent: AgentRuntime,
+}

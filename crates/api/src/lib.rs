@@ -12,7 +12,7 @@ pub mod volumes;
 
 pub use agents::{
     AgentModelSpec, AgentRun, AgentRunEvent, AgentRunEventPage, AgentRuntime, CreateAgentRequest,
-    StartRunRequest,
+    CreateWorkspaceRequest, StartRunRequest, Workspace,
 };
 pub use network::{NetworkAuditEntry, NetworkAuditList, NetworkMode, NetworkPolicy, NetworkRule};
 pub use volumes::{CreateVolumeRequest, Volume, VolumeList, VolumeMountSpec};

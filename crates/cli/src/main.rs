@@ -2,6 +2,7 @@
 //! `template add`), and — under other names — the in-sandbox agent and init helper.
 
 mod admin;
+mod agent;
 mod cp;
 mod exec;
 mod leases;
@@ -214,6 +215,12 @@ enum Command {
     Usage(usage::UsageArgs),
     /// Execution records of a sandbox's commands, newest first.
     Executions(usage::ExecutionsArgs),
+    /// Agent runtimes (a coding agent in a sandbox), their runs and run events.
+    #[command(subcommand)]
+    Agent(agent::AgentCommand),
+    /// Workspaces: a sandbox and an agent runtime in it, made in one call.
+    #[command(subcommand)]
+    Workspace(agent::WorkspaceCommand),
 }
 
 #[derive(Debug, Args)]
@@ -612,6 +619,8 @@ async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Lease(cmd) => leases::run(&ctx, cmd).await.map(|()| 0),
         Command::Usage(args) => usage::usage(&ctx, args).await.map(|()| 0),
         Command::Executions(args) => usage::executions(&ctx, args).await.map(|()| 0),
+        Command::Agent(cmd) => agent::run(&ctx, cmd).await,
+        Command::Workspace(cmd) => agent::workspace(&ctx, cmd).await,
     }
 }
 

@@ -2,7 +2,7 @@
 
 use sandpit_api::{CreateSandboxRequest, Sandbox, SandboxList};
 
-use crate::util::{human_bytes, print_json, print_table, time_since, time_until};
+use crate::util::{human_bytes, print_fields, print_json, print_table, time_since, time_until};
 use crate::{CreateArgs, Ctx, LsArgs, SandboxOpts};
 
 /// The create request for these options.
@@ -158,29 +158,35 @@ fn print_sandbox(s: &Sandbox) {
     } else {
         "NOT isolated"
     };
-    println!("ID        {}", s.id);
-    println!("STATE     {}", s.state);
-    println!("RUNTIME   {} ({isolation})", s.runtime);
-    println!("TEMPLATE  {}", s.template);
-    println!("CREATED   {}", time_since(s.created_at_ms));
+    let mut rows = vec![
+        ("ID", s.id.clone()),
+        ("STATE", s.state.clone()),
+        ("RUNTIME", format!("{} ({isolation})", s.runtime)),
+        ("TEMPLATE", s.template.clone()),
+        ("CREATED", time_since(s.created_at_ms)),
+    ];
     if !matches!(s.state.as_str(), "stopped" | "error") {
-        println!("EXPIRES   in {}", time_until(s.expires_at_ms));
+        rows.push(("EXPIRES", format!("in {}", time_until(s.expires_at_ms))));
     }
     let l = &s.limits;
-    println!(
-        "LIMITS    cpu {}m, memory {}, disk {}, {} processes",
-        l.cpu_millis,
-        human_bytes(l.memory_bytes),
-        human_bytes(l.disk_bytes),
-        l.max_processes
-    );
+    rows.push((
+        "LIMITS",
+        format!(
+            "cpu {}m, memory {}, disk {}, {} processes",
+            l.cpu_millis,
+            human_bytes(l.memory_bytes),
+            human_bytes(l.disk_bytes),
+            l.max_processes
+        ),
+    ));
     if !s.metadata.is_empty() {
         let meta: Vec<String> = s.metadata.iter().map(|(k, v)| format!("{k}={v}")).collect();
-        println!("METADATA  {}", meta.join(" "));
+        rows.push(("METADATA", meta.join(" ")));
     }
     if let Some(err) = &s.error {
-        println!("ERROR     {err}");
+        rows.push(("ERROR", err.clone()));
     }
+    print_fields(&rows);
 }
 
 /// `sandpit rm ID...`: deletes each; failures are reported and make the exit code 1.

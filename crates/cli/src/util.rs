@@ -134,6 +134,25 @@ pub fn print_json<T: Serialize + ?Sized>(value: &T) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Prints `value` as one line of compact JSON (a line of NDJSON) on stdout.
+pub fn print_json_line<T: Serialize + ?Sized>(value: &T) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string(value)?);
+    Ok(())
+}
+
+/// Prints `NAME  value` lines with the values in one column (the detail view of one
+/// resource).
+pub fn print_fields<N: AsRef<str>>(fields: &[(N, String)]) {
+    let width = fields
+        .iter()
+        .map(|(n, _)| n.as_ref().chars().count())
+        .max()
+        .unwrap_or(0);
+    for (name, value) in fields {
+        println!("{:<width$}  {value}", name.as_ref());
+    }
+}
+
 /// Prints rows as plain columns separated by two spaces, under a header.
 pub fn print_table(header: &[&str], rows: &[Vec<String>]) {
     let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();

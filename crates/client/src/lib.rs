@@ -16,6 +16,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod agents;
 mod error;
 mod leases;
 mod local;
@@ -45,6 +46,7 @@ use serde::de::DeserializeOwned;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
+pub use agents::{RunFollower, TERMINAL_STATES, is_terminal};
 pub use error::ClientError;
 pub use leases::{SANDBOX_NOT_FOUND, SANDBOX_STOPPED, SandboxLease};
 pub use local::{default_data_dir, local_admin_key};

@@ -7,8 +7,9 @@ use crate::error::CoreError;
 use crate::manager::{Manager, new_id};
 use sandpit_agentrun::{Harness, WireApi};
 use sandpit_api::AgentModelSpec;
-use sandpit_store::{AgentRuntimeRecord, NewAgentRuntime};
+use sandpit_store::{AgentRuntimeRecord, NewAgentRuntime, SandboxRecord};
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// Where the harness directory appears inside a `host` sandbox.
 pub const HARNESS_MOUNT: &str = "/opt/sandpit/harnesses";
@@ -67,26 +68,7 @@ impl Manager {
         sandbox_id: &str,
         req: &sandpit_api::CreateAgentRequest,
     ) -> Result<AgentRuntimeRecord, CoreError> {
-        let harness: Harness = req
-            .harness
-            .parse()
-            .map_err(|e: sandpit_agentrun::LaunchError| CoreError::invalid(e.to_string()))?;
-        if !DRIVEN.contains(&harness) {
-            return Err(CoreError::invalid(format!(
-                "harness {harness} is not driven yet (supported: pi)"
-            )));
-        }
-        wire_api(&req.model)?;
-        if req.model.base_url.is_empty() || req.model.model.is_empty() {
-            return Err(CoreError::invalid(
-                "model.base_url and model.model are required",
-            ));
-        }
-        if self.cfg.agents.harness_dir.is_none() {
-            return Err(CoreError::unavailable(
-                "no harness directory is configured ([agents] harness_dir)",
-            ));
-        }
+        let harness = self.check_agent_request(req)?;
         let sandbox = self.get(owner, sandbox_id).await?;
         if sandbox.template != "host" || sandbox.runtime != "container" {
             return Err(CoreError::invalid(
@@ -119,6 +101,74 @@ impl Manager {
         Ok(rec)
     }
 
+    /// The checks of a runtime request that need no sandbox: the harness, the model
+    /// spec, and a configured harness directory.
+    fn check_agent_request(
+        &self,
+        req: &sandpit_api::CreateAgentRequest,
+    ) -> Result<Harness, CoreError> {
+        let harness: Harness = req
+            .harness
+            .parse()
+            .map_err(|e: sandpit_agentrun::LaunchError| CoreError::invalid(e.to_string()))?;
+        if !DRIVEN.contains(&harness) {
+            return Err(CoreError::invalid(format!(
+                "harness {harness} is not driven yet (supported: pi)"
+            )));
+        }
+        wire_api(&req.model)?;
+        if req.model.base_url.is_empty() || req.model.model.is_empty() {
+            return Err(CoreError::invalid(
+                "model.base_url and model.model are required",
+            ));
+        }
+        if self.cfg.agents.harness_dir.is_none() {
+            return Err(CoreError::unavailable(
+                "no harness directory is configured ([agents] harness_dir)",
+            ));
+        }
+        Ok(harness)
+    }
+
+    /// Creates a sandbox and a runtime in it (a workspace). A request the runtime would
+    /// refuse anyway is refused before any sandbox is made; if the runtime still cannot
+    /// be created, the new sandbox is destroyed and the runtime's error returned, so no
+    /// half-made workspace is left.
+    pub async fn create_workspace(
+        self: &Arc<Self>,
+        owner: &str,
+        req: &sandpit_api::CreateWorkspaceRequest,
+    ) -> Result<(SandboxRecord, AgentRuntimeRecord), CoreError> {
+        let agent = sandpit_api::CreateAgentRequest {
+            harness: req.harness.clone(),
+            model: req.model.clone(),
+        };
+        self.check_agent_request(&agent)?;
+        let sandbox_req = sandpit_api::CreateSandboxRequest {
+            template: req.template.clone(),
+            timeout: req.timeout,
+            limits: req.limits,
+            env: req.env.clone(),
+            metadata: req.metadata.clone(),
+            secrets: req.secrets.clone(),
+            network: req.network.clone(),
+            ..Default::default()
+        };
+        let sandbox = self.create(owner, sandbox_req).await?;
+        match self.create_agent_runtime(owner, &sandbox.id, &agent).await {
+            Ok(rt) => Ok((sandbox, rt)),
+            Err(e) => {
+                tracing::info!(sandbox_id = %sandbox.id, error = %e.chain(),
+                    "workspace runtime refused: deleting its sandbox");
+                if let Err(d) = self.destroy(&sandbox).await {
+                    tracing::warn!(sandbox_id = %sandbox.id, error = %d.chain(),
+                        "deleting the sandbox of a refused workspace failed");
+                }
+                Err(e)
+            }
+        }
+    }
+
     /// The caller's runtime `id`.
     pub async fn agent_runtime(
         &self,
@@ -133,15 +183,15 @@ impl Manager {
         }
     }
 
-    /// The caller's runtimes in sandbox `sandbox_id`.
+    /// The caller's runtimes, in sandbox `sandbox_id` or in all of the caller's.
     pub async fn list_agent_runtimes(
         &self,
         owner: &str,
-        sandbox_id: &str,
+        sandbox_id: Option<&str>,
     ) -> Result<Vec<AgentRuntimeRecord>, CoreError> {
         Ok(self
             .store
-            .list_agent_runtimes(Some(owner), Some(sandbox_id))
+            .list_agent_runtimes(Some(owner), sandbox_id)
             .await?)
     }
 

@@ -276,17 +276,30 @@ impl Daemon {
 
     /// Runs the `sandpit` CLI against this daemon: (success, stdout, stderr).
     pub fn cli(&self, args: &[&str]) -> (bool, String, String) {
-        let out = Command::new(sandpit_bin())
-            .args(args)
-            .env("SANDPIT_URL", &self.url)
-            .env("SANDPIT_DATA_DIR", self.data.path())
+        let (code, stdout, stderr) = self.cli_code(args);
+        (code == Some(0), stdout, stderr)
+    }
+
+    /// Runs the `sandpit` CLI against this daemon: (exit code, stdout, stderr).
+    pub fn cli_code(&self, args: &[&str]) -> (Option<i32>, String, String) {
+        let out = self
+            .cli_command(args)
             .output()
             .expect("run the sandpit CLI");
         (
-            out.status.success(),
+            out.status.code(),
             String::from_utf8_lossy(&out.stdout).into_owned(),
             String::from_utf8_lossy(&out.stderr).into_owned(),
         )
+    }
+
+    /// The `sandpit` CLI with `args`, set up to reach this daemon, not yet started.
+    pub fn cli_command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(sandpit_bin());
+        cmd.args(args)
+            .env("SANDPIT_URL", &self.url)
+            .env("SANDPIT_DATA_DIR", self.data.path());
+        cmd
     }
 
     /// Creates a sandbox with `limits` and ten minutes to live; its id.

@@ -1,6 +1,7 @@
 //! Agent runtimes, runs and run events (issue 13): create a harness runtime in a sandbox,
 //! start and cancel runs, read a run's stored events as pages or as server-sent events.
-//! Closing an event stream never cancels its run.
+//! Closing an event stream never cancels its run. A workspace (`POST /v1/workspaces`) is
+//! a sandbox and a runtime in it, made in one call.
 
 use super::{ApiJson, ApiQuery, AppState, Owner};
 use crate::error::ApiError;
@@ -8,11 +9,12 @@ use axum::Json;
 use axum::Router;
 use axum::extract::{Path, State};
 use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use http::{HeaderMap, StatusCode};
 use sandpit_api::{
-    AgentRun, AgentRunEvent, AgentRunEventPage, AgentRuntime, CreateAgentRequest, ErrorBody,
-    StartRunRequest,
+    AgentRun, AgentRunEvent, AgentRunEventPage, AgentRuntime, CreateAgentRequest,
+    CreateWorkspaceRequest, ErrorBody, StartRunRequest, Workspace,
 };
 use sandpit_core::{agent_run, agent_runtime};
 use serde::Deserialize;
@@ -22,17 +24,40 @@ use std::time::Duration;
 const POLL: Duration = Duration::from_millis(100);
 /// Events read from the store per step of a stream.
 const STREAM_PAGE: u32 = 500;
+/// The media type of an event page as one JSON event per line.
+pub const NDJSON: &str = "application/x-ndjson";
 
 /// The agent routes.
 pub fn routes() -> Router<AppState> {
     Router::new()
         .route("/v1/sandboxes/{id}/agents", post(create).get(list))
+        .route("/v1/agents", get(list_all))
         .route("/v1/agents/{id}", get(get_one).delete(delete))
         .route("/v1/agents/{id}/runs", post(start_run))
         .route("/v1/runs/{id}", get(get_run))
         .route("/v1/runs/{id}/events", get(events))
         .route("/v1/runs/{id}/events/stream", get(stream))
         .route("/v1/runs/{id}/cancel", post(cancel))
+        .route("/v1/workspaces", post(create_workspace))
+}
+
+/// Create a workspace: a sandbox and an agent runtime in it. If the runtime is refused,
+/// the sandbox made for it is deleted and the runtime's error is returned.
+#[utoipa::path(post, path = "/v1/workspaces", request_body = CreateWorkspaceRequest,
+    responses((status = 201, body = Workspace), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 503, body = ErrorBody)))]
+pub async fn create_workspace(
+    State(state): State<AppState>,
+    owner: Owner,
+    ApiJson(req): ApiJson<CreateWorkspaceRequest>,
+) -> Result<(StatusCode, Json<Workspace>), ApiError> {
+    let (sandbox, rt) = state.manager.create_workspace(&owner.0, &req).await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(Workspace {
+            sandbox: super::sandboxes::view(&state, &sandbox).await,
+            agent: agent_runtime::to_api(&rt)?,
+        }),
+    ))
 }
 
 /// Create an agent runtime (a harness) in a sandbox.
@@ -59,7 +84,25 @@ pub async fn list(
     owner: Owner,
     Path(id): Path<String>,
 ) -> Result<Json<Vec<AgentRuntime>>, ApiError> {
-    let recs = state.manager.list_agent_runtimes(&owner.0, &id).await?;
+    let recs = state
+        .manager
+        .list_agent_runtimes(&owner.0, Some(&id))
+        .await?;
+    Ok(Json(
+        recs.iter()
+            .map(agent_runtime::to_api)
+            .collect::<Result<_, _>>()?,
+    ))
+}
+
+/// Every agent runtime of the caller, in all its sandboxes.
+#[utoipa::path(get, path = "/v1/agents",
+    responses((status = 200, body = Vec<AgentRuntime>)))]
+pub async fn list_all(
+    State(state): State<AppState>,
+    owner: Owner,
+) -> Result<Json<Vec<AgentRuntime>>, ApiError> {
+    let recs = state.manager.list_agent_runtimes(&owner.0, None).await?;
     Ok(Json(
         recs.iter()
             .map(agent_runtime::to_api)
@@ -154,29 +197,70 @@ fn to_api(e: sandpit_store::RunEvent) -> AgentRunEvent {
     }
 }
 
-/// A page of a run's stored events after `after`.
+/// A page of a run's stored events after `after`: a JSON `AgentRunEventPage`, or with
+/// `Accept: application/x-ndjson` the same events one JSON `AgentRunEvent` per line (the
+/// next `after` is the last line's `seq`; an empty body means none are stored yet).
 #[utoipa::path(get, path = "/v1/runs/{id}/events", params(EventsQuery),
-    responses((status = 200, body = AgentRunEventPage), (status = 404, body = ErrorBody)))]
+    responses(
+        (status = 200, description = "The page (JSON), or one event per line with `Accept: application/x-ndjson`",
+            content(
+                (AgentRunEventPage = "application/json"),
+                (AgentRunEvent = "application/x-ndjson"),
+            )),
+        (status = 404, body = ErrorBody)))]
 pub async fn events(
     State(state): State<AppState>,
     owner: Owner,
     Path(id): Path<String>,
+    headers: HeaderMap,
     ApiQuery(q): ApiQuery<EventsQuery>,
-) -> Result<Json<AgentRunEventPage>, ApiError> {
+) -> Result<Response, ApiError> {
+    let page = event_page(&state, &owner.0, &id, q).await?;
+    if !wants_ndjson(&headers) {
+        return Ok(Json(page).into_response());
+    }
+    let mut body = Vec::new();
+    for e in &page.events {
+        serde_json::to_writer(&mut body, e)
+            .map_err(|e| ApiError::internal_from("encoding a run event", &e))?;
+        body.push(b'\n');
+    }
+    Ok(([(http::header::CONTENT_TYPE, NDJSON)], body).into_response())
+}
+
+/// Whether the caller asked for NDJSON (and not JSON first).
+fn wants_ndjson(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(http::header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|t| t.split(';').next().unwrap_or("").trim())
+        .find(|t| *t == NDJSON || *t == "application/json")
+        .is_some_and(|t| t == NDJSON)
+}
+
+/// The events after `q.after`, with the page's bookkeeping.
+async fn event_page(
+    state: &AppState,
+    owner: &str,
+    id: &str,
+    q: EventsQuery,
+) -> Result<AgentRunEventPage, ApiError> {
     let after = q.after.unwrap_or(0).max(0);
     let (run, events) = state
         .manager
-        .agent_run_events(&owner.0, &id, after, q.limit.unwrap_or(0))
+        .agent_run_events(owner, id, after, q.limit.unwrap_or(0))
         .await?;
     let next_after = events.last().map_or(after, |e| e.seq);
     // The run record was read before the events: if it was final then, every event
     // (its `end` last) was stored before this page was read.
     let complete = run.state.is_terminal() && next_after >= run.next_seq - 1;
-    Ok(Json(AgentRunEventPage {
+    Ok(AgentRunEventPage {
         events: events.into_iter().map(to_api).collect(),
         next_after,
         complete,
-    }))
+    })
 }
 
 /// Follow a run's events as server-sent events (`id` = sequence number, `event` = kind,
@@ -250,4 +334,29 @@ pub async fn stream(
         },
     );
     Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn accept(v: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(http::header::ACCEPT, v.parse().unwrap());
+        h
+    }
+
+    #[test]
+    fn ndjson_only_when_asked_before_json() {
+        assert!(!wants_ndjson(&HeaderMap::new()));
+        assert!(!wants_ndjson(&accept("*/*")));
+        assert!(!wants_ndjson(&accept("application/json")));
+        assert!(wants_ndjson(&accept("application/x-ndjson")));
+        assert!(wants_ndjson(&accept(
+            "application/x-ndjson; q=1, application/json"
+        )));
+        assert!(!wants_ndjson(&accept(
+            "application/json, application/x-ndjson"
+        )));
+    }
 }

@@ -215,8 +215,8 @@ async fn authenticate(
         crate::ingress::api::get, crate::ingress::api::update, crate::ingress::api::port_url,
         secrets::create, secrets::list, secrets::get_one, secrets::delete, secrets::sandbox_get, secrets::sandbox_put,
         network::get_policy, network::set_policy, network::audit, network::audit_stream,
-        agents::create, agents::list, agents::get_one, agents::delete, agents::start_run,
-        agents::get_run, agents::cancel, agents::events, agents::stream,
+        agents::create, agents::list, agents::list_all, agents::get_one, agents::delete, agents::start_run,
+        agents::get_run, agents::cancel, agents::events, agents::stream, agents::create_workspace,
     ),
     components(schemas(sandpit_api::ErrorBody, sandpit_api::CommandEvent, sandpit_api::ClientMessage)),
     modifiers(&BearerAuth)

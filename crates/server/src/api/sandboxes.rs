@@ -66,7 +66,8 @@ async fn views<'a>(
     v
 }
 
-async fn view(state: &AppState, rec: &SandboxRecord) -> Sandbox {
+/// The owner's view of one sandbox, with its proxy tokens.
+pub(crate) async fn view(state: &AppState, rec: &SandboxRecord) -> Sandbox {
     let mut v = views(state, [rec]).await;
     v.pop().unwrap_or_else(|| bare_view(state, rec))
 }

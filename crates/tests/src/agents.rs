@@ -1,0 +1,240 @@
+//! What the agent-run tests share: the scripted model server in a test namespace, a
+//! daemon with the harnesses bound in, and raw API helpers for runtimes, runs and events.
+
+use crate::netfix::Upstream;
+use crate::{Daemon, free_port, sandpit_bin, sh};
+use serde_json::{Value, json};
+use std::io::BufRead;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The key the harness is given when its runtime names no secret.
+pub const NO_KEY: &str = "sandpit-no-key";
+
+/// The harness installs of `scripts/setup.sh --harnesses` (in the build tree's `.deps`).
+pub fn harness_dir() -> std::path::PathBuf {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.deps/harnesses");
+    assert!(
+        dir.join("node_modules/.bin/pi").exists(),
+        "pi missing: run scripts/setup.sh --harnesses"
+    );
+    dir.canonicalize().unwrap()
+}
+
+/// `sandpit-modelsim` inside the upstream namespace; stopped when dropped.
+pub struct ModelSim {
+    child: Child,
+    dir: tempfile::TempDir,
+    /// The base URL a runtime's model spec names (`http://IP:PORT/v1`).
+    pub url: String,
+}
+
+impl ModelSim {
+    /// Starts it on `ip:port` in `up`'s namespace, answering turn by turn from `script`.
+    pub fn start(up: &Upstream, ip: &str, port: u16, script: Value) -> ModelSim {
+        Self::start_with_key(up, ip, port, script, NO_KEY)
+    }
+
+    /// As [`ModelSim::start`], refusing (401) requests without `key`.
+    pub fn start_with_key(
+        up: &Upstream,
+        ip: &str,
+        port: u16,
+        script: Value,
+        key: &str,
+    ) -> ModelSim {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("script.json"), script.to_string()).unwrap();
+        let bin = sandpit_bin().with_file_name("sandpit-modelsim");
+        assert!(
+            bin.exists(),
+            "{} missing: cargo build -p sandpit-modelsim",
+            bin.display()
+        );
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &up.ns])
+            .arg(bin)
+            .args(["--listen", &format!("{ip}:{port}"), "--api-key", key])
+            .arg("--script")
+            .arg(dir.path().join("script.json"))
+            .arg("--log")
+            .arg(dir.path().join("requests.jsonl"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(line.contains("listening"), "modelsim: {line}");
+        ModelSim {
+            child,
+            dir,
+            url: format!("http://{ip}:{port}/v1"),
+        }
+    }
+
+    /// Every request the model got so far, as its log recorded them.
+    pub fn requests(&self) -> Vec<Value> {
+        std::fs::read_to_string(self.dir.path().join("requests.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+
+    /// Waits until the model has been asked at least once (a minute at most).
+    pub async fn wait_asked(&self) {
+        let start = Instant::now();
+        while self.requests().is_empty() {
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "the model was never asked"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+impl Drop for ModelSim {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A daemon with networking over the upstream namespace and the harnesses bound in.
+pub async fn daemon(up: &Upstream) -> Daemon {
+    daemon_with(up, "").await
+}
+
+/// As [`daemon`], with more config appended.
+pub async fn daemon_with(up: &Upstream, extra: &str) -> Daemon {
+    let data = tempfile::Builder::new()
+        .prefix("sandpit-test-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    std::fs::write(
+        data.path().join("config.toml"),
+        format!(
+            "{}[agents]\nharness_dir = {:?}\n{extra}",
+            up.config(""),
+            harness_dir().display().to_string()
+        ),
+    )
+    .unwrap();
+    Daemon::builder()
+        .data_dir(data)
+        .port(free_port())
+        .start()
+        .await
+}
+
+/// A raw API call with `key`: (status, JSON body or the text as a string).
+pub async fn req(
+    d: &Daemon,
+    key: &str,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<Value>,
+) -> (u16, Value) {
+    let mut rb = reqwest::Client::new()
+        .request(method, format!("{}{path}", d.url))
+        .bearer_auth(key.trim());
+    if let Some(b) = body {
+        rb = rb.json(&b);
+    }
+    let resp = rb.send().await.unwrap();
+    let status = resp.status().as_u16();
+    let text = resp.text().await.unwrap();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+/// A raw API call with the admin key.
+pub async fn api(
+    d: &Daemon,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<Value>,
+) -> (u16, Value) {
+    req(d, &d.key, method, path, body).await
+}
+
+/// A host-template sandbox allowed to reach only `ip` on `ports`.
+pub async fn sandbox(d: &Daemon, ip: &str, ports: &[u16]) -> String {
+    let (status, sb) = api(
+        d,
+        reqwest::Method::POST,
+        "/v1/sandboxes",
+        Some(json!({
+            "timeout": 600,
+            "limits": {"memory_bytes": 1u64 << 30},
+            "network": {"mode": "allowlist", "rules": [
+                {"action": "allow", "cidr": format!("{ip}/32"), "ports": ports}]},
+        })),
+    )
+    .await;
+    assert_eq!(status, 201, "{sb}");
+    sb["id"].as_str().unwrap().to_string()
+}
+
+/// A `pi` runtime in `sb` asking model `m`; its id.
+pub async fn runtime(d: &Daemon, sb: &str, m: &ModelSim) -> String {
+    let (status, rt) = api(
+        d,
+        reqwest::Method::POST,
+        &format!("/v1/sandboxes/{sb}/agents"),
+        Some(json!({"harness": "pi", "model": {"base_url": m.url, "model": "modelsim"}})),
+    )
+    .await;
+    assert_eq!(status, 201, "{rt}");
+    assert_eq!(rt["state"], "active");
+    rt["id"].as_str().unwrap().to_string()
+}
+
+/// Waits until run `run` is finished (at most `within`); the run.
+pub async fn wait_final(d: &Daemon, run: &str, within: Duration) -> Value {
+    let start = Instant::now();
+    loop {
+        let (status, r) = api(d, reqwest::Method::GET, &format!("/v1/runs/{run}"), None).await;
+        assert_eq!(status, 200, "{r}");
+        if ["succeeded", "failed", "cancelled"].contains(&r["state"].as_str().unwrap()) {
+            return r;
+        }
+        assert!(start.elapsed() < within, "run still {}: {r}", r["state"]);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The stored events of `run` after `after` (one page of up to 1000).
+pub async fn all_events(d: &Daemon, run: &str, after: i64) -> Vec<Value> {
+    let (status, page) = api(
+        d,
+        reqwest::Method::GET,
+        &format!("/v1/runs/{run}/events?after={after}&limit=1000"),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{page}");
+    page["events"].as_array().unwrap().clone()
+}
+
+/// The sequence numbers of events.
+pub fn seqs(events: &[Value]) -> Vec<i64> {
+    events.iter().map(|e| e["seq"].as_i64().unwrap()).collect()
+}
+
+/// Processes in the sandbox that belong to the harness (node running pi).
+pub async fn harness_processes(d: &Daemon, sb: &str) -> Vec<String> {
+    let out = sh(&d.client(), sb, "ps -eo pid,args").await;
+    out.stdout
+        .lines()
+        .filter(|l| l.contains("node") || l.contains("pi-coding-agent") || l.contains("sleep 300"))
+        .filter(|l| !l.contains("ps -eo"))
+        .map(String::from)
+        .collect()
+}
