@@ -71,14 +71,15 @@ async fn init(
     body: axum::body::Bytes,
 ) -> axum::response::Response {
     use axum::response::IntoResponse;
-    let req: Result<crate::config::InitRequest, String> = if body.is_empty() {
-        Ok(Default::default())
-    } else {
-        serde_json::from_slice(&body).map_err(|e| format!("bad init body: {e}"))
-    };
+    let req: Result<crate::config::InitRequest, crate::config::InitRequestError> =
+        if body.is_empty() {
+            Ok(Default::default())
+        } else {
+            serde_json::from_slice(&body).map_err(Into::into)
+        };
     match req.and_then(|r| crate::config::apply_init(&cfg, r)) {
         Ok(()) => axum::http::StatusCode::NO_CONTENT.into_response(),
-        Err(msg) => (axum::http::StatusCode::BAD_REQUEST, msg).into_response(),
+        Err(e) => (axum::http::StatusCode::BAD_REQUEST, e.to_string()).into_response(),
     }
 }
 

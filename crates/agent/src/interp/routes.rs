@@ -66,7 +66,7 @@ fn user_of(cfg: &AgentConfig, headers: &HeaderMap) -> Result<crate::users::User,
 }
 
 fn language(name: Option<&str>) -> Result<Language, InterpError> {
-    Language::parse(name).map_err(InterpError::BadRequest)
+    Ok(Language::parse(name)?)
 }
 
 async fn health() -> impl IntoResponse {
@@ -173,7 +173,7 @@ async fn execute(
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "application/x-ndjson")
         .body(Body::from_stream(lines))
-        .map_err(|e| InterpError::Internal(e.to_string()))
+        .map_err(InterpError::from)
 }
 
 /// Body of `POST /code/contexts`.
