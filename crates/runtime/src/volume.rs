@@ -118,7 +118,7 @@ pub fn check_target(path: &str) -> Result<String, MountPathError> {
     if let Some(r) = RESERVED.iter().find(|r| norm == **r || within(&norm, r)) {
         return Err(MountPathError::Reserved {
             path: path.into(),
-            reserved: *r,
+            reserved: r,
         });
     }
     Ok(norm)
