@@ -28,6 +28,9 @@ pub enum InterpError {
     /// Something that should not fail did, with no underlying error to keep.
     #[error("{0}")]
     Internal(String),
+    /// The request's body is not the JSON it should be.
+    #[error("invalid request body: {0}")]
+    Body(#[source] serde_json::Error),
     /// The request names a language the interpreter does not run.
     #[error(transparent)]
     Language(#[from] protocol::UnsupportedLanguage),
@@ -53,7 +56,7 @@ pub enum InterpError {
 impl InterpError {
     fn status_and_code(&self) -> (StatusCode, &'static str) {
         match self {
-            InterpError::BadRequest(_) | InterpError::Language(_) => {
+            InterpError::BadRequest(_) | InterpError::Body(_) | InterpError::Language(_) => {
                 (StatusCode::BAD_REQUEST, "invalid_argument")
             }
             InterpError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
@@ -93,6 +96,16 @@ mod tests {
             e.to_string(),
             "language \"cobol\" is not supported here (supported: python, javascript, bash)"
         );
+    }
+
+    #[test]
+    fn a_malformed_body_is_the_callers_fault_and_keeps_the_parse_error() {
+        let json = serde_json::from_str::<u8>("[").unwrap_err();
+        let shown = json.to_string();
+        let e = InterpError::Body(json);
+        assert_eq!(e.to_string(), format!("invalid request body: {shown}"));
+        assert_eq!(e.status_and_code().0, StatusCode::BAD_REQUEST);
+        assert!(e.source().is_some());
     }
 
     #[test]

@@ -54,8 +54,7 @@ fn parse<T: DeserializeOwned + Default>(body: &Bytes) -> Result<T, InterpError> 
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(T::default());
     }
-    serde_json::from_slice(body)
-        .map_err(|e| InterpError::BadRequest(format!("invalid request body: {e}")))
+    serde_json::from_slice(body).map_err(InterpError::Body)
 }
 
 fn user_of(cfg: &AgentConfig, headers: &HeaderMap) -> Result<crate::users::User, InterpError> {
