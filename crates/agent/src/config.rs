@@ -25,22 +25,39 @@ pub struct InitRequest {
     pub timestamp: Option<String>,
 }
 
+/// Why a `POST /init` was refused; its text is the 400 response's body.
+#[derive(Debug, thiserror::Error)]
+pub enum InitRequestError {
+    /// The body is not an init request.
+    #[error("bad init body: {0}")]
+    Body(#[from] serde_json::Error),
+    /// A variable name is empty, too long or holds `=` or NUL, or its value holds NUL.
+    #[error("invalid environment variable {name:?}")]
+    EnvVar { name: String },
+    /// The working directory is relative or climbs with `..`.
+    #[error("defaultWorkdir must be an absolute path without '..'")]
+    Workdir,
+    /// The default user is not an account of the sandbox.
+    #[error("unknown user {user:?}")]
+    UnknownUser { user: String },
+}
+
 /// Validates and applies an init request to `cfg`; nothing changes when it is refused.
-pub fn apply_init(cfg: &AgentConfig, req: InitRequest) -> Result<(), String> {
+pub fn apply_init(cfg: &AgentConfig, req: InitRequest) -> Result<(), InitRequestError> {
     for (k, v) in &req.env_vars {
         if k.is_empty() || k.len() > 256 || k.contains(['=', '\0']) || v.contains('\0') {
-            return Err(format!("invalid environment variable {k:?}"));
+            return Err(InitRequestError::EnvVar { name: k.clone() });
         }
     }
     if let Some(w) = &req.default_workdir
         && (!w.starts_with('/') || w.contains('\0') || w.split('/').any(|c| c == ".."))
     {
-        return Err("defaultWorkdir must be an absolute path without '..'".into());
+        return Err(InitRequestError::Workdir);
     }
     if let Some(u) = &req.default_user
         && crate::users::resolve(cfg, Some(u)).is_none()
     {
-        return Err(format!("unknown user {u:?}"));
+        return Err(InitRequestError::UnknownUser { user: u.clone() });
     }
     cfg.update_live(req.env_vars, req.default_workdir, req.default_user);
     Ok(())
@@ -117,12 +134,32 @@ mod tests {
                 ..Default::default()
             },
         ];
-        for req in bad {
-            assert!(apply_init(&c, req).is_err());
-        }
+        let said: Vec<String> = bad
+            .into_iter()
+            .map(|req| apply_init(&c, req).unwrap_err().to_string())
+            .collect();
+        assert_eq!(
+            said,
+            [
+                "invalid environment variable \"X=Y\"",
+                "invalid environment variable \"X\"",
+                "defaultWorkdir must be an absolute path without '..'",
+                "defaultWorkdir must be an absolute path without '..'",
+                "unknown user \"mallory\"",
+            ]
+        );
         assert_eq!(c.workdir(), "/home/user");
         assert_eq!(c.env().len(), 2);
         assert_eq!(c.default_user(), None);
+    }
+
+    #[test]
+    fn a_malformed_body_keeps_the_parse_error() {
+        let parse = serde_json::from_slice::<InitRequest>(b"{\"envVars\": 3}").unwrap_err();
+        let shown = parse.to_string();
+        let e = InitRequestError::from(parse);
+        assert_eq!(e.to_string(), format!("bad init body: {shown}"));
+        assert!(std::error::Error::source(&e).is_some());
     }
 
     #[test]

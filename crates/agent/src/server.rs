@@ -15,6 +15,12 @@ use tokio::signal::unix::{SignalKind, signal};
 pub enum AgentError {
     #[error("agent configuration: {0}")]
     Config(String),
+    /// The config variable is unset or not UTF-8.
+    #[error("agent configuration: {} is not set", CONFIG_ENV)]
+    ConfigEnv(#[source] std::env::VarError),
+    /// The config variable is not the config's JSON.
+    #[error("agent configuration: {0}")]
+    ConfigJson(#[source] serde_json::Error),
     #[error("agent i/o: {0}")]
     Io(#[from] std::io::Error),
     #[error("{0}")]
@@ -23,12 +29,10 @@ pub enum AgentError {
 
 /// Reads the configuration from the environment and runs the agent until it is told to stop.
 pub fn run_from_env() -> Result<(), AgentError> {
-    let raw = std::env::var(CONFIG_ENV)
-        .map_err(|_| AgentError::Config(format!("{CONFIG_ENV} is not set")))?;
+    let raw = std::env::var(CONFIG_ENV).map_err(AgentError::ConfigEnv)?;
     // SAFETY: still single-threaded; no other thread can read the environment concurrently.
     unsafe { std::env::remove_var(CONFIG_ENV) };
-    let cfg: AgentConfig =
-        serde_json::from_str(&raw).map_err(|e| AgentError::Config(e.to_string()))?;
+    let cfg: AgentConfig = serde_json::from_str(&raw).map_err(AgentError::ConfigJson)?;
     // One thread keeps an idle sandbox small; file work goes to spawn_blocking threads.
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -71,14 +75,15 @@ async fn init(
     body: axum::body::Bytes,
 ) -> axum::response::Response {
     use axum::response::IntoResponse;
-    let req: Result<crate::config::InitRequest, String> = if body.is_empty() {
-        Ok(Default::default())
-    } else {
-        serde_json::from_slice(&body).map_err(|e| format!("bad init body: {e}"))
-    };
+    let req: Result<crate::config::InitRequest, crate::config::InitRequestError> =
+        if body.is_empty() {
+            Ok(Default::default())
+        } else {
+            serde_json::from_slice(&body).map_err(Into::into)
+        };
     match req.and_then(|r| crate::config::apply_init(&cfg, r)) {
         Ok(()) => axum::http::StatusCode::NO_CONTENT.into_response(),
-        Err(msg) => (axum::http::StatusCode::BAD_REQUEST, msg).into_response(),
+        Err(e) => (axum::http::StatusCode::BAD_REQUEST, e.to_string()).into_response(),
     }
 }
 
@@ -144,5 +149,26 @@ async fn terminate(_table: &Arc<ProcessTable>) {
         tokio::time::sleep(std::time::Duration::from_secs(2)).await;
         // SAFETY: as above.
         unsafe { libc::kill(-1, libc::SIGKILL) };
+    }
+}
+
+#[cfg(test)]
+mod error_tests {
+    use super::*;
+    use std::error::Error as _;
+
+    #[test]
+    fn config_errors_read_as_before_and_keep_their_cause() {
+        let e = AgentError::ConfigEnv(std::env::VarError::NotPresent);
+        assert_eq!(
+            e.to_string(),
+            format!("agent configuration: {CONFIG_ENV} is not set")
+        );
+        assert!(e.source().is_some());
+        let json = serde_json::from_str::<AgentConfig>("{").unwrap_err();
+        let shown = json.to_string();
+        let e = AgentError::ConfigJson(json);
+        assert_eq!(e.to_string(), format!("agent configuration: {shown}"));
+        assert!(e.source().is_some());
     }
 }

@@ -50,7 +50,7 @@ pub fn check_mounts(mounts: &[VolumeMountSpec]) -> Result<(), CoreError> {
         check_name(&m.name)?;
     }
     sandpit_runtime::volume::check_targets(mounts.iter().map(|m| m.path.as_str()))
-        .map_err(CoreError::invalid)?;
+        .map_err(sandpit_runtime::RuntimeError::from)?;
     Ok(())
 }
 

@@ -76,7 +76,99 @@ pub struct InitConfig {
 /// only: its root is the host's root's, mode 0700, so nobody in the sandbox can enter.
 pub const LAYER_MOUNT: &str = ".sandpit/layer";
 
-type R<T> = Result<T, String>;
+/// Why the init helper could not build a sandbox. Its text is the helper's `ERR` reply to
+/// the daemon (and what PID 1 sends the helper), so it reads as the replies always have:
+/// the daemon tells a refused mount path by its [`crate::volume::SPEC_ERROR`] prefix.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum InitError {
+    /// A system call failed; `step` names what was being done.
+    #[error("{step}: {source}")]
+    Sys {
+        step: String,
+        #[source]
+        source: nix::errno::Errno,
+    },
+    /// A file or descriptor operation failed; `step` names what was being done.
+    #[error("{step}: {source}")]
+    Io {
+        step: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A path or variable for the kernel holds a NUL byte.
+    #[error(transparent)]
+    Nul(#[from] std::ffi::NulError),
+    /// The config the daemon sent is not UTF-8.
+    #[error("config: {source}")]
+    ConfigText {
+        #[source]
+        source: std::string::FromUtf8Error,
+    },
+    /// What the daemon sent, or what the sandbox's tree holds, is not what setup needs.
+    #[error("{0}")]
+    Refused(&'static str),
+    /// The sandbox's PID 1 failed; its own error came over the pipe as text.
+    #[error("{0}")]
+    Child(String),
+    /// The exec of the agent failed. Worded as the reply always was (the `Option` of the
+    /// errno in Debug form), so that nothing reading the reply sees a change.
+    #[error("exec agent: Some({source:?})")]
+    Exec {
+        #[source]
+        source: nix::errno::Errno,
+    },
+    /// Capabilities, Landlock or seccomp could not be applied.
+    #[error(transparent)]
+    Security(#[from] crate::container::security::SecurityError),
+    /// The sandbox's CA files could not be written.
+    #[error(transparent)]
+    Trust(#[from] crate::trust::TrustError),
+    /// A volume's mount path is refused: the request's fault.
+    #[error("{prefix}{0}", prefix = crate::volume::SPEC_ERROR)]
+    MountPath(#[from] crate::volume::MountPathError),
+}
+
+impl InitError {
+    /// A failed system call during `step`.
+    pub(crate) fn sys(step: impl Into<String>, source: nix::errno::Errno) -> Self {
+        InitError::Sys {
+            step: step.into(),
+            source,
+        }
+    }
+
+    /// A failed i/o operation during `step`.
+    pub(crate) fn io(step: impl Into<String>, source: std::io::Error) -> Self {
+        InitError::Io {
+            step: step.into(),
+            source,
+        }
+    }
+
+    /// The last OS error, for a raw libc call made during `step`.
+    fn last_os(step: impl Into<String>) -> Self {
+        Self::io(step, std::io::Error::last_os_error())
+    }
+}
+
+/// The errors setup steps fail with, kept as the source of the step's [`InitError`].
+trait StepError {
+    fn at(self, step: String) -> InitError;
+}
+
+impl StepError for std::io::Error {
+    fn at(self, step: String) -> InitError {
+        InitError::io(step, self)
+    }
+}
+
+impl StepError for nix::errno::Errno {
+    fn at(self, step: String) -> InitError {
+        InitError::sys(step, self)
+    }
+}
+
+type R<T> = Result<T, InitError>;
 
 static TIMING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 static MARKS: parking_lot::Mutex<String> = parking_lot::Mutex::new(String::new());
@@ -104,8 +196,8 @@ fn take_marks() -> String {
     std::mem::take(&mut *MARKS.lock())
 }
 
-fn ctx<T, E: std::fmt::Display>(r: Result<T, E>, what: impl FnOnce() -> String) -> R<T> {
-    r.map_err(|e| format!("{}: {e}", what()))
+fn ctx<T, E: StepError>(r: Result<T, E>, what: impl FnOnce() -> String) -> R<T> {
+    r.map_err(|e| e.at(what()))
 }
 
 /// Entry point of `sandpit __sandbox-init`; returns the process exit code.
@@ -132,7 +224,7 @@ pub fn init_main() -> i32 {
     }
     mark("config");
     if let Err(e) = enter_sandbox(&cfg, listener, netns) {
-        println!("ERR {}", e.replace('\n', " "));
+        println!("ERR {}", e.to_string().replace('\n', " "));
         return 1;
     }
     match run(&cfg) {
@@ -141,7 +233,7 @@ pub fn init_main() -> i32 {
             0
         }
         Err(e) => {
-            println!("ERR {}", e.replace('\n', " "));
+            println!("ERR {}", e.to_string().replace('\n', " "));
             1
         }
     }
@@ -160,7 +252,7 @@ fn receive_config() -> R<(String, OwnedFd, Option<OwnedFd>)> {
             || "receive config".into(),
         )?;
         let mut fds = Vec::new();
-        for c in msg.cmsgs().map_err(|e| format!("receive config: {e}"))? {
+        for c in ctx(msg.cmsgs(), || "receive config".into())? {
             if let ControlMessageOwned::ScmRights(got) = c {
                 for f in got {
                     // SAFETY: the kernel just installed this descriptor for us.
@@ -176,8 +268,10 @@ fn receive_config() -> R<(String, OwnedFd, Option<OwnedFd>)> {
     ctx(std::io::stdin().read_to_end(&mut buf), || {
         "read config".into()
     })?;
-    let listener = fd.ok_or("no listening socket came with the config")?;
-    let raw = String::from_utf8(buf).map_err(|e| format!("config: {e}"))?;
+    let listener = fd.ok_or(InitError::Refused(
+        "no listening socket came with the config",
+    ))?;
+    let raw = String::from_utf8(buf).map_err(|source| InitError::ConfigText { source })?;
     Ok((raw, listener, netns))
 }
 
@@ -186,7 +280,7 @@ fn receive_config() -> R<(String, OwnedFd, Option<OwnedFd>)> {
 /// the daemon can spawn with vfork semantics instead of copying its page tables.
 fn enter_sandbox(cfg: &InitConfig, listener: OwnedFd, netns: Option<OwnedFd>) -> R<()> {
     if cfg.cgroup_tasks.is_empty() {
-        return Err("no cgroup to join".into());
+        return Err(InitError::Refused("no cgroup to join"));
     }
     for p in &cfg.cgroup_tasks {
         // First, so that everything the sandbox ever runs is accounted. "0" moves only
@@ -204,7 +298,11 @@ fn enter_sandbox(cfg: &InitConfig, listener: OwnedFd, netns: Option<OwnedFd>) ->
             })?;
             CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWIPC
         }
-        (true, None) => return Err("no network namespace came with the config".into()),
+        (true, None) => {
+            return Err(InitError::Refused(
+                "no network namespace came with the config",
+            ));
+        }
         (false, _) => {
             CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWNET
         }
@@ -259,7 +357,7 @@ fn run(cfg: &InitConfig) -> R<(i32, u64)> {
             let mut wait = std::fs::File::from(to_child_r);
             let err = child(cfg, userns.as_ref(), &mut report, &mut wait)
                 .err()
-                .unwrap_or_else(|| "exec returned".into());
+                .unwrap_or(InitError::Refused("exec returned"));
             let _ = report.write_all(format!("E{err}").as_bytes());
             // SAFETY: leave without running the parent's atexit handlers twice.
             unsafe { libc::_exit(1) }
@@ -296,12 +394,16 @@ fn parent(
     .map_err(|e| {
         let mut rest = String::new();
         let _ = from_child.read_to_string(&mut rest);
-        if rest.is_empty() { e } else { rest }
+        if rest.is_empty() {
+            e
+        } else {
+            InitError::Child(rest)
+        }
     })?;
     if buf[0] != b'U' {
         let mut rest = String::new();
         let _ = from_child.read_to_string(&mut rest);
-        return Err(rest);
+        return Err(InitError::Child(rest));
     }
     let map = format!("0 {} {}\n", cfg.uid_base, ID_RANGE);
     ctx(
@@ -325,9 +427,10 @@ fn parent(
         rest = after;
     }
     if let Some(msg) = rest.strip_prefix('E') {
-        return Err(msg.to_string());
+        return Err(InitError::Child(msg.to_string()));
     }
-    let start = crate::pid_start_time(child.as_raw()).ok_or("agent exited during start")?;
+    let start = crate::pid_start_time(child.as_raw())
+        .ok_or(InitError::Refused("agent exited during start"))?;
     Ok((child.as_raw(), start))
 }
 
@@ -358,7 +461,7 @@ fn child(
     mark("c_caps");
     // SAFETY: prctl with integer arguments.
     if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
-        return Err(format!("no_new_privs: {}", std::io::Error::last_os_error()));
+        return Err(InitError::last_os("no_new_privs"));
     }
     if cfg.host_template {
         let writable: Vec<&str> = cfg
@@ -388,7 +491,7 @@ fn redirect_stdio() -> R<()> {
     for fd in 0..3 {
         // SAFETY: dup2 onto the standard descriptors.
         if unsafe { libc::dup2(null.as_raw_fd(), fd) } < 0 {
-            return Err(format!("dup2: {}", std::io::Error::last_os_error()));
+            return Err(InitError::last_os("dup2"));
         }
     }
     Ok(())
@@ -396,25 +499,22 @@ fn redirect_stdio() -> R<()> {
 
 fn exec_agent(cfg: &InitConfig) -> R<()> {
     use std::ffi::CString;
-    let path = CString::new(AGENT_PATH).map_err(|e| e.to_string())?;
-    let argv = [CString::new(AGENT_ARGV0).map_err(|e| e.to_string())?];
+    let path = CString::new(AGENT_PATH)?;
+    let argv = [CString::new(AGENT_ARGV0)?];
     let env = [
-        CString::new(format!("{}={}", sandpit_abi::CONFIG_ENV, cfg.agent_config))
-            .map_err(|e| e.to_string())?,
-        CString::new("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
-            .map_err(|e| e.to_string())?,
+        CString::new(format!("{}={}", sandpit_abi::CONFIG_ENV, cfg.agent_config))?,
+        CString::new("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")?,
     ];
     // Whatever the daemon inherited without close-on-exec must not reach the sandbox:
     // only stdio and the listener (fd 3) go on.
     // SAFETY: close_range with integer arguments; nothing else runs in this process.
     if unsafe { libc::syscall(libc::SYS_close_range, 4u32, u32::MAX, 0u32) } != 0 {
-        return Err(format!(
-            "close inherited descriptors: {}",
-            std::io::Error::last_os_error()
-        ));
+        return Err(InitError::last_os("close inherited descriptors"));
     }
-    let e = nix::unistd::execve(&path, &argv, &env).err();
-    Err(format!("exec agent: {e:?}"))
+    match nix::unistd::execve(&path, &argv, &env) {
+        Ok(never) => match never {},
+        Err(source) => Err(InitError::Exec { source }),
+    }
 }
 
 fn mnt(
@@ -539,7 +639,9 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
     };
     let mut lowers = Vec::with_capacity(cfg.layers.len() + 1);
     for (i, l) in cfg.layers.iter().enumerate() {
-        let ns = userns.ok_or("layers need an id-mapped user namespace")?;
+        let ns = userns.ok_or(InitError::Refused(
+            "layers need an id-mapped user namespace",
+        ))?;
         idmapped_copy(l, &cfg.dir.join(format!("l{i}")), ns)?;
         lowers.push(format!("l{i}"));
     }
@@ -590,7 +692,11 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
     let agent = root.join(AGENT_PATH.trim_start_matches('/'));
     match std::fs::symlink_metadata(&agent) {
         Ok(m) if m.is_file() => {}
-        _ => return Err("the agent mount point is not a plain file".into()),
+        _ => {
+            return Err(InitError::Refused(
+                "the agent mount point is not a plain file",
+            ));
+        }
     }
     bind_ro(
         &cfg.agent_exe,
@@ -603,7 +709,11 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
     let layer_view = root.join(LAYER_MOUNT);
     match std::fs::symlink_metadata(&layer_view) {
         Ok(m) if m.is_dir() => {}
-        _ => return Err("the layer mount point is not a directory".into()),
+        _ => {
+            return Err(InitError::Refused(
+                "the layer mount point is not a directory",
+            ));
+        }
     }
     bind_ro(&layer, &layer_view, ro_flags())?;
 
@@ -778,7 +888,7 @@ fn id_mapped_userns(uid_base: u32) -> R<OwnedFd> {
                     "userns helper".into()
                 })?;
                 if b[0] != b'U' {
-                    return Err("userns helper could not unshare".to_string());
+                    return Err(InitError::Refused("userns helper could not unshare"));
                 }
                 let map = format!("0 {uid_base} {ID_RANGE}\n");
                 ctx(
@@ -817,10 +927,10 @@ fn idmapped_copy(src: &Path, target: &Path, userns: &OwnedFd) -> R<PathBuf> {
     ctx(std::fs::create_dir_all(target), || {
         format!("mkdir {}", target.display())
     })?;
-    let ctarget = CString::new(target.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+    let ctarget = CString::new(target.as_os_str().as_encoded_bytes())?;
     let tree = idmapped_tree(src, userns, 0)?;
     attach_tree(&tree, nix::fcntl::AT_FDCWD, &ctarget)
-        .map_err(|e| format!("attach idmapped {}: {e}", src.display()))?;
+        .map_err(|e| InitError::io(format!("attach idmapped {}", src.display()), e))?;
     Ok(target.to_path_buf())
 }
 
@@ -836,7 +946,7 @@ pub(crate) fn idmapped_tree(src: &Path, userns: &OwnedFd, attrs: u64) -> R<Owned
         userns_fd: u64,
     }
     const OPEN_TREE_CLONE: libc::c_uint = 1;
-    let csrc = CString::new(src.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+    let csrc = CString::new(src.as_os_str().as_encoded_bytes())?;
     let empty = c"";
     // SAFETY: the new mount API with valid C strings and a correctly sized attr struct.
     unsafe {
@@ -847,11 +957,7 @@ pub(crate) fn idmapped_tree(src: &Path, userns: &OwnedFd, attrs: u64) -> R<Owned
             OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
         ) as libc::c_int;
         if tree < 0 {
-            return Err(format!(
-                "open_tree {}: {}",
-                src.display(),
-                std::io::Error::last_os_error()
-            ));
+            return Err(InitError::last_os(format!("open_tree {}", src.display())));
         }
         let tree = OwnedFd::from_raw_fd(tree);
         let attr = MountAttr {
@@ -869,11 +975,7 @@ pub(crate) fn idmapped_tree(src: &Path, userns: &OwnedFd, attrs: u64) -> R<Owned
             std::mem::size_of::<MountAttr>(),
         );
         if r < 0 {
-            return Err(format!(
-                "idmap {}: {}",
-                src.display(),
-                std::io::Error::last_os_error()
-            ));
+            return Err(InitError::last_os(format!("idmap {}", src.display())));
         }
         Ok(tree)
     }
@@ -1105,7 +1207,7 @@ fn loopback_up() -> R<()> {
     unsafe {
         let s = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
         if s < 0 {
-            return Err(format!("socket: {}", std::io::Error::last_os_error()));
+            return Err(InitError::last_os("socket"));
         }
         let mut req: libc::ifreq = std::mem::zeroed();
         for (i, b) in b"lo\0".iter().enumerate() {
@@ -1119,10 +1221,57 @@ fn loopback_up() -> R<()> {
         let err = std::io::Error::last_os_error();
         libc::close(s);
         if r != 0 {
-            return Err(format!("bring up lo: {err}"));
+            return Err(InitError::io("bring up lo", err));
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod init_error_tests {
+    use super::InitError;
+    use std::error::Error as _;
+
+    #[test]
+    fn each_step_reads_as_the_reply_did_and_keeps_its_errno() {
+        let e = super::ctx(Err::<(), _>(nix::errno::Errno::EPERM), || {
+            "unshare pid namespace".into()
+        })
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!("unshare pid namespace: {}", nix::errno::Errno::EPERM)
+        );
+        let errno = e
+            .source()
+            .and_then(|s| s.downcast_ref::<nix::errno::Errno>());
+        assert_eq!(errno, Some(&nix::errno::Errno::EPERM));
+
+        let io = std::io::Error::from_raw_os_error(libc::ENOSPC);
+        let shown = io.to_string();
+        let e = super::ctx(Err::<(), _>(io), || "write /x".into()).unwrap_err();
+        assert_eq!(e.to_string(), format!("write /x: {shown}"));
+        let cause = e.source().and_then(|s| s.downcast_ref::<std::io::Error>());
+        assert_eq!(cause.and_then(|e| e.raw_os_error()), Some(libc::ENOSPC));
+
+        let e = InitError::Exec {
+            source: nix::errno::Errno::ENOENT,
+        };
+        assert_eq!(e.to_string(), "exec agent: Some(ENOENT)");
+        assert!(e.source().is_some());
+
+        let e = InitError::from(std::ffi::CString::new("a\0b").unwrap_err());
+        assert!(e.to_string().contains("nul byte"), "{e}");
+        assert_eq!(
+            InitError::Refused("no cgroup to join").to_string(),
+            "no cgroup to join"
+        );
+        // What PID 1 sent over the pipe comes back word for word.
+        assert_eq!(
+            InitError::Child("mount proc on /x: EPERM".into()).to_string(),
+            "mount proc on /x: EPERM"
+        );
+    }
 }
 
 #[cfg(test)]

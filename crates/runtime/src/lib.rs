@@ -38,6 +38,25 @@ pub enum RuntimeError {
         context: String,
         source: std::io::Error,
     },
+    /// A volume's mount path is refused (the request's fault, like `InvalidSpec`).
+    #[error("invalid sandbox spec: {0}")]
+    MountPath(#[from] volume::MountPathError),
+    /// The sandbox's network could not be prepared or routed; `source` is the
+    /// networking layer's own error.
+    #[error("sandbox setup failed: {context}: {source}")]
+    Network {
+        context: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
+    },
+    /// A config for the agent or the init helper could not be encoded.
+    #[error("sandbox setup failed: {source}")]
+    Encode {
+        /// What was being encoded.
+        what: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
 }
 
 impl RuntimeError {
@@ -46,12 +65,29 @@ impl RuntimeError {
     pub fn is_host_exhaustion(&self) -> bool {
         let source = match self {
             RuntimeError::Io { source, .. } | RuntimeError::Cgroup { source, .. } => source,
+            // A network setup that failed for want of descriptors or memory is the same
+            // shortage, found one layer down.
+            RuntimeError::Network { source, .. } => match source.downcast_ref::<std::io::Error>() {
+                Some(io) => io,
+                None => return false,
+            },
             _ => return false,
         };
         matches!(
             source.raw_os_error(),
             Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::EAGAIN)
         )
+    }
+
+    /// A failed step of network setup, keeping the networking layer's error.
+    pub fn network(
+        context: impl Into<String>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    ) -> Self {
+        RuntimeError::Network {
+            context: context.into(),
+            source: source.into(),
+        }
     }
 
     /// Wraps an i/o error with what was being done.
@@ -381,6 +417,42 @@ mod liveness_tests {
         let denied = RuntimeError::io("bind", std::io::Error::from_raw_os_error(libc::EACCES));
         assert!(!denied.is_host_exhaustion());
         assert!(!RuntimeError::Setup("x".into()).is_host_exhaustion());
+        assert!(!RuntimeError::from(volume::MountPathError::Root).is_host_exhaustion());
+        let net = |errno| {
+            RuntimeError::network(
+                "prepare the sandbox's network",
+                std::io::Error::from_raw_os_error(errno),
+            )
+        };
+        assert!(net(libc::ENFILE).is_host_exhaustion());
+        assert!(!net(libc::EPERM).is_host_exhaustion());
+        // A cause that is no i/o error says nothing about the host's resources.
+        assert!(!RuntimeError::network("route", "no such link").is_host_exhaustion());
+    }
+
+    #[test]
+    fn new_variants_read_as_before_and_keep_their_cause() {
+        use std::error::Error as _;
+        let e = RuntimeError::network(
+            "prepare the sandbox's network",
+            std::io::Error::from_raw_os_error(libc::EEXIST),
+        );
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "sandbox setup failed: prepare the sandbox's network: {}",
+                std::io::Error::from_raw_os_error(libc::EEXIST)
+            )
+        );
+        assert!(e.source().is_some());
+        let json = serde_json::from_str::<u8>("x").unwrap_err();
+        let shown = json.to_string();
+        let e = RuntimeError::Encode {
+            what: "agent config",
+            source: json,
+        };
+        assert_eq!(e.to_string(), format!("sandbox setup failed: {shown}"));
+        assert!(e.source().is_some());
     }
 
     fn stat_line(state: &str, start: u64) -> String {

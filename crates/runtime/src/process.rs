@@ -99,7 +99,10 @@ impl ProcessRuntime {
             listen_path: None,
             live: Default::default(),
         };
-        let cfg = serde_json::to_string(&agent).map_err(|e| RuntimeError::Setup(e.to_string()))?;
+        let cfg = serde_json::to_string(&agent).map_err(|source| RuntimeError::Encode {
+            what: "agent config",
+            source,
+        })?;
         let limits = spec.limits;
         let listen_raw = listener.as_raw_fd();
         let mut cmd = Command::new(&self.self_exe);

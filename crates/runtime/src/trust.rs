@@ -37,20 +37,37 @@ pub fn add_env(env: &mut BTreeMap<String, String>) {
     }
 }
 
-fn write_new(p: &Path, content: &[u8]) -> Result<(), String> {
+/// Why a CA file of a sandbox could not be written.
+#[derive(Debug, thiserror::Error)]
+#[error("{op} {}: {source}", path.display())]
+pub struct TrustError {
+    /// What was being done: `create`, `open` or `write`.
+    pub op: &'static str,
+    /// The file.
+    pub path: std::path::PathBuf,
+    #[source]
+    pub source: std::io::Error,
+}
+
+/// Wraps an i/o error on `path` with the operation.
+fn err(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> TrustError {
+    let path = path.to_path_buf();
+    move |source| TrustError { op, path, source }
+}
+
+fn write_new(p: &Path, content: &[u8]) -> Result<(), TrustError> {
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o644)
         .open(p)
-        .map_err(|e| format!("create {}: {e}", p.display()))?;
-    f.write_all(content)
-        .map_err(|e| format!("write {}: {e}", p.display()))
+        .map_err(err("create", p))?;
+    f.write_all(content).map_err(err("write", p))
 }
 
 /// Writes the CA and an empty bundle into the new writable layer (before the overlay
 /// exists, so no name in it can lead elsewhere); the host's root owns both.
-pub(crate) fn prepare(upper: &Path, ca_pem: &str) -> Result<(), String> {
+pub(crate) fn prepare(upper: &Path, ca_pem: &str) -> Result<(), TrustError> {
     write_new(&upper.join(CA_FILE), ca_pem.as_bytes())?;
     write_new(&upper.join(BUNDLE_FILE), b"")
 }
@@ -83,7 +100,7 @@ fn system_roots(root: &Path) -> Option<(std::fs::File, u64)> {
 
 /// Fills the bundle made by [`prepare`]: the template's roots (at most [`MAX_BUNDLE`],
 /// copied in the kernel), then the CA.
-pub(crate) fn fill_bundle(root: &Path, ca_pem: &str) -> Result<(), String> {
+pub(crate) fn fill_bundle(root: &Path, ca_pem: &str) -> Result<(), TrustError> {
     use std::os::unix::fs::FileExt;
     let p = root.join(BUNDLE_FILE);
     let mut out = std::fs::OpenOptions::new()
@@ -91,20 +108,19 @@ pub(crate) fn fill_bundle(root: &Path, ca_pem: &str) -> Result<(), String> {
         .truncate(true)
         .custom_flags(libc::O_NOFOLLOW)
         .open(&p)
-        .map_err(|e| format!("open {}: {e}", p.display()))?;
-    let werr = |e: std::io::Error| format!("write {}: {e}", p.display());
+        .map_err(err("open", &p))?;
     if let Some((src, len)) = system_roots(root) {
-        let copied = std::io::copy(&mut (&src).take(len), &mut out).map_err(werr)?;
+        let copied = std::io::copy(&mut (&src).take(len), &mut out).map_err(err("write", &p))?;
         let mut last = [0u8; 1];
         let ends_line = copied == 0
             || src
                 .read_at(&mut last, copied - 1)
                 .map_or(true, |n| n == 1 && last[0] == b'\n');
         if !ends_line {
-            out.write_all(b"\n").map_err(werr)?;
+            out.write_all(b"\n").map_err(err("write", &p))?;
         }
     }
-    out.write_all(ca_pem.as_bytes()).map_err(werr)
+    out.write_all(ca_pem.as_bytes()).map_err(err("write", &p))
 }
 
 #[cfg(test)]
@@ -127,7 +143,20 @@ mod tests {
         );
         assert_eq!(std::fs::read(root.join(CA_FILE)).unwrap(), b"CA\n");
         // Made once: a second prepare on the same layer is refused rather than followed.
-        assert!(prepare(root, "CA\n").is_err());
+        let again = prepare(root, "CA\n").unwrap_err();
+        let ca = root.join(CA_FILE);
+        assert_eq!(
+            again.to_string(),
+            format!(
+                "create {}: {}",
+                ca.display(),
+                std::io::Error::from_raw_os_error(libc::EEXIST)
+            )
+        );
+        let cause = std::error::Error::source(&again)
+            .and_then(|s| s.downcast_ref::<std::io::Error>())
+            .map(|e| e.kind());
+        assert_eq!(cause, Some(std::io::ErrorKind::AlreadyExists));
     }
 
     #[test]

@@ -14,6 +14,7 @@
 //! one image would be two file systems writing the same blocks.
 
 use crate::RuntimeError;
+use crate::init::InitError;
 use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
 use nix::sys::stat::Mode;
 use parking_lot::Mutex;
@@ -44,45 +45,89 @@ pub struct VolumeMount {
     pub read_only: bool,
 }
 
+/// Why a volume's mount path is refused: the request's fault, never the host's.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MountPathError {
+    #[error("mount path {path:?} must be absolute")]
+    NotAbsolute { path: String },
+    #[error("mount path must be at most {MAX_TARGET_LEN} bytes without NUL")]
+    TooLong,
+    #[error("mount path {path:?} must not contain '.' or '..' components")]
+    DotComponent { path: String },
+    #[error("mount path {path:?}: component too long")]
+    ComponentTooLong { path: String },
+    #[error("a volume cannot be mounted on /")]
+    Root,
+    #[error("mount path {path:?} is under {reserved}, which the sandbox runtime manages")]
+    Reserved {
+        path: String,
+        reserved: &'static str,
+    },
+    #[error("two volumes are mounted on {path}")]
+    Duplicate { path: String },
+    #[error("volume mounts {a} and {b} are nested")]
+    Nested { a: String, b: String },
+    /// The kernel resolved the path (through the template's symlinks) out of the root.
+    #[error("mount path {target} resolves outside the sandbox")]
+    ResolvesOutside { target: String },
+    /// The path resolves, through the template's symlinks, to a refused one.
+    #[error("{target} resolves to {inner}: {source}")]
+    ResolvesTo {
+        target: String,
+        inner: String,
+        #[source]
+        source: Box<MountPathError>,
+    },
+    #[error("/{prefix} is a dangling symlink")]
+    DanglingSymlink { prefix: String },
+    #[error("/{prefix} is on a read-only file system")]
+    ReadOnly { prefix: String },
+    #[error("mount path {target} crosses into another mount at /{prefix}")]
+    CrossesMount { target: String, prefix: String },
+    #[error("/{prefix} is not a directory")]
+    NotADirectory { prefix: String },
+    #[error("/{prefix}: too many symlinks")]
+    TooManySymlinks { prefix: String },
+}
+
 /// Checks a mount path inside a sandbox and returns it without empty components
 /// (`//a/b/` is `/a/b`). Refused: relative paths, `.` and `..`, `/` itself, and anything
 /// at or below `/proc`, `/sys`, `/dev` or `/.sandpit`.
-pub fn check_target(path: &str) -> Result<String, String> {
+pub fn check_target(path: &str) -> Result<String, MountPathError> {
     if !path.starts_with('/') {
-        return Err(format!("mount path {path:?} must be absolute"));
+        return Err(MountPathError::NotAbsolute { path: path.into() });
     }
     if path.len() > MAX_TARGET_LEN || path.contains('\0') {
-        return Err(format!(
-            "mount path must be at most {MAX_TARGET_LEN} bytes without NUL"
-        ));
+        return Err(MountPathError::TooLong);
     }
     let mut parts = Vec::new();
     for c in path.split('/') {
         match c {
             "" => {}
-            "." | ".." => {
-                return Err(format!(
-                    "mount path {path:?} must not contain '.' or '..' components"
-                ));
+            "." | ".." => return Err(MountPathError::DotComponent { path: path.into() }),
+            c if c.len() > 255 => {
+                return Err(MountPathError::ComponentTooLong { path: path.into() });
             }
-            c if c.len() > 255 => return Err(format!("mount path {path:?}: component too long")),
             c => parts.push(c),
         }
     }
     if parts.is_empty() {
-        return Err("a volume cannot be mounted on /".into());
+        return Err(MountPathError::Root);
     }
     let norm = format!("/{}", parts.join("/"));
     if let Some(r) = RESERVED.iter().find(|r| norm == **r || within(&norm, r)) {
-        return Err(format!(
-            "mount path {path:?} is under {r}, which the sandbox runtime manages"
-        ));
+        return Err(MountPathError::Reserved {
+            path: path.into(),
+            reserved: r,
+        });
     }
     Ok(norm)
 }
 
 /// Checks every mount path of one sandbox: each valid, no two equal or one inside another.
-pub fn check_targets<'a>(paths: impl IntoIterator<Item = &'a str>) -> Result<Vec<String>, String> {
+pub fn check_targets<'a>(
+    paths: impl IntoIterator<Item = &'a str>,
+) -> Result<Vec<String>, MountPathError> {
     let norms = paths
         .into_iter()
         .map(check_target)
@@ -90,10 +135,13 @@ pub fn check_targets<'a>(paths: impl IntoIterator<Item = &'a str>) -> Result<Vec
     for (i, a) in norms.iter().enumerate() {
         for b in &norms[i + 1..] {
             if a == b {
-                return Err(format!("two volumes are mounted on {a}"));
+                return Err(MountPathError::Duplicate { path: a.clone() });
             }
             if within(a, b) || within(b, a) {
-                return Err(format!("volume mounts {a} and {b} are nested"));
+                return Err(MountPathError::Nested {
+                    a: a.clone(),
+                    b: b.clone(),
+                });
             }
         }
     }
@@ -569,18 +617,17 @@ pub(crate) fn mount_in_sandbox(
     mounts: &[VolumeMount],
     userns: &OwnedFd,
     uid_base: u32,
-) -> Result<(), String> {
-    let spec = |m: String| format!("{SPEC_ERROR}{m}");
-    check_targets(mounts.iter().map(|m| m.target.as_str())).map_err(spec)?;
+) -> Result<(), InitError> {
+    check_targets(mounts.iter().map(|m| m.target.as_str()))?;
     let rootfd = nix::fcntl::open(
         root,
         OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
         Mode::empty(),
     )
-    .map_err(|e| format!("open {}: {e}", root.display()))?;
+    .map_err(|e| InitError::sys(format!("open {}", root.display()), e))?;
     let real_root = fd_path(&rootfd)?;
     for m in mounts {
-        let target = check_target(&m.target).map_err(spec)?;
+        let target = check_target(&m.target)?;
         let dir = mount_point(&rootfd, &target, uid_base)?;
         // What the kernel resolved, checked like the request: a symlink may not lead a
         // volume onto /proc or the agent's directory.
@@ -590,24 +637,29 @@ pub(crate) fn mount_in_sandbox(
             .ok()
             .and_then(|p| p.to_str())
             .map(|p| format!("/{p}"))
-            .ok_or_else(|| spec(format!("mount path {target} resolves outside the sandbox")))?;
-        check_target(&inner).map_err(|e| spec(format!("{target} resolves to {inner}: {e}")))?;
+            .ok_or_else(|| MountPathError::ResolvesOutside {
+                target: target.clone(),
+            })?;
+        check_target(&inner).map_err(|e| MountPathError::ResolvesTo {
+            target: target.clone(),
+            inner: inner.clone(),
+            source: Box::new(e),
+        })?;
         let mut attrs = crate::init::MOUNT_ATTR_NOSUID | crate::init::MOUNT_ATTR_NODEV;
         if m.read_only {
             attrs |= crate::init::MOUNT_ATTR_RDONLY;
         }
         let tree = crate::init::idmapped_tree(&m.source, userns, attrs)?;
         crate::init::attach_tree(&tree, dir.as_fd(), c"")
-            .map_err(|e| format!("mount volume on {target}: {e}"))?;
+            .map_err(|e| InitError::io(format!("mount volume on {target}"), e))?;
     }
     Ok(())
 }
 
 /// The directory `target` names inside the root `rootfd`, made (owned by the sandbox's
 /// root, mode 0755) where missing, one component at a time.
-fn mount_point(rootfd: &OwnedFd, target: &str, uid_base: u32) -> Result<OwnedFd, String> {
+fn mount_point(rootfd: &OwnedFd, target: &str, uid_base: u32) -> Result<OwnedFd, InitError> {
     use nix::errno::Errno;
-    let spec = |m: String| format!("{SPEC_ERROR}{m}");
     let how = OpenHow::new()
         .flags(OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC)
         .resolve(
@@ -617,7 +669,7 @@ fn mount_point(rootfd: &OwnedFd, target: &str, uid_base: u32) -> Result<OwnedFd,
         );
     let open = |prefix: &str| nix::fcntl::openat2(rootfd, prefix, how);
     let parts: Vec<&str> = target.split('/').filter(|c| !c.is_empty()).collect();
-    let mut dir = open(".").map_err(|e| format!("open sandbox root: {e}"))?;
+    let mut dir = open(".").map_err(|e| InitError::sys("open sandbox root", e))?;
     for i in 0..parts.len() {
         let prefix = parts[..=i].join("/");
         dir = match open(&prefix) {
@@ -627,9 +679,15 @@ fn mount_point(rootfd: &OwnedFd, target: &str, uid_base: u32) -> Result<OwnedFd,
                 // in the last component (a dangling one is EEXIST).
                 nix::sys::stat::mkdirat(&dir, parts[i], Mode::from_bits_truncate(0o755)).map_err(
                     |e| match e {
-                        Errno::EEXIST => spec(format!("/{prefix} is a dangling symlink")),
-                        Errno::EROFS => spec(format!("/{prefix} is on a read-only file system")),
-                        e => format!("create /{prefix}: {e}"),
+                        Errno::EEXIST => MountPathError::DanglingSymlink {
+                            prefix: prefix.clone(),
+                        }
+                        .into(),
+                        Errno::EROFS => MountPathError::ReadOnly {
+                            prefix: prefix.clone(),
+                        }
+                        .into(),
+                        e => InitError::sys(format!("create /{prefix}"), e),
                     },
                 )?;
                 nix::unistd::fchownat(
@@ -639,29 +697,29 @@ fn mount_point(rootfd: &OwnedFd, target: &str, uid_base: u32) -> Result<OwnedFd,
                     Some(nix::unistd::Gid::from_raw(uid_base)),
                     nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
                 )
-                .map_err(|e| format!("chown /{prefix}: {e}"))?;
-                open(&prefix).map_err(|e| format!("open /{prefix}: {e}"))?
+                .map_err(|e| InitError::sys(format!("chown /{prefix}"), e))?;
+                open(&prefix).map_err(|e| InitError::sys(format!("open /{prefix}"), e))?
             }
             Err(Errno::EXDEV) => {
-                return Err(spec(format!(
-                    "mount path {target} crosses into another mount at /{prefix}"
-                )));
+                return Err(MountPathError::CrossesMount {
+                    target: target.into(),
+                    prefix,
+                }
+                .into());
             }
-            Err(Errno::ENOTDIR) => {
-                return Err(spec(format!("/{prefix} is not a directory")));
-            }
-            Err(Errno::ELOOP) => return Err(spec(format!("/{prefix}: too many symlinks"))),
-            Err(e) => return Err(format!("resolve /{prefix}: {e}")),
+            Err(Errno::ENOTDIR) => return Err(MountPathError::NotADirectory { prefix }.into()),
+            Err(Errno::ELOOP) => return Err(MountPathError::TooManySymlinks { prefix }.into()),
+            Err(e) => return Err(InitError::sys(format!("resolve /{prefix}"), e)),
         };
     }
     Ok(dir)
 }
 
 /// The path the kernel gives an open descriptor.
-fn fd_path(fd: &OwnedFd) -> Result<PathBuf, String> {
+fn fd_path(fd: &OwnedFd) -> Result<PathBuf, InitError> {
     nix::fcntl::readlink(format!("/proc/self/fd/{}", fd.as_raw_fd()).as_str())
         .map(PathBuf::from)
-        .map_err(|e| format!("readlink of a descriptor: {e}"))
+        .map_err(|e| InitError::sys("readlink of a descriptor", e))
 }
 
 #[cfg(test)]
@@ -712,5 +770,56 @@ mod tests {
         assert!(check_targets(["/a", "/a/b"]).is_err());
         assert!(check_targets(["/a/b/c", "/a/b"]).is_err());
         assert!(check_targets(["/a", "relative"]).is_err());
+    }
+
+    #[test]
+    fn mount_path_errors_read_as_before() {
+        assert_eq!(
+            check_target("data").unwrap_err().to_string(),
+            "mount path \"data\" must be absolute"
+        );
+        assert_eq!(
+            check_target("/proc/x").unwrap_err(),
+            MountPathError::Reserved {
+                path: "/proc/x".into(),
+                reserved: "/proc"
+            }
+        );
+        assert_eq!(
+            check_target("/proc/x").unwrap_err().to_string(),
+            "mount path \"/proc/x\" is under /proc, which the sandbox runtime manages"
+        );
+        assert_eq!(
+            check_targets(["/a", "/a/b"]).unwrap_err().to_string(),
+            "volume mounts /a and /a/b are nested"
+        );
+        assert_eq!(
+            check_targets(["/a", "/a"]).unwrap_err().to_string(),
+            "two volumes are mounted on /a"
+        );
+        // A path that resolves somewhere refused keeps why it was refused.
+        let e = MountPathError::ResolvesTo {
+            target: "/w".into(),
+            inner: "/proc".into(),
+            source: Box::new(check_target("/proc").unwrap_err()),
+        };
+        assert_eq!(
+            e.to_string(),
+            "/w resolves to /proc: mount path \"/proc\" is under /proc, which the sandbox runtime manages"
+        );
+        assert!(std::error::Error::source(&e).is_some());
+        // In the init helper's reply it carries the prefix the daemon recognises.
+        let reply = InitError::from(MountPathError::NotADirectory {
+            prefix: "etc/x".into(),
+        })
+        .to_string();
+        assert_eq!(reply, format!("{SPEC_ERROR}/etc/x is not a directory"));
+        // As a runtime error it is the request's fault, not the host's.
+        let r = RuntimeError::from(MountPathError::Root);
+        assert_eq!(
+            r.to_string(),
+            "invalid sandbox spec: a volume cannot be mounted on /"
+        );
+        assert!(!r.is_host_exhaustion());
     }
 }

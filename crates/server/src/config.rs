@@ -10,6 +10,40 @@ use std::path::Path;
 /// Name of the config file looked for in the data directory when `--config` is not given.
 pub const DEFAULT_CONFIG_FILE: &str = "config.toml";
 
+/// A setting the daemon refuses, or a config file it cannot parse.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file is not TOML of the expected shape.
+    #[error(transparent)]
+    Parse(#[from] toml::de::Error),
+    /// A number outside its range.
+    #[error("{name} must be between {min} and {max}")]
+    OutOfRange {
+        name: &'static str,
+        min: u64,
+        max: u64,
+    },
+    /// A cap or count of zero, which would refuse everything.
+    #[error("{name} must be at least 1")]
+    Zero { name: &'static str },
+    /// `proxy.scheme` is neither http nor https.
+    #[error("proxy.scheme must be http or https, not {0:?}")]
+    Scheme(String),
+    /// `proxy.domain` is not a host name (with an optional port).
+    #[error("proxy.domain {0:?} is not a host name")]
+    Domain(String),
+    /// Two `[[pools]]` share a name.
+    #[error("pool {0:?} is declared twice")]
+    DuplicatePool(String),
+    /// `[agents] harness_dir` cannot be resolved.
+    #[error("[agents] harness_dir {}: {source}", dir.display())]
+    HarnessDir {
+        dir: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
 /// Contents of the config file.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -60,9 +94,12 @@ impl AgentsFileConfig {
     /// present; `None` when there is none (agent runtimes are then refused).
     pub fn resolve(&self) -> Result<Option<std::path::PathBuf>, ServerError> {
         if let Some(dir) = &self.harness_dir {
-            let dir = dir.canonicalize().map_err(|e| {
-                ServerError::Config(format!("[agents] harness_dir {}: {e}", dir.display()))
-            })?;
+            let dir = dir
+                .canonicalize()
+                .map_err(|source| ConfigError::HarnessDir {
+                    dir: dir.clone(),
+                    source,
+                })?;
             return Ok(Some(dir));
         }
         let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.deps/harnesses");
@@ -80,22 +117,21 @@ impl FileConfig {
             }
             Err(e) => return Err(ServerError::Io(format!("read {}", path.display()), e)),
         };
-        let cfg: FileConfig = toml::from_str(&text)
-            .map_err(|e| ServerError::Config(format!("{}: {e}", path.display())))?;
-        cfg.proxy
-            .check()
-            .map_err(|e| ServerError::Config(format!("{}: {e}", path.display())))?;
-        cfg.http
-            .check()
-            .map_err(|e| ServerError::Config(format!("{}: {e}", path.display())))?;
+        Self::parse(&text).map_err(|source| ServerError::ConfigFile {
+            path: path.to_path_buf(),
+            source,
+        })
+    }
+
+    /// Parses and checks the text of a config file.
+    fn parse(text: &str) -> Result<Self, ConfigError> {
+        let cfg: FileConfig = toml::from_str(text)?;
+        cfg.proxy.check()?;
+        cfg.http.check()?;
         let mut names = std::collections::BTreeSet::new();
         for p in &cfg.pools {
             if !names.insert(p.name.as_str()) {
-                return Err(ServerError::Config(format!(
-                    "{}: pool {:?} is declared twice",
-                    path.display(),
-                    p.name
-                )));
+                return Err(ConfigError::DuplicatePool(p.name.clone()));
             }
         }
         Ok(cfg)
@@ -198,5 +234,61 @@ size = 1
         let missing = Path::new("/nonexistent/sandpit.toml");
         assert!(FileConfig::load(missing, true).is_err());
         assert!(FileConfig::load(missing, false).unwrap().pools.is_empty());
+    }
+
+    #[test]
+    fn a_refused_file_names_its_path_and_keeps_the_cause() {
+        use std::error::Error as _;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, "[proxy]\nscheme = \"ftp\"\n").unwrap();
+        let e = FileConfig::load(&path, true).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "configuration: {}: proxy.scheme must be http or https, not \"ftp\"",
+                path.display()
+            )
+        );
+        assert!(matches!(
+            e.source().and_then(|s| s.downcast_ref::<ConfigError>()),
+            Some(ConfigError::Scheme(s)) if s == "ftp"
+        ));
+        std::fs::write(
+            &path,
+            "[[pools]]\nname = \"a\"\nsize = 1\n[[pools]]\nname = \"a\"\nsize = 1\n",
+        )
+        .unwrap();
+        let e = FileConfig::load(&path, true).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "configuration: {}: pool \"a\" is declared twice",
+                path.display()
+            )
+        );
+        // toml's own error stays underneath, with its line and column.
+        std::fs::write(&path, "[http\n").unwrap();
+        let e = FileConfig::load(&path, true).unwrap_err();
+        let parse = e
+            .source()
+            .and_then(|s| s.downcast_ref::<ConfigError>())
+            .and_then(|c| match c {
+                ConfigError::Parse(t) => Some(t),
+                _ => None,
+            });
+        assert!(parse.is_some_and(|t| t.span().is_some()), "{e}");
+        let missing = AgentsFileConfig {
+            harness_dir: Some(dir.path().join("none")),
+        }
+        .resolve()
+        .unwrap_err();
+        assert!(
+            missing
+                .to_string()
+                .starts_with("configuration: [agents] harness_dir "),
+            "{missing}"
+        );
+        assert!(missing.source().is_some());
     }
 }

@@ -138,6 +138,8 @@ impl From<sandpit_runtime::RuntimeError> for ApiError {
         use sandpit_runtime::RuntimeError as E;
         match e {
             E::InvalidSpec(m) => ApiError::bad_request(m),
+            // The path's own words, as the request's other refusals read.
+            E::MountPath(e) => ApiError::bad_request(e.to_string()),
             E::Unsupported(m) => ApiError::new(StatusCode::NOT_IMPLEMENTED, "unimplemented", m),
             E::Tampered(m) => ApiError::conflict(m),
             // Refused, not failed: the host is short of descriptors or memory for now.

@@ -48,8 +48,19 @@ pub struct ServeConfig {
 /// Failures that keep the daemon from starting or serving.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
+    /// A flag refused (a message alone: no underlying error).
     #[error("configuration: {0}")]
     Config(String),
+    /// The config file at `path` cannot be parsed or holds a refused setting.
+    #[error("configuration: {}: {source}", path.display())]
+    ConfigFile {
+        path: PathBuf,
+        #[source]
+        source: config::ConfigError,
+    },
+    /// A setting of the config file refused after reading it.
+    #[error("configuration: {0}")]
+    Setting(#[from] config::ConfigError),
     #[error("store: {0}")]
     Store(#[from] sandpit_store::StoreError),
     #[error("runtime: {0}")]

@@ -25,6 +25,7 @@
 //! are the listener's own, and hyper's runs at header + idle timeout, a bound that a
 //! connection only reaches if the listener's bookkeeping were wrong.
 
+use crate::config::ConfigError;
 use axum::Router;
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, Version};
@@ -78,7 +79,7 @@ impl Default for HttpConfig {
 impl HttpConfig {
     /// Rejects zero timeouts and caps, which would refuse every client, and timeouts
     /// beyond a week.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), ConfigError> {
         const WEEK: u64 = 7 * 24 * 3600;
         for (name, secs) in [
             (
@@ -88,7 +89,11 @@ impl HttpConfig {
             ("http.idle_timeout_secs", self.idle_timeout_secs),
         ] {
             if !(1..=WEEK).contains(&secs) {
-                return Err(format!("{name} must be between 1 and {WEEK}"));
+                return Err(ConfigError::OutOfRange {
+                    name,
+                    min: 1,
+                    max: WEEK,
+                });
             }
         }
         for (name, n) in [
@@ -96,7 +101,7 @@ impl HttpConfig {
             ("http.max_connections_per_ip", self.max_connections_per_ip),
         ] {
             if n == 0 {
-                return Err(format!("{name} must be at least 1"));
+                return Err(ConfigError::Zero { name });
             }
         }
         Ok(())
@@ -1174,16 +1179,27 @@ mod tests {
             max_connections_per_ip: 0,
             ..d.clone()
         };
-        assert!(zero.check().is_err());
+        assert_eq!(
+            zero.check().unwrap_err().to_string(),
+            "http.max_connections_per_ip must be at least 1"
+        );
         let zero = HttpConfig {
             max_connections: Some(0),
             ..d.clone()
         };
-        assert!(zero.check().is_err());
+        assert!(matches!(
+            zero.check(),
+            Err(ConfigError::Zero {
+                name: "http.max_connections"
+            })
+        ));
         let huge = HttpConfig {
             idle_timeout_secs: u64::MAX,
             ..d
         };
-        assert!(huge.check().is_err());
+        assert_eq!(
+            huge.check().unwrap_err().to_string(),
+            "http.idle_timeout_secs must be between 1 and 604800"
+        );
     }
 }

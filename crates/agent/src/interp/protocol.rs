@@ -13,6 +13,14 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
 
+/// A context asked for a language the interpreter does not run.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("language {name:?} is not supported here (supported: python, javascript, bash)")]
+pub struct UnsupportedLanguage {
+    /// The name as asked for, trimmed and lowercased.
+    pub name: String,
+}
+
 /// Languages a context can run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Language {
@@ -23,14 +31,14 @@ pub enum Language {
 
 impl Language {
     /// Parses the `language` field of a request; `None`/empty means Python.
-    pub fn parse(name: Option<&str>) -> Result<Language, String> {
+    pub fn parse(name: Option<&str>) -> Result<Language, UnsupportedLanguage> {
         match name.map(|s| s.trim().to_ascii_lowercase()).as_deref() {
             None | Some("") | Some("python") | Some("python3") => Ok(Language::Python),
             Some("javascript") | Some("js") | Some("node") => Ok(Language::JavaScript),
             Some("bash") | Some("sh") | Some("shell") => Ok(Language::Bash),
-            Some(other) => Err(format!(
-                "language {other:?} is not supported here (supported: python, javascript, bash)"
-            )),
+            Some(other) => Err(UnsupportedLanguage {
+                name: other.to_string(),
+            }),
         }
     }
 
@@ -343,8 +351,12 @@ mod tests {
         assert_eq!(Language::parse(Some("Python")), Ok(Language::Python));
         assert_eq!(Language::parse(Some("js")), Ok(Language::JavaScript));
         assert_eq!(Language::parse(Some("bash")), Ok(Language::Bash));
-        let err = Language::parse(Some("r")).unwrap_err();
-        assert!(err.contains("\"r\"") && err.contains("supported"), "{err}");
+        let err = Language::parse(Some(" R ")).unwrap_err();
+        assert_eq!(err, UnsupportedLanguage { name: "r".into() });
+        assert_eq!(
+            err.to_string(),
+            "language \"r\" is not supported here (supported: python, javascript, bash)"
+        );
         assert!(Language::parse(Some("java")).is_err());
     }
 

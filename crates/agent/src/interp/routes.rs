@@ -54,8 +54,7 @@ fn parse<T: DeserializeOwned + Default>(body: &Bytes) -> Result<T, InterpError> 
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(T::default());
     }
-    serde_json::from_slice(body)
-        .map_err(|e| InterpError::BadRequest(format!("invalid request body: {e}")))
+    serde_json::from_slice(body).map_err(InterpError::Body)
 }
 
 fn user_of(cfg: &AgentConfig, headers: &HeaderMap) -> Result<crate::users::User, InterpError> {
@@ -66,7 +65,7 @@ fn user_of(cfg: &AgentConfig, headers: &HeaderMap) -> Result<crate::users::User,
 }
 
 fn language(name: Option<&str>) -> Result<Language, InterpError> {
-    Language::parse(name).map_err(InterpError::BadRequest)
+    Ok(Language::parse(name)?)
 }
 
 async fn health() -> impl IntoResponse {
@@ -173,7 +172,7 @@ async fn execute(
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "application/x-ndjson")
         .body(Body::from_stream(lines))
-        .map_err(|e| InterpError::Internal(e.to_string()))
+        .map_err(InterpError::from)
 }
 
 /// Body of `POST /code/contexts`.

@@ -138,16 +138,23 @@ impl Drop for Worker {
 
 /// A pipe whose two ends are above the standard descriptors, close-on-exec.
 fn high_pipe() -> Result<(OwnedFd, OwnedFd), InterpError> {
-    let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
-        .map_err(|e| InterpError::Internal(format!("pipe: {e}")))?;
+    let (r, w) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|source| InterpError::Sys {
+            context: "pipe",
+            source,
+        })?;
     Ok((above_ten(r)?, above_ten(w)?))
 }
 
 /// Moves a descriptor to a number of at least 10, so that placing the worker's pipes on
 /// fds 3 and 4 in the child cannot overwrite one with the other.
 fn above_ten(fd: OwnedFd) -> Result<OwnedFd, InterpError> {
-    let raw = nix::fcntl::fcntl(fd.as_fd(), nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(10))
-        .map_err(|e| InterpError::Internal(format!("dup: {e}")))?;
+    let raw = nix::fcntl::fcntl(fd.as_fd(), nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(10)).map_err(
+        |source| InterpError::Sys {
+            context: "dup",
+            source,
+        },
+    )?;
     // SAFETY: fcntl just returned this new descriptor, which nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(raw) })
 }
@@ -410,12 +417,18 @@ impl Worker {
                 "cannot start {name} as {} in {:?}: permission denied",
                 spec.user.name, spec.cwd
             )),
-            _ => InterpError::Internal(format!("starting {name}: {e}")),
+            _ => InterpError::Io {
+                context: format!("starting {name}"),
+                source: e,
+            },
         })?;
         let pid = child.id();
         let pidfd = pidfd_open(pid);
         drop((cmd_r, evt_w));
-        let io = |e: std::io::Error| InterpError::Internal(format!("worker pipes: {e}"));
+        let io = |source: std::io::Error| InterpError::Io {
+            context: "worker pipes".into(),
+            source,
+        };
         let stdout = child.stdout.take().map(OwnedFd::from);
         let stderr = child.stderr.take().map(OwnedFd::from);
         let stdin = child.stdin.take().map(OwnedFd::from);
@@ -425,7 +438,10 @@ impl Worker {
             Ok(fd) => Arc::new(fd),
             Err(e) => {
                 crate::process::kill_tree(pid, Signal::SIGKILL);
-                return Err(InterpError::Internal(format!("pidfd_open: {e}")));
+                return Err(InterpError::Io {
+                    context: "pidfd_open".into(),
+                    source: e,
+                });
             }
         };
         let killer = Killer { pid, pidfd };
@@ -541,7 +557,10 @@ impl Worker {
         env: &BTreeMap<String, String>,
         code: &str,
     ) -> Result<(), InterpError> {
-        let io = |e: std::io::Error| InterpError::Internal(format!("writing to the worker: {e}"));
+        let io = |source: std::io::Error| InterpError::Io {
+            context: "writing to the worker".into(),
+            source,
+        };
         match self.language {
             Language::Bash => {
                 let frame =

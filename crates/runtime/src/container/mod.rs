@@ -166,8 +166,10 @@ impl ContainerRuntime {
             uid_base,
             agent_exe: self.self_exe.clone(),
             idmap_lower: !host_template,
-            agent_config: serde_json::to_string(&agent)
-                .map_err(|e| RuntimeError::Setup(e.to_string()))?,
+            agent_config: serde_json::to_string(&agent).map_err(|source| RuntimeError::Encode {
+                what: "agent config",
+                source,
+            })?,
             timing,
             cgroup_tasks: self.cgroups.procs_files(&spec.id),
             volumes: spec.volumes.clone(),
@@ -188,7 +190,10 @@ impl ContainerRuntime {
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
         // Serialized before the spawn: a failure must not leave the helper waiting.
-        let payload = serde_json::to_vec(&init).map_err(|e| RuntimeError::Setup(e.to_string()))?;
+        let payload = serde_json::to_vec(&init).map_err(|source| RuntimeError::Encode {
+            what: "init config",
+            source,
+        })?;
         let mut child = cmd
             .spawn()
             .map_err(|e| RuntimeError::io("spawn sandbox init", e))?;
@@ -228,7 +233,9 @@ impl ContainerRuntime {
             }
             _ => {
                 let msg = line.strip_prefix("ERR ").unwrap_or(line).to_string();
-                // A mount path the template turns out to refuse is the request's fault.
+                // The helper's error crossed a process boundary as this line, so only its
+                // text is left. A mount path the template turns out to refuse is the
+                // request's fault.
                 Err(if msg.starts_with(crate::volume::SPEC_ERROR) {
                     RuntimeError::InvalidSpec(msg)
                 } else {
@@ -475,8 +482,7 @@ impl Runtime for ContainerRuntime {
         if let TemplateSource::Rootfs { path } = &spec.template {
             crate::template::check_rootfs(path)?;
         }
-        crate::volume::check_targets(spec.volumes.iter().map(|v| v.target.as_str()))
-            .map_err(RuntimeError::InvalidSpec)?;
+        crate::volume::check_targets(spec.volumes.iter().map(|v| v.target.as_str()))?;
         for l in &spec.layers {
             check_layer_path(l)?;
         }

@@ -7,13 +7,54 @@ use seccompiler::{
 };
 use std::collections::BTreeMap;
 
+/// Why one of the last confinement steps before the agent's exec failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SecurityError {
+    /// `PR_CAPBSET_DROP` refused a capability.
+    #[error("drop capability {cap}: {source}")]
+    DropCapability {
+        cap: u32,
+        #[source]
+        source: std::io::Error,
+    },
+    /// seccompiler does not know this machine's architecture.
+    #[error("seccomp arch: {source}")]
+    SeccompArch {
+        #[source]
+        source: seccompiler::BackendError,
+    },
+    /// Building or compiling the seccomp filter failed (`step` says which part).
+    #[error("seccomp {step}: {source}")]
+    SeccompBuild {
+        step: &'static str,
+        #[source]
+        source: seccompiler::BackendError,
+    },
+    /// The kernel refused the seccomp filter.
+    #[error("seccomp install: {source}")]
+    SeccompInstall {
+        #[source]
+        source: seccompiler::Error,
+    },
+    /// The Landlock ruleset could not be built or applied.
+    #[error("landlock: {source}")]
+    Landlock {
+        #[source]
+        source: landlock::RulesetError,
+    },
+}
+
+fn build(step: &'static str) -> impl Fn(seccompiler::BackendError) -> SecurityError {
+    move |source| SecurityError::SeccompBuild { step, source }
+}
+
 /// Capabilities root inside a sandbox keeps (all relative to its own user namespace):
 /// chown, dac_override, fowner, fsetid, kill, setgid, setuid, setpcap, net_bind_service,
 /// sys_chroot, audit_write, setfcap. Docker's default set without mknod and net_raw.
 const KEEP_CAPS: &[u32] = &[0, 1, 3, 4, 5, 6, 7, 8, 10, 18, 29, 31];
 
 /// Drops every other capability from the bounding set and clears the ambient set.
-pub fn drop_capabilities() -> Result<(), String> {
+pub fn drop_capabilities() -> Result<(), SecurityError> {
     let last: u32 = std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
         .ok()
         .and_then(|s| s.trim().parse().ok())
@@ -24,10 +65,10 @@ pub fn drop_capabilities() -> Result<(), String> {
         }
         // SAFETY: prctl with integer arguments.
         if unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) } != 0 {
-            return Err(format!(
-                "drop capability {cap}: {}",
-                std::io::Error::last_os_error()
-            ));
+            return Err(SecurityError::DropCapability {
+                cap,
+                source: std::io::Error::last_os_error(),
+            });
         }
     }
     // SAFETY: prctl with integer arguments.
@@ -110,13 +151,14 @@ const NS_FLAGS: &[u64] = &[
     libc::CLONE_NEWCGROUP as u64,
 ];
 
-fn arch() -> Result<TargetArch, String> {
-    TargetArch::try_from(std::env::consts::ARCH).map_err(|e| format!("seccomp arch: {e:?}"))
+fn arch() -> Result<TargetArch, SecurityError> {
+    TargetArch::try_from(std::env::consts::ARCH)
+        .map_err(|source| SecurityError::SeccompArch { source })
 }
 
 /// The compiled filters: EPERM for the denied list and namespace-creating clones, ENOSYS
 /// for clone3 (whose flags live in memory a filter cannot read; libc falls back to clone).
-pub fn filters() -> Result<Vec<BpfProgram>, String> {
+pub fn filters() -> Result<Vec<BpfProgram>, SecurityError> {
     // The x32 ABI reaches the same calls with bit 30 set in the number while the filter sees
     // the x86_64 architecture; deny those numbers too (harmless where x32 is compiled out).
     let x32 = DENIED.iter().map(|s| s | X32_SYSCALL_BIT);
@@ -134,8 +176,8 @@ pub fn filters() -> Result<Vec<BpfProgram>, String> {
             SeccompCmpOp::MaskedEq(*flag),
             *flag,
         )
-        .map_err(|e| format!("seccomp rule: {e}"))?;
-        clone_rules.push(SeccompRule::new(vec![cond]).map_err(|e| format!("seccomp rule: {e}"))?);
+        .map_err(build("rule"))?;
+        clone_rules.push(SeccompRule::new(vec![cond]).map_err(build("rule"))?);
     }
     rules.insert(libc::SYS_clone, clone_rules);
     let deny = SeccompFilter::new(
@@ -144,7 +186,7 @@ pub fn filters() -> Result<Vec<BpfProgram>, String> {
         SeccompAction::Errno(libc::EPERM as u32),
         arch()?,
     )
-    .map_err(|e| format!("seccomp filter: {e}"))?;
+    .map_err(build("filter"))?;
     let clone3: BTreeMap<i64, Vec<SeccompRule>> =
         [(libc::SYS_clone3, vec![])].into_iter().collect();
     let nosys = SeccompFilter::new(
@@ -153,20 +195,20 @@ pub fn filters() -> Result<Vec<BpfProgram>, String> {
         SeccompAction::Errno(libc::ENOSYS as u32),
         arch()?,
     )
-    .map_err(|e| format!("seccomp filter: {e}"))?;
+    .map_err(build("filter"))?;
     let mut out = Vec::new();
     for f in [deny, nosys] {
-        out.push(BpfProgram::try_from(f).map_err(|e| format!("seccomp compile: {e}"))?);
+        out.push(BpfProgram::try_from(f).map_err(build("compile"))?);
     }
     Ok(out)
 }
 
 /// Installs the filters on the calling thread (inherited by everything it execs).
-pub fn apply_seccomp() -> Result<(), String> {
+pub fn apply_seccomp() -> Result<(), SecurityError> {
     let filters = filters()?;
     crate::init::mark("c_bpf");
     for f in filters {
-        seccompiler::apply_filter(&f).map_err(|e| format!("seccomp install: {e}"))?;
+        seccompiler::apply_filter(&f).map_err(|source| SecurityError::SeccompInstall { source })?;
     }
     Ok(())
 }
@@ -190,7 +232,7 @@ const LANDLOCK_WRITABLE: &[&str] = &[
 /// read/execute only (everything but the writable top-level directories and the mount
 /// points of writable volumes, `volumes`), even if a read-only mount were ever remounted.
 /// Best effort on old kernels.
-pub fn apply_landlock(volumes: &[&str]) -> Result<(), String> {
+pub fn apply_landlock(volumes: &[&str]) -> Result<(), SecurityError> {
     use landlock::{
         ABI, Access, AccessFs, Ruleset, RulesetAttr, RulesetCreatedAttr, RulesetStatus,
         path_beneath_rules,
@@ -205,7 +247,7 @@ pub fn apply_landlock(volumes: &[&str]) -> Result<(), String> {
         .and_then(|r| r.add_rules(path_beneath_rules(LANDLOCK_WRITABLE, all)))
         .and_then(|r| r.add_rules(path_beneath_rules(volumes, all)))
         .and_then(|r| r.restrict_self())
-        .map_err(|e| format!("landlock: {e}"))?;
+        .map_err(|source| SecurityError::Landlock { source })?;
     if status.ruleset == RulesetStatus::NotEnforced {
         tracing::warn!("landlock is not supported by this kernel; relying on mounts alone");
     }
@@ -219,5 +261,38 @@ mod tests {
         let f = super::filters().unwrap();
         assert_eq!(f.len(), 2);
         assert!(f[0].len() > 2 * super::DENIED.len());
+    }
+
+    #[test]
+    fn security_errors_name_the_step_and_keep_the_cause() {
+        use super::SecurityError;
+        use std::error::Error as _;
+        let e = SecurityError::DropCapability {
+            cap: 21,
+            source: std::io::Error::from_raw_os_error(libc::EPERM),
+        };
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "drop capability 21: {}",
+                std::io::Error::from_raw_os_error(libc::EPERM)
+            )
+        );
+        let io = e.source().and_then(|s| s.downcast_ref::<std::io::Error>());
+        assert_eq!(io.and_then(|e| e.raw_os_error()), Some(libc::EPERM));
+
+        let e = SecurityError::SeccompBuild {
+            step: "rule",
+            source: seccompiler::BackendError::EmptyRule,
+        };
+        assert_eq!(
+            e.to_string(),
+            format!("seccomp rule: {}", seccompiler::BackendError::EmptyRule)
+        );
+        assert!(e.source().is_some());
+        let arch = seccompiler::TargetArch::try_from("vax").unwrap_err();
+        let e = SecurityError::SeccompArch { source: arch };
+        assert!(e.to_string().starts_with("seccomp arch: "));
+        assert!(e.source().is_some());
     }
 }

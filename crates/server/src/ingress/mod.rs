@@ -74,12 +74,10 @@ impl ProxyConfig {
     }
 
     /// Refuses settings that would make unusable or unsafe URLs.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), crate::config::ConfigError> {
+        use crate::config::ConfigError;
         if !matches!(self.scheme.as_str(), "http" | "https") {
-            return Err(format!(
-                "proxy.scheme must be http or https, not {:?}",
-                self.scheme
-            ));
+            return Err(ConfigError::Scheme(self.scheme.clone()));
         }
         if let Some(d) = &self.domain {
             let host = strip_port(d);
@@ -92,7 +90,7 @@ impl ProxyConfig {
                         && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
                 });
             if !port_ok || !host_ok {
-                return Err(format!("proxy.domain {d:?} is not a host name"));
+                return Err(ConfigError::Domain(d.clone()));
             }
         }
         Ok(())
