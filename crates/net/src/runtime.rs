@@ -49,7 +49,11 @@ impl Runtime for NetRuntime {
         let netns = self.net.netns_of(&h.id).ok_or_else(|| {
             RuntimeError::Setup(format!("sandbox {} has no network prepared", h.id))
         })?;
-        self.net.apply_route(&h.id).map_err(RuntimeError::Setup)?;
+        // RuntimeError::Setup holds text only (the runtime crate's type): the route's
+        // failure is kept as its message.
+        self.net
+            .apply_route(&h.id)
+            .map_err(|e| RuntimeError::Setup(e.to_string()))?;
         let mut spec = spec.clone();
         spec.net = Some(SandboxNet {
             netns,
