@@ -225,7 +225,8 @@ mod tests {
             source: rcgen::Error::CouldNotParseCertificate,
         };
         assert!(
-            e.to_string().starts_with("certificate: leaf for api.test: "),
+            e.to_string()
+                .starts_with("certificate: leaf for api.test: "),
             "{e}"
         );
         assert!(e.source().is_some_and(|s| s.is::<rcgen::Error>()));
@@ -234,7 +235,8 @@ mod tests {
             source: rustls::Error::General("no".into()),
         };
         assert!(
-            tls.to_string().starts_with("certificate: leaf for api.test: "),
+            tls.to_string()
+                .starts_with("certificate: leaf for api.test: "),
             "{tls}"
         );
         assert!(tls.source().is_some_and(|s| s.is::<rustls::Error>()));

@@ -193,13 +193,10 @@ fn load_key(cfg: &BrokerConfig) -> Result<Option<Zeroizing<Vec<u8>>>, BrokerErro
     let Some(path) = &cfg.key_file else {
         return Ok(None);
     };
-    let bytes = Zeroizing::new(
-        std::fs::read(path)
-            .map_err(|source| BrokerError::KeyFile {
-                path: path.clone(),
-                source,
-            })?,
-    );
+    let bytes = Zeroizing::new(std::fs::read(path).map_err(|source| BrokerError::KeyFile {
+        path: path.clone(),
+        source,
+    })?);
     {
         use std::os::unix::fs::PermissionsExt;
         if let Ok(m) = std::fs::metadata(path)
@@ -375,7 +372,8 @@ impl Broker {
     ) -> Result<sandpit_api::secrets::Secret, BrokerError> {
         let keys = self.inner.keys.as_ref().ok_or_else(disabled)?;
         let now = sandpit_store::now_ms();
-        let (spec, expires_at_ms) = rules::validate(req, now).map_err(|e| BrokerError::Invalid(e.into()))?;
+        let (spec, expires_at_ms) =
+            rules::validate(req, now).map_err(|e| BrokerError::Invalid(e.into()))?;
         let sealed = keys.seal(&rules::seal_label(owner, &req.name), req.value.as_bytes())?;
         let rec = SecretRecord {
             owner: owner.to_string(),

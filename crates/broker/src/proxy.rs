@@ -710,7 +710,8 @@ mod tests {
             why: UpstreamFailure::Connect(io::Error::from(io::ErrorKind::ConnectionRefused)),
         };
         assert!(
-            e.to_string().starts_with("upstream api.test (192.0.2.5:443): "),
+            e.to_string()
+                .starts_with("upstream api.test (192.0.2.5:443): "),
             "{e}"
         );
         let step = e.source().expect("the failed step is kept");

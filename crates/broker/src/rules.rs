@@ -383,9 +383,9 @@ impl From<Invalid> for String {
 /// Checks a secret's name: 1 to 64 characters of `[A-Za-z0-9_-]`.
 pub fn check_name(name: &str) -> Result<(), Invalid> {
     if name.is_empty() || name.len() > 64 || !name.bytes().all(is_name_byte) {
-        return Err(format!(
-            "secret name {name:?} must be 1 to 64 characters of [A-Za-z0-9_-]"
-        ).into());
+        return Err(
+            format!("secret name {name:?} must be 1 to 64 characters of [A-Za-z0-9_-]").into(),
+        );
     }
     Ok(())
 }
@@ -413,9 +413,9 @@ fn check_host(h: &str) -> Result<String, Invalid> {
         return Err(bad().into());
     }
     if wild && labels.len() < 2 {
-        return Err(format!(
-            "host {h:?}: a wildcard must cover a domain of at least two labels"
-        ).into());
+        return Err(
+            format!("host {h:?}: a wildcard must cover a domain of at least two labels").into(),
+        );
     }
     Ok(host)
 }
@@ -463,8 +463,7 @@ fn check_inject(inject: &InjectSpec) -> Result<InjectSpec, Invalid> {
             }
             if format.matches("{value}").count() != 1 || format.len() > 256 {
                 return Err(
-                    "inject.format must hold `{value}` exactly once (at most 256 bytes)"
-                        .into(),
+                    "inject.format must hold `{value}` exactly once (at most 256 bytes)".into(),
                 );
             }
             if format

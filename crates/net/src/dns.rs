@@ -1397,14 +1397,12 @@ mod tests {
         let r = Resolver::new(vec![closed], limits());
         let n = Name::from_ascii("refused.example.").unwrap();
         let e = r.query(&n, RecordType::A).await.unwrap_err();
-        assert!(
-            e.to_string().starts_with(&format!("{closed}: ")),
-            "{e}"
-        );
+        assert!(e.to_string().starts_with(&format!("{closed}: ")), "{e}");
         let exchange = e.source().expect("the exchange's failure is kept");
         let io = exchange.source().expect("the OS error is kept");
         assert_eq!(
-            io.downcast_ref::<std::io::Error>().map(std::io::Error::kind),
+            io.downcast_ref::<std::io::Error>()
+                .map(std::io::Error::kind),
             Some(std::io::ErrorKind::ConnectionRefused)
         );
         let none = Resolver::new(vec![], limits());

@@ -63,7 +63,10 @@ mod tests {
         );
         assert!(value.source().is_some());
         let dns = NetError::Dns(DnsError::ZeroLimit("dns_cache_total"));
-        assert_eq!(dns.to_string(), "[network] dns_cache_total must be at least 1");
+        assert_eq!(
+            dns.to_string(),
+            "[network] dns_cache_total must be at least 1"
+        );
         assert!(dns.source().is_some_and(|s| s.is::<DnsError>()));
         let nft = NetError::Nft(NftError::Spawn(std::io::Error::from(
             std::io::ErrorKind::NotFound,

@@ -1125,9 +1125,7 @@ pub fn plan_policy(
         };
     };
     let p = requested.cloned().unwrap_or_else(|| net.default_policy());
-    Policy::compile(&p)
-        .map(Some)
-        .map_err(NetError::Policy)
+    Policy::compile(&p).map(Some).map_err(NetError::Policy)
 }
 
 /// Stores and applies the policy of a sandbox that has just been recorded (or claimed).

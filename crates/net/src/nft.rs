@@ -211,7 +211,9 @@ mod tests {
         assert!(failed.source().is_none());
         let spawn = NftError::Spawn(io::Error::from(io::ErrorKind::NotFound));
         assert!(spawn.to_string().starts_with("run nft: "));
-        let cause = spawn.source().expect("the spawn failure keeps the OS error");
+        let cause = spawn
+            .source()
+            .expect("the spawn failure keeps the OS error");
         assert_eq!(
             cause.downcast_ref::<io::Error>().map(io::Error::kind),
             Some(io::ErrorKind::NotFound)

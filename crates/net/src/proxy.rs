@@ -262,12 +262,7 @@ enum Refused {
 
 /// Whether `ip` is an address `name` resolves to: the resolver gave it to the sandbox for
 /// that name, or a lookup of the name now returns it. An address literal is only itself.
-async fn resolves_to(
-    net: &Net,
-    sandbox: &str,
-    name: &str,
-    ip: Ipv4Addr,
-) -> Result<(), Refused> {
+async fn resolves_to(net: &Net, sandbox: &str, name: &str, ip: Ipv4Addr) -> Result<(), Refused> {
     if let Ok(literal) = name.parse::<Ipv4Addr>() {
         return if literal == ip {
             Ok(())
@@ -469,7 +464,10 @@ mod tests {
             name: "a.example".into(),
             ip,
         };
-        assert_eq!(mismatch.to_string(), "a.example does not resolve to 192.0.2.7");
+        assert_eq!(
+            mismatch.to_string(),
+            "a.example does not resolve to 192.0.2.7"
+        );
         assert!(mismatch.source().is_none());
         let unresolved = Refused::Unresolved {
             name: "a.example".into(),
