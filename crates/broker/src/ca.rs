@@ -77,7 +77,10 @@ impl Authority {
             &PrivatePkcs8KeyDer::from(der.as_slice()),
             &PKCS_ECDSA_P256_SHA256,
         )
-        .map_err(|e| BrokerError::Cert(format!("CA key: {e}")))
+        .map_err(|source| BrokerError::Cert {
+            what: "CA key".into(),
+            source,
+        })
     }
 
     /// The CA certificate sandbox `sandbox_id` trusts, PEM.
@@ -85,7 +88,10 @@ impl Authority {
         let key = self.ca_key(sandbox_id)?;
         let cert = ca_params(sandbox_id)
             .self_signed(&key)
-            .map_err(|e| BrokerError::Cert(format!("CA certificate: {e}")))?;
+            .map_err(|source| BrokerError::Cert {
+                what: "CA certificate".into(),
+                source,
+            })?;
         Ok(cert.pem())
     }
 
@@ -126,7 +132,10 @@ impl Authority {
         sandbox_id: &str,
         host: &str,
     ) -> Result<(CertificateDer<'static>, PrivateKeyDer<'static>), BrokerError> {
-        let cert_err = |e: rcgen::Error| BrokerError::Cert(format!("leaf for {host}: {e}"));
+        let cert_err = |source: rcgen::Error| BrokerError::Cert {
+            what: format!("leaf for {host}"),
+            source,
+        };
         let issuer = Issuer::new(ca_params(sandbox_id), self.ca_key(sandbox_id)?);
         let leaf_key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(cert_err)?;
         let mut params = CertificateParams::new(vec![host.to_string()]).map_err(cert_err)?;
@@ -149,10 +158,16 @@ impl Authority {
         let (cert, key) = self.leaf(sandbox_id, host)?;
         let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
-            .map_err(|e| BrokerError::Cert(e.to_string()))?
+            .map_err(|source| BrokerError::Tls {
+                what: "certificate: TLS versions".into(),
+                source,
+            })?
             .with_no_client_auth()
             .with_single_cert(vec![cert], key)
-            .map_err(|e| BrokerError::Cert(format!("leaf for {host}: {e}")))?;
+            .map_err(|source| BrokerError::Tls {
+                what: format!("certificate: leaf for {host}"),
+                source,
+            })?;
         // Only HTTP/1.1 is parsed here; a client offering h2 as well picks HTTP/1.1.
         cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
         Ok(cfg)
@@ -200,5 +215,30 @@ mod tests {
         auth.forget("sbx1");
         let fresh = auth.server_config("sbx1", "api.example.com").unwrap();
         assert!(!Arc::ptr_eq(&cfg, &fresh));
+    }
+
+    #[test]
+    fn certificate_errors_keep_the_cause() {
+        use std::error::Error as _;
+        let e = BrokerError::Cert {
+            what: "leaf for api.test".into(),
+            source: rcgen::Error::CouldNotParseCertificate,
+        };
+        assert!(
+            e.to_string()
+                .starts_with("certificate: leaf for api.test: "),
+            "{e}"
+        );
+        assert!(e.source().is_some_and(|s| s.is::<rcgen::Error>()));
+        let tls = BrokerError::Tls {
+            what: "certificate: leaf for api.test".into(),
+            source: rustls::Error::General("no".into()),
+        };
+        assert!(
+            tls.to_string()
+                .starts_with("certificate: leaf for api.test: "),
+            "{tls}"
+        );
+        assert!(tls.source().is_some_and(|s| s.is::<rustls::Error>()));
     }
 }

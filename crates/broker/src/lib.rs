@@ -49,14 +49,54 @@ pub struct BrokerConfig {
 /// Why the broker cannot do something.
 #[derive(Debug, thiserror::Error)]
 pub enum BrokerError {
+    /// The master key is not usable (the text says why).
     #[error("broker key: {0}")]
     Key(String),
+    /// The master key's file could not be read.
+    #[error("broker key: read {}: {source}", path.display())]
+    KeyFile {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Sealing, opening or deriving failed (aws-lc says no more than that it failed).
     #[error("{0}")]
     Crypto(&'static str),
-    #[error("certificate: {0}")]
-    Cert(String),
+    /// A CA or leaf certificate could not be made.
+    #[error("certificate: {what}: {source}")]
+    Cert {
+        what: String,
+        #[source]
+        source: rcgen::Error,
+    },
+    /// A TLS configuration was refused: what was being configured, and rustls's answer.
+    #[error("{what}: {source}")]
+    Tls {
+        what: String,
+        #[source]
+        source: rustls::Error,
+    },
+    /// `extra_ca_file` could not be read as PEM certificates.
+    #[error("extra_ca_file {}: {source}", path.display())]
+    ExtraCa {
+        path: PathBuf,
+        #[source]
+        source: rustls_pki_types::pem::Error,
+    },
+    /// The configuration is not usable (the text says why).
     #[error("{0}")]
     Config(String),
+    /// A stored secret's rules do not decode.
+    #[error("secret {owner}/{name}: stored rules: {source}")]
+    StoredRules {
+        owner: String,
+        name: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A secret's rules would not encode for the store.
+    #[error("encode a secret's rules: {0}")]
+    Encode(#[source] serde_json::Error),
     #[error("store: {0}")]
     Store(#[from] sandpit_store::StoreError),
     /// The broker has no key, so it can hold no secret.
@@ -75,9 +115,6 @@ pub enum BrokerError {
     /// An owner's limit on secrets is reached.
     #[error("{0}")]
     TooMany(String),
-    /// Sealing or decoding failed: a fault of the daemon, not of the request.
-    #[error("{0}")]
-    Internal(String),
 }
 
 /// What wants() and serve() read on every connection: secrets (values sealed) and which
@@ -111,9 +148,16 @@ fn disabled() -> BrokerError {
 }
 
 fn secret_from_record(r: SecretRecord) -> Result<Secret, BrokerError> {
-    let spec: rules::Spec = serde_json::from_value(r.spec).map_err(|e| {
-        BrokerError::Config(format!("secret {}/{}: stored rules: {e}", r.owner, r.name))
-    })?;
+    let spec: rules::Spec = match serde_json::from_value(r.spec) {
+        Ok(spec) => spec,
+        Err(source) => {
+            return Err(BrokerError::StoredRules {
+                owner: r.owner,
+                name: r.name,
+                source,
+            });
+        }
+    };
     Ok(Secret {
         owner: r.owner,
         name: r.name,
@@ -149,10 +193,10 @@ fn load_key(cfg: &BrokerConfig) -> Result<Option<Zeroizing<Vec<u8>>>, BrokerErro
     let Some(path) = &cfg.key_file else {
         return Ok(None);
     };
-    let bytes = Zeroizing::new(
-        std::fs::read(path)
-            .map_err(|e| BrokerError::Key(format!("read {}: {e}", path.display())))?,
-    );
+    let bytes = Zeroizing::new(std::fs::read(path).map_err(|source| BrokerError::KeyFile {
+        path: path.clone(),
+        source,
+    })?);
     {
         use std::os::unix::fs::PermissionsExt;
         if let Ok(m) = std::fs::metadata(path)
@@ -170,15 +214,17 @@ fn upstream_tls(extra_ca: Option<&Path>) -> Result<rustls::ClientConfig, BrokerE
     let mut roots = rustls::RootCertStore::empty();
     roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
     if let Some(path) = extra_ca {
-        let certs = CertificateDer::pem_file_iter(path)
-            .map_err(|e| BrokerError::Config(format!("extra_ca_file {}: {e}", path.display())))?;
+        let pem_err = |source| BrokerError::ExtraCa {
+            path: path.to_path_buf(),
+            source,
+        };
+        let certs = CertificateDer::pem_file_iter(path).map_err(pem_err)?;
         let mut n = 0;
         for cert in certs {
-            let cert = cert.map_err(|e| {
-                BrokerError::Config(format!("extra_ca_file {}: {e}", path.display()))
-            })?;
-            roots.add(cert).map_err(|e| {
-                BrokerError::Config(format!("extra_ca_file {}: {e}", path.display()))
+            let cert = cert.map_err(pem_err)?;
+            roots.add(cert).map_err(|source| BrokerError::Tls {
+                what: format!("extra_ca_file {}", path.display()),
+                source,
             })?;
             n += 1;
         }
@@ -191,7 +237,10 @@ fn upstream_tls(extra_ca: Option<&Path>) -> Result<rustls::ClientConfig, BrokerE
     }
     let mut cfg = rustls::ClientConfig::builder_with_provider(ca::provider())
         .with_safe_default_protocol_versions()
-        .map_err(|e| BrokerError::Config(e.to_string()))?
+        .map_err(|source| BrokerError::Tls {
+            what: "upstream TLS versions".into(),
+            source,
+        })?
         .with_root_certificates(roots)
         .with_no_client_auth();
     cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
@@ -323,15 +372,14 @@ impl Broker {
     ) -> Result<sandpit_api::secrets::Secret, BrokerError> {
         let keys = self.inner.keys.as_ref().ok_or_else(disabled)?;
         let now = sandpit_store::now_ms();
-        let (spec, expires_at_ms) = rules::validate(req, now).map_err(BrokerError::Invalid)?;
-        let sealed = keys
-            .seal(&rules::seal_label(owner, &req.name), req.value.as_bytes())
-            .map_err(|e| BrokerError::Internal(e.to_string()))?;
+        let (spec, expires_at_ms) =
+            rules::validate(req, now).map_err(|e| BrokerError::Invalid(e.into()))?;
+        let sealed = keys.seal(&rules::seal_label(owner, &req.name), req.value.as_bytes())?;
         let rec = SecretRecord {
             owner: owner.to_string(),
             name: req.name.clone(),
             sealed,
-            spec: serde_json::to_value(&spec).map_err(|e| BrokerError::Internal(e.to_string()))?,
+            spec: serde_json::to_value(&spec).map_err(BrokerError::Encode)?,
             expires_at_ms: Some(expires_at_ms),
             created_at_ms: now,
         };
@@ -356,7 +404,7 @@ impl Broker {
                 "at most {MAX_SECRETS_PER_OWNER} secrets per owner"
             )));
         }
-        let secret = secret_from_record(rec).map_err(|e| BrokerError::Internal(e.to_string()))?;
+        let secret = secret_from_record(rec)?;
         let view = to_api(&secret);
         self.inner.cache.write().secrets.insert(
             (secret.owner.clone(), secret.name.clone()),
@@ -373,11 +421,7 @@ impl Broker {
     ) -> Result<Vec<sandpit_api::secrets::Secret>, BrokerError> {
         let recs = self.inner.store.list_secrets(Some(owner)).await?;
         recs.into_iter()
-            .map(|r| {
-                secret_from_record(r)
-                    .map(|s| to_api(&s))
-                    .map_err(|e| BrokerError::Internal(e.to_string()))
-            })
+            .map(|r| secret_from_record(r).map(|s| to_api(&s)))
             .collect()
     }
 
@@ -387,20 +431,20 @@ impl Broker {
         owner: &str,
         name: &str,
     ) -> Result<sandpit_api::secrets::Secret, BrokerError> {
-        rules::check_name(name).map_err(BrokerError::Invalid)?;
+        rules::check_name(name).map_err(|e| BrokerError::Invalid(e.into()))?;
         let rec = self
             .inner
             .store
             .get_secret(owner, name)
             .await?
             .ok_or_else(|| BrokerError::NotFound(format!("secret {name} not found")))?;
-        let s = secret_from_record(rec).map_err(|e| BrokerError::Internal(e.to_string()))?;
+        let s = secret_from_record(rec)?;
         Ok(to_api(&s))
     }
 
     /// Deletes a secret of `owner`; its sandboxes stop getting it at once.
     pub async fn delete_secret(&self, owner: &str, name: &str) -> Result<(), BrokerError> {
-        rules::check_name(name).map_err(BrokerError::Invalid)?;
+        rules::check_name(name).map_err(|e| BrokerError::Invalid(e.into()))?;
         let _w = self.inner.writes.lock().await;
         if !self.inner.store.delete_secret(owner, name).await? {
             return Err(BrokerError::NotFound(format!("secret {name} not found")));
@@ -432,7 +476,7 @@ impl Broker {
             )));
         }
         for n in names {
-            rules::check_name(n).map_err(BrokerError::Invalid)?;
+            rules::check_name(n).map_err(|e| BrokerError::Invalid(e.into()))?;
             if self.inner.store.get_secret(owner, n).await?.is_none() {
                 return Err(BrokerError::Invalid(format!("unknown secret {n}")));
             }
@@ -577,5 +621,61 @@ mod tests {
         assert!(ok.enabled());
         let none = Broker::new(&cfg(None, None), store).await.unwrap();
         assert!(!none.enabled());
+    }
+
+    #[tokio::test]
+    async fn config_errors_say_which_file_and_keep_the_cause() {
+        use std::error::Error as _;
+        if std::env::var_os(crypto::KEY_ENV).is_some() {
+            return;
+        }
+        let store = Store::open_in_memory().await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("missing.key");
+        let Err(e) = Broker::new(&cfg(Some(missing.clone()), None), store.clone()).await else {
+            panic!("a missing key file was accepted");
+        };
+        assert!(
+            e.to_string()
+                .starts_with(&format!("broker key: read {}: ", missing.display())),
+            "{e}"
+        );
+        assert!(e.source().is_some_and(|s| s.is::<std::io::Error>()));
+        let good = dir.path().join("good.key");
+        std::fs::write(&good, hex::encode([3u8; 32])).unwrap();
+        let missing_ca = dir.path().join("missing.pem");
+        let Err(e) = Broker::new(&cfg(Some(good), Some(missing_ca.clone())), store).await else {
+            panic!("a missing CA file was accepted");
+        };
+        assert!(
+            e.to_string()
+                .starts_with(&format!("extra_ca_file {}: ", missing_ca.display())),
+            "{e}"
+        );
+        assert!(e.source().is_some());
+    }
+
+    #[test]
+    fn a_stored_secret_with_bad_rules_is_named_and_keeps_the_decode_error() {
+        use std::error::Error as _;
+        let rec = SecretRecord {
+            owner: "carol".into(),
+            name: "gh".into(),
+            sealed: Vec::new(),
+            spec: serde_json::json!({"hosts": 5}),
+            expires_at_ms: None,
+            created_at_ms: 0,
+        };
+        let Err(e) = secret_from_record(rec) else {
+            panic!("bad stored rules were accepted");
+        };
+        assert!(
+            e.to_string().starts_with("secret carol/gh: stored rules: "),
+            "{e}"
+        );
+        assert!(e.source().is_some_and(|s| s.is::<serde_json::Error>()));
+        let encode = BrokerError::Encode(serde_json::from_str::<u8>("x").unwrap_err());
+        assert!(encode.to_string().starts_with("encode a secret's rules: "));
+        assert!(encode.source().is_some());
     }
 }

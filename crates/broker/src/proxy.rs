@@ -136,6 +136,34 @@ fn refused(r: &Refusal) -> Response<ResBody> {
     json_response(StatusCode::FORBIDDEN, &body)
 }
 
+/// Why no connection to the upstream could be made: which upstream, and what failed. Its
+/// text is what the sandbox's client is answered (after `sandpit credential broker: `).
+#[derive(Debug, thiserror::Error)]
+#[error("upstream {host} ({addr}): {why}")]
+struct UpstreamError {
+    host: String,
+    addr: SocketAddr,
+    #[source]
+    why: UpstreamFailure,
+}
+
+/// The step of reaching an upstream that failed.
+#[derive(Debug, thiserror::Error)]
+enum UpstreamFailure {
+    #[error("connect timed out")]
+    ConnectTimeout,
+    #[error("{0}")]
+    Connect(#[source] io::Error),
+    #[error("{0}")]
+    Name(#[source] rustls_pki_types::InvalidDnsNameError),
+    #[error("TLS handshake timed out")]
+    TlsTimeout,
+    #[error("TLS: {0}")]
+    Tls(#[source] io::Error),
+    #[error("{0}")]
+    Handshake(#[source] hyper::Error),
+}
+
 fn bad_gateway(message: String) -> Response<ResBody> {
     let body = serde_json::json!({
         "code": "upstream_unreachable",
@@ -349,13 +377,13 @@ impl ConnCtx {
             Some(s) if !s.is_closed() => s,
             _ => match self.connect().await {
                 Ok(s) => s,
-                Err(e) => return bad_gateway(e),
+                Err(e) => return bad_gateway(e.to_string()),
             },
         };
         if sender.ready().await.is_err() {
             sender = match self.connect().await {
                 Ok(s) => s,
-                Err(e) => return bad_gateway(e),
+                Err(e) => return bad_gateway(e.to_string()),
             };
         }
         let mut resp = match sender.send_request(req).await {
@@ -404,15 +432,19 @@ impl ConnCtx {
 
     /// A new HTTP/1.1 connection to the upstream, over TLS verified for the host when the
     /// sandbox's connection was TLS.
-    async fn connect(&self) -> Result<SendRequest<Incoming>, String> {
-        let what = format!("upstream {} ({})", self.host, self.upstream);
+    async fn connect(&self) -> Result<SendRequest<Incoming>, UpstreamError> {
+        let fail = |why| UpstreamError {
+            host: self.host.clone(),
+            addr: self.upstream,
+            why,
+        };
         let tcp = tokio::time::timeout(
             CONNECT_TIMEOUT,
             tokio::net::TcpStream::connect(self.upstream),
         )
         .await
-        .map_err(|_| format!("{what}: connect timed out"))?
-        .map_err(|e| format!("{what}: {e}"))?;
+        .map_err(|_| fail(UpstreamFailure::ConnectTimeout))?
+        .map_err(|e| fail(UpstreamFailure::Connect(e)))?;
         let _ = tcp.set_nodelay(true);
         let counted = Counted {
             inner: tcp,
@@ -420,19 +452,19 @@ impl ConnCtx {
         };
         let io: BoxedIo = if self.tls {
             let name = rustls_pki_types::ServerName::try_from(self.host.clone())
-                .map_err(|e| format!("{what}: {e}"))?;
+                .map_err(|e| fail(UpstreamFailure::Name(e)))?;
             let connector = tokio_rustls::TlsConnector::from(self.inner.upstream_tls.clone());
             let tls = tokio::time::timeout(CONNECT_TIMEOUT, connector.connect(name, counted))
                 .await
-                .map_err(|_| format!("{what}: TLS handshake timed out"))?
-                .map_err(|e| format!("{what}: TLS: {e}"))?;
+                .map_err(|_| fail(UpstreamFailure::TlsTimeout))?
+                .map_err(|e| fail(UpstreamFailure::Tls(e)))?;
             Box::new(tls)
         } else {
             Box::new(counted)
         };
         let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io))
             .await
-            .map_err(|e| format!("{what}: {e}"))?;
+            .map_err(|e| fail(UpstreamFailure::Handshake(e)))?;
         let host = self.host.clone();
         tokio::spawn(async move {
             if let Err(e) = conn.with_upgrades().await {
@@ -666,5 +698,36 @@ mod tests {
         let body = Masked::new(inner, masks(&["supersecret"]));
         let out = body.collect().await.unwrap().to_bytes();
         assert_eq!(&out[..], b"echo: Bearer *********** and super");
+    }
+
+    #[test]
+    fn an_upstream_failure_reads_as_before_and_keeps_the_os_error() {
+        use std::error::Error as _;
+        let addr: SocketAddr = "192.0.2.5:443".parse().unwrap();
+        let e = UpstreamError {
+            host: "api.test".into(),
+            addr,
+            why: UpstreamFailure::Connect(io::Error::from(io::ErrorKind::ConnectionRefused)),
+        };
+        assert!(
+            e.to_string()
+                .starts_with("upstream api.test (192.0.2.5:443): "),
+            "{e}"
+        );
+        let step = e.source().expect("the failed step is kept");
+        let os = step.source().expect("the OS error is kept");
+        assert_eq!(
+            os.downcast_ref::<io::Error>().map(io::Error::kind),
+            Some(io::ErrorKind::ConnectionRefused)
+        );
+        let timeout = UpstreamError {
+            host: "api.test".into(),
+            addr,
+            why: UpstreamFailure::TlsTimeout,
+        };
+        assert_eq!(
+            timeout.to_string(),
+            "upstream api.test (192.0.2.5:443): TLS handshake timed out"
+        );
     }
 }

@@ -356,15 +356,36 @@ pub fn path_under(path: &str, prefix: &str) -> bool {
     }
 }
 
-/// A create request's error, in words for a 400.
-pub type Invalid = String;
+/// Why a create request (or a secret's name) is not valid: its text is the whole cause,
+/// and what the client is answered with a 400.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Invalid(pub String);
+
+impl From<String> for Invalid {
+    fn from(message: String) -> Self {
+        Invalid(message)
+    }
+}
+
+impl From<&str> for Invalid {
+    fn from(message: &str) -> Self {
+        Invalid(message.to_string())
+    }
+}
+
+impl From<Invalid> for String {
+    fn from(e: Invalid) -> Self {
+        e.0
+    }
+}
 
 /// Checks a secret's name: 1 to 64 characters of `[A-Za-z0-9_-]`.
 pub fn check_name(name: &str) -> Result<(), Invalid> {
     if name.is_empty() || name.len() > 64 || !name.bytes().all(is_name_byte) {
-        return Err(format!(
-            "secret name {name:?} must be 1 to 64 characters of [A-Za-z0-9_-]"
-        ));
+        return Err(
+            format!("secret name {name:?} must be 1 to 64 characters of [A-Za-z0-9_-]").into(),
+        );
     }
     Ok(())
 }
@@ -389,12 +410,12 @@ fn check_host(h: &str) -> Result<String, Invalid> {
                 .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
     };
     if name.len() > 253 || !labels.iter().all(label_ok) {
-        return Err(bad());
+        return Err(bad().into());
     }
     if wild && labels.len() < 2 {
-        return Err(format!(
-            "host {h:?}: a wildcard must cover a domain of at least two labels"
-        ));
+        return Err(
+            format!("host {h:?}: a wildcard must cover a domain of at least two labels").into(),
+        );
     }
     Ok(host)
 }
@@ -402,7 +423,7 @@ fn check_host(h: &str) -> Result<String, Invalid> {
 fn check_method(m: &str) -> Result<String, Invalid> {
     let up = m.to_ascii_uppercase();
     if up.is_empty() || up.len() > 32 || http::Method::from_bytes(up.as_bytes()).is_err() {
-        return Err(format!("method {m:?} is not an HTTP method"));
+        return Err(format!("method {m:?} is not an HTTP method").into());
     }
     if up == "CONNECT" {
         return Err("method CONNECT cannot carry a credential".into());
@@ -414,7 +435,7 @@ fn check_prefix(p: &str) -> Result<String, Invalid> {
     if p.len() > 1024 || !canonical_path(p) || p.bytes().any(|b| !(0x21..0x7f).contains(&b)) {
         return Err(format!(
             "path prefix {p:?} must start with / and have no dot segments, encoded separators or spaces"
-        ));
+        ).into());
     }
     Ok(p.to_string())
 }
@@ -422,7 +443,7 @@ fn check_prefix(p: &str) -> Result<String, Invalid> {
 /// A value the broker can put into a header: visible characters, spaces and tabs.
 pub fn check_value(v: &str) -> Result<(), Invalid> {
     if v.is_empty() || v.len() > MAX_VALUE {
-        return Err(format!("value must be 1 to {MAX_VALUE} bytes"));
+        return Err(format!("value must be 1 to {MAX_VALUE} bytes").into());
     }
     if v.bytes().any(|b| (b < 0x20 && b != b'\t') || b == 0x7f) {
         return Err("value must not contain control characters".into());
@@ -435,15 +456,14 @@ fn check_inject(inject: &InjectSpec) -> Result<InjectSpec, Invalid> {
         InjectSpec::Header { name, format } => {
             let lower = name.to_ascii_lowercase();
             if http::HeaderName::from_bytes(lower.as_bytes()).is_err() {
-                return Err(format!("inject.name {name:?} is not a header name"));
+                return Err(format!("inject.name {name:?} is not a header name").into());
             }
             if RESERVED_HEADERS.contains(&lower.as_str()) || lower.starts_with("proxy-") {
-                return Err(format!("inject.name {name:?} cannot carry a credential"));
+                return Err(format!("inject.name {name:?} cannot carry a credential").into());
             }
             if format.matches("{value}").count() != 1 || format.len() > 256 {
                 return Err(
-                    "inject.format must hold `{value}` exactly once (at most 256 bytes)"
-                        .to_string(),
+                    "inject.format must hold `{value}` exactly once (at most 256 bytes)".into(),
                 );
             }
             if format
@@ -468,10 +488,10 @@ fn checked<T>(
     check: impl Fn(&str) -> Result<T, Invalid>,
 ) -> Result<Vec<T>, Invalid> {
     if required && items.is_empty() {
-        return Err(format!("{what} must name at least one"));
+        return Err(format!("{what} must name at least one").into());
     }
     if items.len() > MAX_RULES {
-        return Err(format!("{what}: at most {MAX_RULES}"));
+        return Err(format!("{what}: at most {MAX_RULES}").into());
     }
     items.iter().map(|i| check(i)).collect()
 }
@@ -783,5 +803,19 @@ mod tests {
         let mut ip = create("ip");
         ip.hosts = vec!["203.0.113.7".into()];
         assert!(validate(&ip, 0).is_ok());
+    }
+
+    #[test]
+    fn an_invalid_request_reads_as_its_message() {
+        let e = check_name("no spaces").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "secret name \"no spaces\" must be 1 to 64 characters of [A-Za-z0-9_-]"
+        );
+        assert_eq!(String::from(e.clone()), e.to_string());
+        assert_eq!(
+            check_method("CONNECT").unwrap_err(),
+            Invalid("method CONNECT cannot carry a credential".into())
+        );
     }
 }

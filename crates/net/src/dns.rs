@@ -62,9 +62,65 @@ pub struct Limits {
     pub cache: usize,
 }
 
+/// Why the resolver could not be configured or could not get an answer.
+#[derive(Debug, thiserror::Error)]
+pub enum DnsError {
+    /// A `[network]` DNS limit set to 0.
+    #[error("{0} must be at least 1")]
+    ZeroLimit(&'static str),
+    /// More upstream sockets than a semaphore can count.
+    #[error("dns_upstream_sockets is too large")]
+    TooManySockets,
+    /// A `dns_upstream` that is not an address (the value as given).
+    #[error("bad DNS upstream {0:?} (an address, optionally with :port)")]
+    BadUpstream(String),
+    /// A name that is not a DNS name.
+    #[error("{0}")]
+    BadName(#[source] hickory_proto::ProtoError),
+    /// The question could not be encoded.
+    #[error("encode query: {0}")]
+    Encode(#[source] hickory_proto::ProtoError),
+    /// The resolver is shutting down.
+    #[error("the resolver is closing")]
+    Closing,
+    /// No upstream socket came free in time.
+    #[error("every upstream socket is in use")]
+    Busy,
+    /// There is no upstream to ask.
+    #[error("no DNS upstream is configured")]
+    NoUpstream,
+    /// The last upstream asked failed (earlier ones too).
+    #[error("{upstream}: {source}")]
+    Upstream {
+        upstream: SocketAddr,
+        #[source]
+        source: ExchangeError,
+    },
+}
+
+/// Why one question to one upstream got no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum ExchangeError {
+    /// A socket operation failed.
+    #[error("{0}")]
+    Io(#[source] std::io::Error),
+    /// The question does not fit a DNS-over-TCP length prefix.
+    #[error("query too long")]
+    TooLong,
+    /// The upstream's TCP answer is not a DNS message.
+    #[error("{0}")]
+    Malformed(#[source] hickory_proto::serialize::binary::DecodeError),
+    /// No answer over UDP in time.
+    #[error("timed out")]
+    Timeout,
+    /// No answer over TCP in time.
+    #[error("timed out over TCP")]
+    TcpTimeout,
+}
+
 impl Limits {
     /// The limits `cfg` sets; every one must be at least 1.
-    pub fn from_config(cfg: &NetworkConfig) -> Result<Limits, String> {
+    pub fn from_config(cfg: &NetworkConfig) -> Result<Limits, DnsError> {
         let l = Limits {
             in_flight_per_sandbox: cfg.dns_max_in_flight_per_sandbox,
             in_flight_per_owner: cfg.dns_max_in_flight_per_owner,
@@ -92,12 +148,12 @@ impl Limits {
             ("dns_cache_total", l.cache),
         ] {
             if v == 0 {
-                return Err(format!("{key} must be at least 1"));
+                return Err(DnsError::ZeroLimit(key));
             }
         }
         // More permits than the semaphore can hold would panic at start.
         if l.upstream_sockets > tokio::sync::Semaphore::MAX_PERMITS {
-            return Err("dns_upstream_sockets is too large".into());
+            return Err(DnsError::TooManySockets);
         }
         Ok(l)
     }
@@ -344,13 +400,13 @@ pub fn system_upstreams() -> Vec<SocketAddr> {
 }
 
 /// Parses `ip` or `ip:port` (`[v6]:port`).
-pub fn parse_upstream(s: &str) -> Result<SocketAddr, String> {
+pub fn parse_upstream(s: &str) -> Result<SocketAddr, DnsError> {
     if let Ok(sa) = s.parse::<SocketAddr>() {
         return Ok(sa);
     }
     s.parse::<IpAddr>()
         .map(|ip| SocketAddr::new(ip, 53))
-        .map_err(|_| format!("bad DNS upstream {s:?} (an address, optionally with :port)"))
+        .map_err(|_| DnsError::BadUpstream(s.to_string()))
 }
 
 fn min_ttl(m: &Message) -> u32 {
@@ -523,7 +579,7 @@ impl Resolver {
         q: &Quota,
         name: &Name,
         qtype: RecordType,
-    ) -> Result<Message, String> {
+    ) -> Result<Message, DnsError> {
         let key = (name.to_lowercase(), qtype);
         let fresh = q
             .cache
@@ -600,24 +656,29 @@ impl Resolver {
 
     /// The upstreams' answer to one question, not cached (there is no sandbox to cache
     /// it for).
-    pub async fn query(&self, name: &Name, qtype: RecordType) -> Result<Message, String> {
+    pub async fn query(&self, name: &Name, qtype: RecordType) -> Result<Message, DnsError> {
         let mut q = Message::query();
         q.metadata.recursion_desired = true;
         q.add_query(Query::query(name.clone(), qtype));
-        let bytes = q.to_vec().map_err(|e| format!("encode query: {e}"))?;
-        let mut last = "no DNS upstream is configured".to_string();
+        let bytes = q.to_vec().map_err(DnsError::Encode)?;
+        let mut last = DnsError::NoUpstream;
         for up in &self.upstreams {
             // Waiting for a socket is bounded like the question itself: questions beyond
             // the limits are not even taken in, so few wait here.
             let _socket = match tokio::time::timeout(UPSTREAM_TIMEOUT, self.sockets.acquire()).await
             {
                 Ok(Ok(p)) => p,
-                Ok(Err(_)) => return Err("the resolver is closing".into()),
-                Err(_) => return Err("every upstream socket is in use".into()),
+                Ok(Err(_)) => return Err(DnsError::Closing),
+                Err(_) => return Err(DnsError::Busy),
             };
             match exchange(*up, q.metadata.id, &bytes).await {
                 Ok(m) => return Ok(m),
-                Err(e) => last = format!("{up}: {e}"),
+                Err(source) => {
+                    last = DnsError::Upstream {
+                        upstream: *up,
+                        source,
+                    }
+                }
             }
         }
         Err(last)
@@ -625,8 +686,8 @@ impl Resolver {
 
     /// The IPv4 addresses of `name` (not cached: the proxy asks for no sandbox in
     /// particular, and a shared cache would be a timing channel between sandboxes).
-    pub async fn resolve_v4(&self, name: &str) -> Result<Vec<Ipv4Addr>, String> {
-        let n = Name::from_ascii(format!("{name}.")).map_err(|e| e.to_string())?;
+    pub async fn resolve_v4(&self, name: &str) -> Result<Vec<Ipv4Addr>, DnsError> {
+        let n = Name::from_ascii(format!("{name}.")).map_err(DnsError::BadName)?;
         let m = self.query(&n, RecordType::A).await?;
         Ok(m.answers
             .iter()
@@ -641,7 +702,7 @@ impl Resolver {
 /// One question and answer with an upstream: UDP, then TCP when the answer is truncated.
 /// Takes one socket at a time (the caller holds one permit for it): the UDP one is
 /// closed before the TCP one opens.
-async fn exchange(up: SocketAddr, id: u16, query: &[u8]) -> Result<Message, String> {
+async fn exchange(up: SocketAddr, id: u16, query: &[u8]) -> Result<Message, ExchangeError> {
     let answer = exchange_udp(up, id, query).await?;
     if !answer.metadata.truncation {
         return Ok(answer);
@@ -649,24 +710,24 @@ async fn exchange(up: SocketAddr, id: u16, query: &[u8]) -> Result<Message, Stri
     tokio::time::timeout(UPSTREAM_TIMEOUT, async {
         let mut s = tokio::net::TcpStream::connect(up)
             .await
-            .map_err(|e| e.to_string())?;
-        let len = u16::try_from(query.len()).map_err(|_| "query too long".to_string())?;
+            .map_err(ExchangeError::Io)?;
+        let len = u16::try_from(query.len()).map_err(|_| ExchangeError::TooLong)?;
         s.write_all(&len.to_be_bytes())
             .await
-            .map_err(|e| e.to_string())?;
-        s.write_all(query).await.map_err(|e| e.to_string())?;
-        let n = s.read_u16().await.map_err(|e| e.to_string())? as usize;
+            .map_err(ExchangeError::Io)?;
+        s.write_all(query).await.map_err(ExchangeError::Io)?;
+        let n = s.read_u16().await.map_err(ExchangeError::Io)? as usize;
         let mut b = vec![0u8; n];
-        s.read_exact(&mut b).await.map_err(|e| e.to_string())?;
-        Message::from_vec(&b).map_err(|e| e.to_string())
+        s.read_exact(&mut b).await.map_err(ExchangeError::Io)?;
+        Message::from_vec(&b).map_err(ExchangeError::Malformed)
     })
     .await
-    .map_err(|_| "timed out over TCP".to_string())?
+    .map_err(|_| ExchangeError::TcpTimeout)?
 }
 
 /// The UDP half of [`exchange`], from a socket of its own (a random source port for
 /// every question, as spoofed answers would have to guess it).
-async fn exchange_udp(up: SocketAddr, id: u16, query: &[u8]) -> Result<Message, String> {
+async fn exchange_udp(up: SocketAddr, id: u16, query: &[u8]) -> Result<Message, ExchangeError> {
     let bind: SocketAddr = if up.is_ipv4() {
         (Ipv4Addr::UNSPECIFIED, 0).into()
     } else {
@@ -674,23 +735,23 @@ async fn exchange_udp(up: SocketAddr, id: u16, query: &[u8]) -> Result<Message, 
     };
     let sock = tokio::net::UdpSocket::bind(bind)
         .await
-        .map_err(|e| e.to_string())?;
-    sock.connect(up).await.map_err(|e| e.to_string())?;
-    sock.send(query).await.map_err(|e| e.to_string())?;
+        .map_err(ExchangeError::Io)?;
+    sock.connect(up).await.map_err(ExchangeError::Io)?;
+    sock.send(query).await.map_err(ExchangeError::Io)?;
     let mut buf = vec![0u8; 4096];
     tokio::time::timeout(UPSTREAM_TIMEOUT, async {
         loop {
-            let n = sock.recv(&mut buf).await.map_err(|e| e.to_string())?;
+            let n = sock.recv(&mut buf).await.map_err(ExchangeError::Io)?;
             if let Ok(m) = Message::from_vec(&buf[..n])
                 && m.metadata.id == id
                 && m.metadata.message_type == MessageType::Response
             {
-                return Ok::<_, String>(m);
+                return Ok::<_, ExchangeError>(m);
             }
         }
     })
     .await
-    .map_err(|_| "timed out".to_string())?
+    .map_err(|_| ExchangeError::Timeout)?
 }
 
 fn reply(req: &Message, code: ResponseCode) -> Message {
@@ -1139,7 +1200,7 @@ mod tests {
             ..NetworkConfig::default()
         };
         assert_eq!(
-            Limits::from_config(&cfg).unwrap_err(),
+            Limits::from_config(&cfg).unwrap_err().to_string(),
             "dns_queries_per_second must be at least 1"
         );
     }
@@ -1311,5 +1372,45 @@ mod tests {
         }
         assert_eq!(r.sockets.available_permits(), 3);
         server.abort();
+    }
+
+    #[test]
+    fn a_bad_upstream_address_is_named() {
+        assert_eq!(
+            parse_upstream("8.8.8").unwrap_err().to_string(),
+            "bad DNS upstream \"8.8.8\" (an address, optionally with :port)"
+        );
+        assert_eq!(
+            parse_upstream("192.0.2.1").unwrap(),
+            "192.0.2.1:53".parse::<SocketAddr>().unwrap()
+        );
+    }
+
+    #[tokio::test]
+    async fn an_upstream_failure_keeps_the_upstream_and_the_os_error() {
+        use std::error::Error as _;
+        // A port nothing listens on: loopback answers the question with a refusal.
+        let closed = {
+            let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+            s.local_addr().unwrap()
+        };
+        let r = Resolver::new(vec![closed], limits());
+        let n = Name::from_ascii("refused.example.").unwrap();
+        let e = r.query(&n, RecordType::A).await.unwrap_err();
+        assert!(e.to_string().starts_with(&format!("{closed}: ")), "{e}");
+        let exchange = e.source().expect("the exchange's failure is kept");
+        let io = exchange.source().expect("the OS error is kept");
+        assert_eq!(
+            io.downcast_ref::<std::io::Error>()
+                .map(std::io::Error::kind),
+            Some(std::io::ErrorKind::ConnectionRefused)
+        );
+        let none = Resolver::new(vec![], limits());
+        assert_eq!(
+            none.query(&n, RecordType::A).await.unwrap_err().to_string(),
+            "no DNS upstream is configured"
+        );
+        assert_eq!(ExchangeError::Timeout.to_string(), "timed out");
+        assert_eq!(ExchangeError::TcpTimeout.to_string(), "timed out over TCP");
     }
 }

@@ -326,8 +326,8 @@ fn total_conn_cap(configured: Option<usize>, fd_limit: Option<u64>) -> usize {
     }
 }
 
-fn cfg_err(e: impl std::fmt::Display) -> NetError {
-    NetError::Config(e.to_string())
+fn cfg_err(message: impl Into<String>) -> NetError {
+    NetError::Config(message.into())
 }
 
 /// Takes an exclusive lock on `/run/sandpit/net/<name>.lock`; None when another daemon
@@ -415,8 +415,8 @@ impl Net {
         let mut operator = Vec::new();
         for a in &cfg.operator_allow {
             operator.push(OperatorAllow {
-                cidr: Cidr::parse(&a.cidr).map_err(cfg_err)?,
-                ports: policy::parse_ports(&a.ports).map_err(cfg_err)?,
+                cidr: Cidr::parse(&a.cidr).map_err(NetError::ConfigValue)?,
+                ports: policy::parse_ports(&a.ports).map_err(NetError::ConfigValue)?,
             });
         }
         let upstreams = if cfg.dns_upstream.is_empty() {
@@ -426,9 +426,9 @@ impl Net {
                 .iter()
                 .map(|u| dns::parse_upstream(u))
                 .collect::<Result<Vec<_>, _>>()
-                .map_err(cfg_err)?
+                .map_err(NetError::Dns)?
         };
-        let dns_limits = dns::Limits::from_config(cfg).map_err(cfg_err)?;
+        let dns_limits = dns::Limits::from_config(cfg).map_err(NetError::Dns)?;
         let max_conns = total_conn_cap(
             cfg.max_connections,
             nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
@@ -443,7 +443,7 @@ impl Net {
         let mut host_nl =
             link::Netlink::open().map_err(|e| NetError::Io("open a netlink socket".into(), e))?;
         let (persisted, locks) = Self::choose(cfg, data_dir, &mut host_nl)?;
-        let subnet = Cidr::parse(&persisted.subnet).map_err(cfg_err)?;
+        let subnet = Cidr::parse(&persisted.subnet).map_err(NetError::ConfigValue)?;
         let gateway = Ipv4Addr::from(u32::from(subnet.network()) + 1);
         let if_prefix = format!("sp{}", persisted.tag);
         let table = format!("sandpit_{}", persisted.tag);
@@ -477,7 +477,7 @@ impl Net {
             dns_packets_per_second: cfg.dns_queries_per_second.saturating_mul(10),
             dns_packet_burst: cfg.dns_query_burst.saturating_mul(10),
         };
-        nft::apply(&rules).map_err(cfg_err)?;
+        nft::apply(&rules).map_err(NetError::Nft)?;
         let table_name = rules.table.clone();
         sweep_foreign(&table_name, &mut host_nl);
         let alloc = Arc::new(Mutex::new(pool::Alloc::new(
@@ -615,7 +615,7 @@ impl Net {
         let mut candidates: Vec<Cidr> = Vec::new();
         let explicit = cfg.subnet.is_some();
         if let Some(s) = &cfg.subnet {
-            let c = Cidr::parse(s).map_err(cfg_err)?;
+            let c = Cidr::parse(s).map_err(NetError::ConfigValue)?;
             if c.prefix() > 24 || c.prefix() < 8 {
                 return Err(cfg_err("subnet must be between a /8 and a /24"));
             }
@@ -652,7 +652,10 @@ impl Net {
             tag,
             subnet: subnet.to_string(),
         };
-        let text = serde_json::to_vec(&p).map_err(|e| cfg_err(e.to_string()))?;
+        let text = serde_json::to_vec(&p).map_err(|source| NetError::Json {
+            what: "encode the network state",
+            source,
+        })?;
         std::fs::write(&file, text)
             .map_err(|e| NetError::Io(format!("write {}", file.display()), e))?;
         Ok((p, locks))
@@ -667,8 +670,11 @@ impl Net {
                 let mut map = HashMap::new();
                 for (id, owner, value) in all {
                     match serde_json::from_value::<NetworkPolicy>(value)
-                        .map_err(|e| e.to_string())
-                        .and_then(|p| Policy::compile(&p))
+                        .map_err(|source| NetError::Json {
+                            what: "decode a stored network policy",
+                            source,
+                        })
+                        .and_then(|p| Policy::compile(&p).map_err(NetError::Policy))
                     {
                         Ok(p) => {
                             map.insert(
@@ -823,7 +829,7 @@ impl Net {
 
     /// Sets a sandbox's policy in force (new connections follow it; its link comes up or
     /// goes down at once when it runs).
-    pub fn set_policy(&self, id: &str, owner: &str, policy: Policy) -> Result<(), String> {
+    pub fn set_policy(&self, id: &str, owner: &str, policy: Policy) -> Result<(), NetError> {
         self.policies.write().insert(
             id.to_string(),
             Arc::new(Entry {
@@ -835,7 +841,7 @@ impl Net {
     }
 
     /// Brings a running sandbox's link up with its route, or down, as its policy says.
-    fn apply_route(&self, id: &str) -> Result<(), String> {
+    fn apply_route(&self, id: &str) -> Result<(), NetError> {
         let routed = self.entry(id).policy.mode() != NetworkMode::None;
         let inner = self.slots.lock().get(id).map(|s| s.inner.clone());
         let Some(inner) = inner else { return Ok(()) };
@@ -844,7 +850,7 @@ impl Net {
             return Ok(());
         }
         l.set_routed(routed, self.gateway)
-            .map_err(|e| format!("set the sandbox's route: {e}"))
+            .map_err(|e| NetError::Io("set the sandbox's route".into(), e))
     }
 
     /// Remembers the addresses the resolver gave a sandbox for `name`.
@@ -1119,9 +1125,7 @@ pub fn plan_policy(
         };
     };
     let p = requested.cloned().unwrap_or_else(|| net.default_policy());
-    Policy::compile(&p)
-        .map(Some)
-        .map_err(|e| NetError::InvalidPolicy(format!("network: {e}")))
+    Policy::compile(&p).map(Some).map_err(NetError::Policy)
 }
 
 /// Stores and applies the policy of a sandbox that has just been recorded (or claimed).
@@ -1133,16 +1137,17 @@ pub async fn assign(
     let (Some(net), Some(policy)) = (net, policy) else {
         return Ok(());
     };
-    let value =
-        serde_json::to_value(&policy.source).map_err(|e| NetError::Internal(e.to_string()))?;
+    let value = serde_json::to_value(&policy.source).map_err(|source| NetError::Json {
+        what: "encode the network policy",
+        source,
+    })?;
     if !net.store.set_network_policy(&rec.id, &value).await? {
         return Err(NetError::SandboxNotFound(rec.id.clone()));
     }
     let (net, id, owner) = (net.clone(), rec.id.clone(), rec.owner.clone());
     tokio::task::spawn_blocking(move || net.set_policy(&id, &owner, policy))
         .await
-        .map_err(|e| NetError::Internal(format!("task: {e}")))?
-        .map_err(NetError::Internal)
+        .map_err(NetError::Task)?
 }
 
 #[cfg(test)]

@@ -4,9 +4,9 @@
 //! replaced whole (atomically) at every start.
 
 use super::policy::Cidr;
-use std::io::Write;
+use std::io::{self, Write};
 use std::net::Ipv4Addr;
-use std::process::{Command, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 
 /// What the table redirects where.
 #[derive(Debug, Clone)]
@@ -79,7 +79,24 @@ table inet {table} {{
     }
 }
 
-fn run_nft(script: &str) -> Result<(), String> {
+/// Why the `nft` tool did not apply a script.
+#[derive(Debug, thiserror::Error)]
+pub enum NftError {
+    /// The tool could not be started.
+    #[error("run nft: {0}")]
+    Spawn(#[source] io::Error),
+    /// The script could not be handed to it.
+    #[error("write to nft: {0}")]
+    Write(#[source] io::Error),
+    /// Its end could not be waited for.
+    #[error("wait for nft: {0}")]
+    Wait(#[source] io::Error),
+    /// It ran and refused the script: its exit status and what it said.
+    #[error("nft failed: {stderr}")]
+    Failed { status: ExitStatus, stderr: String },
+}
+
+fn run_nft(script: &str) -> Result<(), NftError> {
     let mut child = Command::new("nft")
         .arg("-f")
         .arg("-")
@@ -87,32 +104,30 @@ fn run_nft(script: &str) -> Result<(), String> {
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| format!("run nft: {e}"))?;
+        .map_err(NftError::Spawn)?;
     if let Some(mut stdin) = child.stdin.take() {
         stdin
             .write_all(script.as_bytes())
-            .map_err(|e| format!("write to nft: {e}"))?;
+            .map_err(NftError::Write)?;
     }
-    let out = child
-        .wait_with_output()
-        .map_err(|e| format!("wait for nft: {e}"))?;
+    let out = child.wait_with_output().map_err(NftError::Wait)?;
     if out.status.success() {
         Ok(())
     } else {
-        Err(format!(
-            "nft failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
+        Err(NftError::Failed {
+            status: out.status,
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        })
     }
 }
 
 /// Installs (or replaces) the table.
-pub fn apply(rules: &Rules) -> Result<(), String> {
+pub fn apply(rules: &Rules) -> Result<(), NftError> {
     run_nft(&rules.script())
 }
 
 /// Removes the table if it exists.
-pub fn delete(table: &str) -> Result<(), String> {
+pub fn delete(table: &str) -> Result<(), NftError> {
     run_nft(&format!(
         "table inet {table} {{}}\ndelete table inet {table}\n"
     ))
@@ -181,5 +196,27 @@ mod tests {
         assert!(s.contains(
             "iifname \"spabc*\" udp dport 53 update @dns_rate { ip saddr limit rate over 400/second burst 800 packets } drop"
         ));
+    }
+
+    #[test]
+    fn nft_errors_keep_the_status_the_output_and_the_os_error() {
+        use std::error::Error as _;
+        use std::os::unix::process::ExitStatusExt;
+        let failed = NftError::Failed {
+            status: ExitStatus::from_raw(1 << 8),
+            stderr: "Error: syntax error".into(),
+        };
+        assert_eq!(failed.to_string(), "nft failed: Error: syntax error");
+        assert!(matches!(&failed, NftError::Failed { status, .. } if status.code() == Some(1)));
+        assert!(failed.source().is_none());
+        let spawn = NftError::Spawn(io::Error::from(io::ErrorKind::NotFound));
+        assert!(spawn.to_string().starts_with("run nft: "));
+        let cause = spawn
+            .source()
+            .expect("the spawn failure keeps the OS error");
+        assert_eq!(
+            cause.downcast_ref::<io::Error>().map(io::Error::kind),
+            Some(io::ErrorKind::NotFound)
+        );
     }
 }

@@ -6,6 +6,54 @@ use std::net::Ipv4Addr;
 
 /// Most rules one policy may have.
 pub const MAX_RULES: usize = 256;
+/// Most port ranges one rule may have.
+pub const MAX_PORT_RANGES: usize = 64;
+
+/// Why a policy, or a `[network]` setting written the same way, is not valid; each
+/// variant keeps the offending value. The texts are what API clients are answered.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyError {
+    /// A network whose prefix length is not a number up to 32.
+    #[error("bad prefix length in {0:?}")]
+    PrefixLength(String),
+    /// Not an IPv4 address or network.
+    #[error("{0:?} is not an IPv4 network (a.b.c.d/len)")]
+    NotANetwork(String),
+    /// A port range that is not `lo-hi` or a port number.
+    #[error("bad port range {0:?} (`lo-hi`, 1..=65535)")]
+    PortSyntax(String),
+    /// A port range starting at 0 or ending before it starts.
+    #[error("bad port range {lo}-{hi} (1..=65535, low first)")]
+    PortRange { lo: u16, hi: u16 },
+    /// More port ranges than a rule may have.
+    #[error("at most {} port ranges per rule", MAX_PORT_RANGES)]
+    TooManyPortRanges,
+    /// A domain that is neither a host name nor a wildcard.
+    #[error("bad domain {0:?}: a host name (`example.com`) or a wildcard (`*.example.com`)")]
+    Domain(String),
+    /// An address given as a domain.
+    #[error("{0:?} is an address: use `cidr` for addresses")]
+    DomainIsAddress(String),
+    /// More rules than a policy may have.
+    #[error("at most {} rules", MAX_RULES)]
+    TooManyRules,
+    /// A rule selecting nothing.
+    #[error("a rule needs a domain, a cidr or ports")]
+    EmptyRule,
+    /// `override` on a deny rule.
+    #[error("`override` is for allow rules")]
+    OverrideOnDeny,
+    /// A rule name longer than 128 bytes.
+    #[error("name is at most 128 bytes")]
+    NameTooLong,
+    /// What is wrong with rule `index`.
+    #[error("rules[{index}]: {source}")]
+    Rule {
+        index: usize,
+        #[source]
+        source: Box<PolicyError>,
+    },
+}
 
 /// An IPv4 network.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,20 +81,20 @@ impl Cidr {
     }
 
     /// Parses `a.b.c.d/len` or a single address.
-    pub fn parse(s: &str) -> Result<Self, String> {
+    pub fn parse(s: &str) -> Result<Self, PolicyError> {
         let (addr, len) = match s.split_once('/') {
             Some((a, l)) => (
                 a,
                 l.parse::<u8>()
                     .ok()
                     .filter(|l| *l <= 32)
-                    .ok_or_else(|| format!("bad prefix length in {s:?}"))?,
+                    .ok_or_else(|| PolicyError::PrefixLength(s.to_string()))?,
             ),
             None => (s, 32),
         };
         let addr: Ipv4Addr = addr
             .parse()
-            .map_err(|_| format!("{s:?} is not an IPv4 network (a.b.c.d/len)"))?;
+            .map_err(|_| PolicyError::NotANetwork(s.to_string()))?;
         Ok(Self::new(addr, len))
     }
 
@@ -85,13 +133,13 @@ impl std::fmt::Display for Cidr {
 }
 
 /// Parses a port list of the API (`443`, `"8000-8100"`).
-pub fn parse_ports(ports: &[PortSpec]) -> Result<Vec<(u16, u16)>, String> {
+pub fn parse_ports(ports: &[PortSpec]) -> Result<Vec<(u16, u16)>, PolicyError> {
     let mut out = Vec::with_capacity(ports.len());
     for p in ports {
         let (lo, hi) = match p {
             PortSpec::One(n) => (*n, *n),
             PortSpec::Range(s) => {
-                let bad = || format!("bad port range {s:?} (`lo-hi`, 1..=65535)");
+                let bad = || PolicyError::PortSyntax(s.clone());
                 match s.split_once('-') {
                     Some((a, b)) => (
                         a.trim().parse().map_err(|_| bad())?,
@@ -105,12 +153,12 @@ pub fn parse_ports(ports: &[PortSpec]) -> Result<Vec<(u16, u16)>, String> {
             }
         };
         if lo == 0 || lo > hi {
-            return Err(format!("bad port range {lo}-{hi} (1..=65535, low first)"));
+            return Err(PolicyError::PortRange { lo, hi });
         }
         out.push((lo, hi));
     }
-    if out.len() > 64 {
-        return Err("at most 64 port ranges per rule".into());
+    if out.len() > MAX_PORT_RANGES {
+        return Err(PolicyError::TooManyPortRanges);
     }
     Ok(out)
 }
@@ -149,16 +197,15 @@ pub fn normalize_name(name: &str) -> Option<String> {
     ok.then_some(n)
 }
 
-fn parse_domain(d: &str) -> Result<DomainPat, String> {
-    let bad =
-        || format!("bad domain {d:?}: a host name (`example.com`) or a wildcard (`*.example.com`)");
+fn parse_domain(d: &str) -> Result<DomainPat, PolicyError> {
+    let bad = || PolicyError::Domain(d.to_string());
     let (below, rest) = match d.strip_prefix("*.") {
         Some(r) => (true, r),
         None => (false, d),
     };
     let name = normalize_name(rest).ok_or_else(bad)?;
     if name.parse::<Ipv4Addr>().is_ok() {
-        return Err(format!("{d:?} is an address: use `cidr` for addresses"));
+        return Err(PolicyError::DomainIsAddress(d.to_string()));
     }
     Ok(if below {
         DomainPat::Below(format!(".{name}"))
@@ -291,21 +338,24 @@ impl Policy {
     }
 
     /// Validates an API policy.
-    pub fn compile(p: &NetworkPolicy) -> Result<Policy, String> {
+    pub fn compile(p: &NetworkPolicy) -> Result<Policy, PolicyError> {
         if p.rules.len() > MAX_RULES {
-            return Err(format!("at most {MAX_RULES} rules"));
+            return Err(PolicyError::TooManyRules);
         }
         let mut rules = Vec::with_capacity(p.rules.len());
         for (i, r) in p.rules.iter().enumerate() {
-            let at = |e: String| format!("rules[{i}]: {e}");
+            let at = |e: PolicyError| PolicyError::Rule {
+                index: i,
+                source: Box::new(e),
+            };
             if r.domain.is_none() && r.cidr.is_none() && r.ports.is_empty() {
-                return Err(at("a rule needs a domain, a cidr or ports".into()));
+                return Err(at(PolicyError::EmptyRule));
             }
             if r.overrides && r.action == RuleAction::Deny {
-                return Err(at("`override` is for allow rules".into()));
+                return Err(at(PolicyError::OverrideOnDeny));
             }
             if r.name.as_ref().is_some_and(|n| n.len() > 128) {
-                return Err(at("name is at most 128 bytes".into()));
+                return Err(at(PolicyError::NameTooLong));
             }
             let domain = r
                 .domain
@@ -724,5 +774,61 @@ mod tests {
                 .unwrap()
                 .contains("1.2.3.4".parse().unwrap())
         );
+    }
+
+    #[test]
+    fn policy_errors_name_the_offending_value_and_keep_the_rule_cause() {
+        use std::error::Error as _;
+        assert_eq!(
+            Cidr::parse("10.0.0.0/33").unwrap_err().to_string(),
+            "bad prefix length in \"10.0.0.0/33\""
+        );
+        assert_eq!(
+            Cidr::parse("nope").unwrap_err(),
+            PolicyError::NotANetwork("nope".into())
+        );
+        assert_eq!(
+            parse_ports(&[PortSpec::Range("9-x".into())])
+                .unwrap_err()
+                .to_string(),
+            "bad port range \"9-x\" (`lo-hi`, 1..=65535)"
+        );
+        assert_eq!(
+            parse_ports(&[PortSpec::Range("90-80".into())])
+                .unwrap_err()
+                .to_string(),
+            "bad port range 90-80 (1..=65535, low first)"
+        );
+        assert_eq!(
+            parse_ports(&vec![PortSpec::One(1); MAX_PORT_RANGES + 1])
+                .unwrap_err()
+                .to_string(),
+            "at most 64 port ranges per rule"
+        );
+        let p = NetworkPolicy {
+            mode: NetworkMode::Allowlist,
+            rules: vec![
+                NetworkRule {
+                    domain: Some("ok.example".into()),
+                    ..rule(RuleAction::Allow)
+                },
+                NetworkRule {
+                    domain: Some("1.2.3.4".into()),
+                    ..rule(RuleAction::Allow)
+                },
+            ],
+        };
+        let e = Policy::compile(&p).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "rules[1]: \"1.2.3.4\" is an address: use `cidr` for addresses"
+        );
+        let cause = e.source().expect("the rule's error keeps its cause");
+        assert_eq!(
+            cause.to_string(),
+            "\"1.2.3.4\" is an address: use `cidr` for addresses"
+        );
+        assert!(PolicyError::TooManyRules.source().is_none());
+        assert_eq!(PolicyError::TooManyRules.to_string(), "at most 256 rules");
     }
 }

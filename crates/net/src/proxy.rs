@@ -155,7 +155,8 @@ async fn handle(net: Arc<Net>, mut client: TcpStream, peer: SocketAddr) {
     .await;
     let allowed = match verdict {
         Ok(allowed) => allowed,
-        Err(rule) => {
+        Err(refused) => {
+            let rule = refused.to_string();
             net.audit.record(attempt, false, &rule);
             if matches!(sniffed, Sniffed::Http(_)) {
                 let body = format!(
@@ -234,14 +235,42 @@ struct Allowed {
     name_resolves: bool,
 }
 
+/// Why the proxy refused a connection; its text is the audit's rule and what a plain HTTP
+/// client of the sandbox is told.
+#[derive(Debug, thiserror::Error)]
+enum Refused {
+    /// The address is in a range no sandbox may reach.
+    #[error("blocked: {0}")]
+    Blocked(&'static str),
+    /// The sandbox's policy denied it: the deciding rule.
+    #[error("{0}")]
+    Policy(String),
+    /// The claimed name is an address literal other than the destination.
+    #[error("{name} is not {ip}")]
+    NotTheAddress { name: String, ip: Ipv4Addr },
+    /// The claimed name does not resolve to the destination.
+    #[error("{name} does not resolve to {ip}")]
+    NameMismatch { name: String, ip: Ipv4Addr },
+    /// The claimed name could not be looked up.
+    #[error("{name} could not be resolved: {source}")]
+    Unresolved {
+        name: String,
+        #[source]
+        source: super::dns::DnsError,
+    },
+}
+
 /// Whether `ip` is an address `name` resolves to: the resolver gave it to the sandbox for
 /// that name, or a lookup of the name now returns it. An address literal is only itself.
-async fn resolves_to(net: &Net, sandbox: &str, name: &str, ip: Ipv4Addr) -> Result<(), String> {
+async fn resolves_to(net: &Net, sandbox: &str, name: &str, ip: Ipv4Addr) -> Result<(), Refused> {
     if let Ok(literal) = name.parse::<Ipv4Addr>() {
         return if literal == ip {
             Ok(())
         } else {
-            Err(format!("{name} is not {ip}"))
+            Err(Refused::NotTheAddress {
+                name: name.to_string(),
+                ip,
+            })
         };
     }
     if net.was_resolved(sandbox, name, ip) {
@@ -249,8 +278,14 @@ async fn resolves_to(net: &Net, sandbox: &str, name: &str, ip: Ipv4Addr) -> Resu
     }
     match net.resolver.resolve_v4(name).await {
         Ok(addrs) if addrs.contains(&ip) => Ok(()),
-        Ok(_) => Err(format!("{name} does not resolve to {ip}")),
-        Err(e) => Err(format!("{name} could not be resolved: {e}")),
+        Ok(_) => Err(Refused::NameMismatch {
+            name: name.to_string(),
+            ip,
+        }),
+        Err(source) => Err(Refused::Unresolved {
+            name: name.to_string(),
+            source,
+        }),
     }
 }
 
@@ -263,9 +298,9 @@ async fn decide(
     claimed: bool,
     ip: Ipv4Addr,
     port: u16,
-) -> Result<Allowed, String> {
+) -> Result<Allowed, Refused> {
     if let Some(why) = net.blocked(ip, Some(port)) {
-        return Err(format!("blocked: {why}"));
+        return Err(Refused::Blocked(why));
     }
     let d = policy.decide(&Attempt {
         name,
@@ -273,7 +308,7 @@ async fn decide(
         port: Some(port),
     });
     if !d.allow {
-        return Err(d.rule);
+        return Err(Refused::Policy(d.rule));
     }
     let Some(name) = name.filter(|_| claimed) else {
         return Ok(Allowed {
@@ -403,5 +438,45 @@ mod tests {
         let mut s = String::new();
         p.read_to_string(&mut s).await.unwrap();
         assert_eq!(s, "hello world");
+    }
+
+    #[test]
+    fn refusals_read_as_the_sandbox_sees_them_and_keep_the_lookup_failure() {
+        use std::error::Error as _;
+        let ip = Ipv4Addr::new(192, 0, 2, 7);
+        assert_eq!(
+            Refused::Blocked("link-local").to_string(),
+            "blocked: link-local"
+        );
+        assert_eq!(
+            Refused::Policy("rules[0] deny evil.example".into()).to_string(),
+            "rules[0] deny evil.example"
+        );
+        assert_eq!(
+            Refused::NotTheAddress {
+                name: "192.0.2.8".into(),
+                ip
+            }
+            .to_string(),
+            "192.0.2.8 is not 192.0.2.7"
+        );
+        let mismatch = Refused::NameMismatch {
+            name: "a.example".into(),
+            ip,
+        };
+        assert_eq!(
+            mismatch.to_string(),
+            "a.example does not resolve to 192.0.2.7"
+        );
+        assert!(mismatch.source().is_none());
+        let unresolved = Refused::Unresolved {
+            name: "a.example".into(),
+            source: super::super::dns::DnsError::NoUpstream,
+        };
+        assert_eq!(
+            unresolved.to_string(),
+            "a.example could not be resolved: no DNS upstream is configured"
+        );
+        assert!(unresolved.source().is_some());
     }
 }

@@ -31,7 +31,7 @@ impl Runtime for NetRuntime {
         let prepared = self
             .net
             .acquire()
-            .map_err(|e| RuntimeError::Setup(format!("prepare the sandbox's network: {e}")))?;
+            .map_err(|e| RuntimeError::network("prepare the sandbox's network", e))?;
         let (address, host_if) = (prepared.address, prepared.host_if.clone());
         let mut h = match self.inner.create(spec) {
             Ok(h) => h,
@@ -49,7 +49,9 @@ impl Runtime for NetRuntime {
         let netns = self.net.netns_of(&h.id).ok_or_else(|| {
             RuntimeError::Setup(format!("sandbox {} has no network prepared", h.id))
         })?;
-        self.net.apply_route(&h.id).map_err(RuntimeError::Setup)?;
+        self.net
+            .apply_route(&h.id)
+            .map_err(|e| RuntimeError::network("route the sandbox's traffic", e))?;
         let mut spec = spec.clone();
         spec.net = Some(SandboxNet {
             netns,

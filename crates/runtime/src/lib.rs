@@ -67,10 +67,19 @@ impl RuntimeError {
             RuntimeError::Io { source, .. } | RuntimeError::Cgroup { source, .. } => source,
             // A network setup that failed for want of descriptors or memory is the same
             // shortage, found one layer down.
-            RuntimeError::Network { source, .. } => match source.downcast_ref::<std::io::Error>() {
-                Some(io) => io,
-                None => return false,
-            },
+            RuntimeError::Network { source, .. } => {
+                // The networking layer wraps its OS errors in its own type: look down the chain.
+                let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(source.as_ref());
+                loop {
+                    match cur {
+                        Some(e) => match e.downcast_ref::<std::io::Error>() {
+                            Some(io) => break io,
+                            None => cur = e.source(),
+                        },
+                        None => return false,
+                    }
+                }
+            }
             _ => return false,
         };
         matches!(
@@ -428,6 +437,14 @@ mod liveness_tests {
         assert!(!net(libc::EPERM).is_host_exhaustion());
         // A cause that is no i/o error says nothing about the host's resources.
         assert!(!RuntimeError::network("route", "no such link").is_host_exhaustion());
+        // An io error wrapped by the networking layer's own type still counts.
+        #[derive(Debug, thiserror::Error)]
+        #[error("netns: {0}")]
+        struct Wrapped(#[source] std::io::Error);
+        let wrapped =
+            |errno| RuntimeError::network("net", Wrapped(std::io::Error::from_raw_os_error(errno)));
+        assert!(wrapped(libc::EMFILE).is_host_exhaustion());
+        assert!(!wrapped(libc::EACCES).is_host_exhaustion());
     }
 
     #[test]

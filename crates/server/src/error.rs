@@ -126,6 +126,7 @@ impl From<sandpit_net::NetError> for ApiError {
         use sandpit_net::NetError as E;
         match e {
             E::InvalidPolicy(m) => ApiError::bad_request(m),
+            e @ E::Policy(_) => ApiError::bad_request(e.to_string()),
             E::SandboxNotFound(id) => ApiError::sandbox_not_found(&id),
             E::Store(e) => e.into(),
             other => ApiError::internal(other.to_string()),
