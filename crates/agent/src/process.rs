@@ -181,7 +181,7 @@ impl Proc {
     /// watches yet: `finish` subscribes only when it first runs, which under load can be
     /// after the reaper collected a short command, and a plain `send` would drop the
     /// status for want of a receiver.
-    fn exited(&self, status: (i32, Option<i32>)) {
+    fn exited(&self, status: ExitStatus) {
         self.exit.send_if_modified(|v| {
             if v.is_some() {
                 return false;
