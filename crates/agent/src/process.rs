@@ -38,6 +38,10 @@ const ENDED_RETENTION: Duration = Duration::from_secs(30 * 60);
 /// After the process exits, how long to wait for descendants still holding its pipes.
 const DRAIN_GRACE: Duration = Duration::from_millis(250);
 const READ_CHUNK: usize = 64 * 1024;
+/// How often a command whose exit was not reported yet is looked at directly.
+const EXIT_RECHECK: Duration = Duration::from_secs(1);
+/// How soon the reaper looks again after a pass that could not finish.
+const REAP_RETRY: Duration = Duration::from_millis(50);
 
 /// Non-blocking access to a pipe or pty master.
 pub struct FdIo(AsyncFd<OwnedFd>);
@@ -173,6 +177,25 @@ impl Proc {
         self.exit.borrow().is_none()
     }
 
+    /// Records the exit status (the first one reported wins). Stored even while nobody
+    /// watches yet: `finish` subscribes only when it first runs, which under load can be
+    /// after the reaper collected a short command, and a plain `send` would drop the
+    /// status for want of a receiver.
+    fn exited(&self, status: ExitStatus) {
+        self.exit.send_if_modified(|v| {
+            if v.is_some() {
+                return false;
+            }
+            *v = Some(status);
+            true
+        });
+    }
+
+    /// The process id of the command.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
     fn info(&self) -> ProcessInfo {
         ProcessInfo {
             config: self.config.clone().into(),
@@ -183,12 +206,26 @@ impl Proc {
     }
 }
 
+/// An exit status, as `(code, signal)`.
+type ExitStatus = (i32, Option<i32>);
+
+/// The commands and the exits nobody claimed yet, behind one lock so that an exit is
+/// either seen by `spawn` when it registers the pid or delivered to the entry afterwards.
+#[derive(Default)]
+struct Registry {
+    procs: HashMap<u32, Arc<Proc>>,
+    /// Exits of children that were not (yet) registered commands: orphans, and a command
+    /// reaped before its spawner registered it.
+    unclaimed: HashMap<u32, ExitStatus>,
+}
+
+/// Most unclaimed exits kept; orphans re-parented to the agent land there too.
+const UNCLAIMED_LIMIT: usize = 4096;
+
 /// Every process the agent started and has not forgotten yet.
 pub struct ProcessTable {
     cfg: Arc<AgentConfig>,
-    procs: Mutex<HashMap<u32, Arc<Proc>>>,
-    /// Exits the reaper saw before the spawner registered the pid.
-    unclaimed: Mutex<HashMap<u32, (i32, Option<i32>)>>,
+    reg: Mutex<Registry>,
     /// CPU time and memory peak of each command, from the reaper's rusage.
     pub(crate) usage: crate::rusage::UsageTable,
 }
@@ -205,24 +242,38 @@ pub struct SpawnSpec {
     pub stdin: bool,
 }
 
+impl SpawnSpec {
+    /// Runs `config` as API user `user` ("root" or "user"; `None`: the sandbox's default),
+    /// without a pty, stdin or tag; `None` if the user is unknown.
+    pub fn new(cfg: &AgentConfig, user: Option<&str>, config: ProcessConfig) -> Option<Self> {
+        Some(Self {
+            config,
+            user: users::resolve(cfg, user)?,
+            tag: None,
+            pty: None,
+            stdin: false,
+        })
+    }
+}
+
 impl ProcessTable {
     /// An empty table for the given agent.
     pub fn new(cfg: Arc<AgentConfig>) -> Arc<Self> {
         Arc::new(Self {
             cfg,
-            procs: Mutex::default(),
-            unclaimed: Mutex::default(),
+            reg: Mutex::default(),
             usage: Default::default(),
         })
     }
 
     /// Whether `pid` is a command the agent started (and has not forgotten).
     pub fn is_command(&self, pid: u32) -> bool {
-        self.procs.lock().contains_key(&pid)
+        self.reg.lock().procs.contains_key(&pid)
     }
 
     fn get(&self, sel: &ProcessSelector) -> Result<Arc<Proc>, ConnectError> {
-        let procs = self.procs.lock();
+        let reg = self.reg.lock();
+        let procs = &reg.procs;
         let found = match &sel.selector {
             Some(Selector::Pid(pid)) => procs.get(pid).cloned(),
             Some(Selector::Tag(tag)) => procs
@@ -236,25 +287,50 @@ impl ProcessTable {
 
     /// Called by the reaper for every child it collected.
     pub fn on_exit(&self, pid: u32, code: i32, signal: Option<i32>) {
-        let proc = self.procs.lock().get(&pid).cloned();
-        match proc {
-            Some(p) => {
-                let _ = p.exit.send(Some((code, signal)));
-            }
+        let mut reg = self.reg.lock();
+        match reg.procs.get(&pid) {
+            Some(p) => p.exited((code, signal)),
             None => {
-                let mut u = self.unclaimed.lock();
-                // Orphans re-parented to PID 1 land here too; keep the map small.
-                if u.len() > 4096 {
-                    u.clear();
+                if reg.unclaimed.len() >= UNCLAIMED_LIMIT {
+                    reg.unclaimed.clear();
                 }
-                u.insert(pid, (code, signal));
+                reg.unclaimed.insert(pid, (code, signal));
             }
         }
     }
 
+    /// Registers a freshly forked command, and hands it its exit if the reaper collected
+    /// it already. An unclaimed exit under the same pid may also be an orphan's from long
+    /// ago (pids are reused): it is the command's only if the command is no longer a child
+    /// of the agent, i.e. it was collected.
+    fn register(&self, proc: &Arc<Proc>) {
+        let mut reg = self.reg.lock();
+        reg.procs.insert(proc.pid, proc.clone());
+        if let Some(status) = reg.unclaimed.remove(&proc.pid)
+            && child_state(proc.pid) == ChildState::Gone
+        {
+            proc.exited(status);
+        }
+    }
+
+    /// Whether `proc` is still the table's entry for its pid (not replaced by a command
+    /// that was given the same pid after it).
+    fn holds(&self, proc: &Arc<Proc>) -> bool {
+        self.reg
+            .lock()
+            .procs
+            .get(&proc.pid)
+            .is_some_and(|p| Arc::ptr_eq(p, proc))
+    }
+
+    /// Takes the unclaimed exit recorded under `pid`, if any.
+    fn take_unclaimed(&self, pid: u32) -> Option<ExitStatus> {
+        self.reg.lock().unclaimed.remove(&pid)
+    }
+
     /// Drops ended processes whose output was collected or that are too old.
     fn gc(&self) {
-        self.procs.lock().retain(|_, p| {
+        self.reg.lock().procs.retain(|_, p| {
             let out = p.out.lock();
             match out.ended_at {
                 None => true,
@@ -389,19 +465,29 @@ impl ProcessTable {
         })?;
         let pid = child.id();
         self.usage.begin(pid, spawned_at);
-        let io_err = |e: std::io::Error| ConnectError::internal(format!("pipe setup: {e}"));
-        let stdin = match child.stdin.take() {
-            Some(s) => Some(Arc::new(FdIo::new(OwnedFd::from(s)).map_err(io_err)?)),
-            None => None,
-        };
-        let pty = match pty_master {
-            Some(m) => Some(Arc::new(FdIo::new(m).map_err(io_err)?)),
-            None => None,
-        };
+        let stdin = child.stdin.take().map(OwnedFd::from);
         let stdout = child.stdout.take().map(OwnedFd::from);
         let stderr = child.stderr.take().map(OwnedFd::from);
         // The reaper, not std, collects the exit status.
         drop(child);
+        let ios = (|| -> std::io::Result<_> {
+            let wrap =
+                |fd: Option<OwnedFd>| fd.map(FdIo::new).transpose().map(|io| io.map(Arc::new));
+            Ok((
+                wrap(stdin)?,
+                wrap(pty_master)?,
+                wrap(stdout)?,
+                wrap(stderr)?,
+            ))
+        })();
+        let (stdin, pty, stdout, stderr) = match ios {
+            Ok(ios) => ios,
+            Err(e) => {
+                // Nobody could read or end this command: it must not run unseen.
+                kill_tree(pid, NixSignal::SIGKILL);
+                return Err(ConnectError::internal(format!("pipe setup: {e}")));
+            }
+        };
 
         let (exit_tx, _) = tokio::sync::watch::channel(None);
         let proc = Arc::new(Proc {
@@ -413,29 +499,19 @@ impl ProcessTable {
             out: Mutex::default(),
             exit: exit_tx,
         });
-        self.procs.lock().insert(pid, proc.clone());
-        let early = self.unclaimed.lock().remove(&pid);
-        if let Some(early) = early {
-            let _ = proc.exit.send(Some(early));
-        }
+        self.register(&proc);
         let (missed, rx) = proc.subscribe();
-        let rx = rx.ok_or_else(|| ConnectError::internal("process ended before it started"))?;
-
-        let mut readers = Vec::new();
-        let mk = |fd: OwnedFd, kind: fn(Vec<u8>) -> Output| -> Result<_, ConnectError> {
-            let io = FdIo::new(fd).map_err(io_err)?;
-            Ok(tokio::spawn(pump(proc.clone(), Arc::new(io), kind)))
-        };
-        if let Some(p) = &pty {
-            readers.push(tokio::spawn(pump(proc.clone(), p.clone(), Output::Pty)));
-        }
-        if let Some(fd) = stdout {
-            readers.push(mk(fd, Output::Stdout)?);
-        }
-        if let Some(fd) = stderr {
-            readers.push(mk(fd, Output::Stderr)?);
-        }
+        let readers = [
+            pty.map(|io| (io, Output::Pty as fn(Vec<u8>) -> Output)),
+            stdout.map(|io| (io, Output::Stdout as fn(Vec<u8>) -> Output)),
+            stderr.map(|io| (io, Output::Stderr as fn(Vec<u8>) -> Output)),
+        ]
+        .into_iter()
+        .flatten()
+        .map(|(io, kind)| tokio::spawn(pump(proc.clone(), io, kind)))
+        .collect();
         tokio::spawn(finish(self.clone(), proc.clone(), readers));
+        let rx = rx.ok_or_else(|| ConnectError::internal("process ended before it started"))?;
         Ok((proc, missed, rx))
     }
 }
@@ -477,21 +553,96 @@ async fn pump(proc: Arc<Proc>, io: Arc<FdIo>, kind: fn(Vec<u8>) -> Output) {
     }
 }
 
+/// How a child of the agent stands, asked without collecting it.
+#[derive(Debug, PartialEq, Eq)]
+enum ChildState {
+    /// Running (or stopped).
+    Running,
+    /// Exited, and waiting to be collected.
+    Zombie,
+    /// No child of the agent has this pid: it was collected.
+    Gone,
+}
+
+/// Peeks at child `pid` with `waitid(P_PID, WNOHANG|WNOWAIT)`, which leaves a zombie for
+/// the reaper.
+fn child_state(pid: u32) -> ChildState {
+    use nix::sys::wait::{Id, WaitPidFlag, WaitStatus, waitid};
+    let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT;
+    loop {
+        return match waitid(Id::Pid(Pid::from_raw(pid as i32)), flags) {
+            Ok(WaitStatus::Exited(..) | WaitStatus::Signaled(..)) => ChildState::Zombie,
+            Ok(_) => ChildState::Running,
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(nix::errno::Errno::ECHILD) => ChildState::Gone,
+            Err(e) => {
+                tracing::warn!(pid, error = %e, "waitid on a command failed");
+                ChildState::Running
+            }
+        };
+    }
+}
+
+/// Waits for the exit the reaper reports to `proc`. SIGCHLD is the fast path; every
+/// [`EXIT_RECHECK`] the child itself is looked at too, so that a missed signal or a lost
+/// notice cannot keep a command's stream open forever: a zombie gets a reaper pass, and a
+/// child that is gone without a reported status ends as lost (`None`).
+async fn wait_exit(table: &Arc<ProcessTable>, proc: &Arc<Proc>) -> Option<ExitStatus> {
+    let mut rx = proc.exit.subscribe();
+    // Two looks in a row, a period apart, before calling a status lost: the reaper
+    // reports right after it collects, so a second look cannot race with it.
+    let mut gone_seen = false;
+    loop {
+        if let Some(v) = *rx.borrow_and_update() {
+            return Some(v);
+        }
+        match tokio::time::timeout(EXIT_RECHECK, rx.changed()).await {
+            Ok(Ok(())) => continue,
+            // The sender lives in `proc`, which this task holds.
+            Ok(Err(_)) => return *proc.exit.borrow(),
+            Err(_elapsed) => {}
+        }
+        if proc.exit.borrow().is_some() {
+            continue;
+        }
+        // A command given the same pid after ours was collected is not ours to look at.
+        let state = if table.holds(proc) {
+            child_state(proc.pid)
+        } else {
+            ChildState::Gone
+        };
+        match state {
+            ChildState::Running => gone_seen = false,
+            ChildState::Zombie => {
+                tracing::warn!(pid = proc.pid, "command exited unnoticed; reaping it now");
+                crate::rusage::reap_pass(table);
+                gone_seen = false;
+            }
+            ChildState::Gone => {
+                let unclaimed = table
+                    .holds(proc)
+                    .then(|| table.take_unclaimed(proc.pid))
+                    .flatten();
+                if let Some(status) = unclaimed {
+                    proc.exited(status);
+                } else if gone_seen {
+                    tracing::error!(pid = proc.pid, "a command's exit status was lost");
+                    return None;
+                } else {
+                    gone_seen = true;
+                }
+            }
+        }
+    }
+}
+
 /// Waits for the exit, lets the readers drain, then publishes the end event.
 async fn finish(
     table: Arc<ProcessTable>,
     proc: Arc<Proc>,
     readers: Vec<tokio::task::JoinHandle<()>>,
 ) {
-    let mut rx = proc.exit.subscribe();
-    let (code, signal) = loop {
-        if let Some(v) = *rx.borrow_and_update() {
-            break v;
-        }
-        if rx.changed().await.is_err() {
-            return;
-        }
-    };
+    let status = wait_exit(&table, &proc).await;
     let drain = futures::future::join_all(readers);
     if tokio::time::timeout(DRAIN_GRACE, drain).await.is_err() {
         tracing::debug!(
@@ -502,21 +653,29 @@ async fn finish(
     *proc.stdin.lock().await = None;
     // Before the end event: whoever reads the command's usage after it sees a total.
     crate::rusage::settle(&table, proc.pid).await;
-    let status = match signal {
-        Some(s) => format!(
-            "signal: {}",
-            NixSignal::try_from(s)
-                .map(|s| s.as_str().trim_start_matches("SIG").to_lowercase())
-                .unwrap_or_else(|_| s.to_string())
-        ),
-        None => format!("exit status {code}"),
-    };
-    let end = EndEvent {
-        exit_code: code,
-        exited: signal.is_none(),
-        status,
-        error: None,
-        ..Default::default()
+    let end = match status {
+        Some((code, signal)) => EndEvent {
+            exit_code: code,
+            exited: signal.is_none(),
+            status: match signal {
+                Some(s) => format!(
+                    "signal: {}",
+                    NixSignal::try_from(s)
+                        .map(|s| s.as_str().trim_start_matches("SIG").to_lowercase())
+                        .unwrap_or_else(|_| s.to_string())
+                ),
+                None => format!("exit status {code}"),
+            },
+            error: None,
+            ..Default::default()
+        },
+        None => EndEvent {
+            exit_code: -1,
+            exited: false,
+            status: "unknown".into(),
+            error: Some("the command ended but its exit status was lost".into()),
+            ..Default::default()
+        },
     };
     let ev = ProcessEvent {
         event: Some(Event::End(Box::new(end))),
@@ -628,8 +787,9 @@ impl Process for ProcessService {
         _ctx: RequestContext,
         _request: ServiceRequest<'_, ListRequest>,
     ) -> ServiceResult<ListResponse> {
-        let procs = self.table.procs.lock();
-        let mut processes: Vec<ProcessInfo> = procs
+        let reg = self.table.reg.lock();
+        let mut processes: Vec<ProcessInfo> = reg
+            .procs
             .values()
             .filter(|p| p.is_running())
             .map(|p| p.info())
@@ -815,9 +975,17 @@ impl Process for ProcessService {
 /// rusage of each charged to the command it belongs to.
 pub async fn reap(table: Arc<ProcessTable>, mut sigchld: tokio::signal::unix::Signal) {
     loop {
-        crate::rusage::reap_pass(&table);
-        if sigchld.recv().await.is_none() {
-            return;
+        if crate::rusage::reap_pass(&table) {
+            if sigchld.recv().await.is_none() {
+                return;
+            }
+        } else {
+            // The pass stopped with a child possibly left: look again soon rather than
+            // wait for a SIGCHLD that may already have been consumed.
+            tokio::select! {
+                r = sigchld.recv() => if r.is_none() { return },
+                _ = tokio::time::sleep(REAP_RETRY) => {}
+            }
         }
     }
 }

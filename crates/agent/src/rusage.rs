@@ -25,6 +25,8 @@ const PF_EXITING: u64 = 0x4;
 /// How long a command's end waits for orphans of its session that are exiting right now.
 const SETTLE_ROUNDS: u32 = 10;
 const SETTLE_STEP: Duration = Duration::from_millis(5);
+/// Children a reaper pass may fail to collect after peeking at them before it gives up.
+const MAX_MISSES: u32 = 16;
 
 /// Usage totals of one command (its session), as served to the daemon.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
@@ -111,8 +113,11 @@ impl UsageTable {
 }
 
 /// Collects every child that has exited, charging its rusage to the command of its
-/// session, and reports exit statuses to the process table. Never blocks.
-pub fn reap_pass(table: &ProcessTable) {
+/// session, and reports exit statuses to the process table. Never blocks. Returns false
+/// if it had to stop while an exited child may be left uncollected (the caller looks
+/// again soon: no further SIGCHLD may come for it, as signals coalesce).
+pub fn reap_pass(table: &ProcessTable) -> bool {
+    let mut misses = 0;
     loop {
         // Peek without collecting: once collected, the zombie's session is gone from /proc.
         let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT;
@@ -120,10 +125,10 @@ pub fn reap_pass(table: &ProcessTable) {
             Ok(WaitStatus::Exited(pid, _) | WaitStatus::Signaled(pid, _, _)) => pid.as_raw(),
             Err(Errno::EINTR) => continue,
             // Nothing has exited (only exits are asked for, so nothing else comes back).
-            Ok(_) | Err(Errno::ECHILD) => return,
+            Ok(_) | Err(Errno::ECHILD) => return true,
             Err(e) => {
                 tracing::warn!(error = %e, "waitid failed");
-                return;
+                return false;
             }
         };
         let session = Stat::of(pid as u32).map(|s| s.session);
@@ -133,9 +138,12 @@ pub fn reap_pass(table: &ProcessTable) {
         // SAFETY: wait4 writes into the two locals, which outlive the call.
         let got = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut ru) };
         if got != pid {
-            // Collected elsewhere meanwhile (or not collectable): look again.
-            if got == 0 {
-                return;
+            // Collected elsewhere meanwhile (0: and its pid already given to a live
+            // child), or interrupted: look again, since other exited children may wait.
+            // Bounded, in case the kernel keeps offering a child wait4 will not take.
+            misses += 1;
+            if misses > MAX_MISSES {
+                return false;
             }
             continue;
         }
@@ -179,6 +187,7 @@ fn member_exiting(session: u32) -> bool {
 /// milliseconds to be collected too, so the usage read after the end event is complete.
 /// Descendants that are still running are not waited for.
 pub async fn settle(table: &Arc<ProcessTable>, pid: u32) {
+    // Whatever this pass leaves, the reaper task retries on its own.
     reap_pass(table);
     // Only inside a sandbox's own pid namespace is /proc small; outside (the process
     // runtime, for development), scanning the host's processes is not worth it.
