@@ -142,12 +142,15 @@ pub async fn prepare(
     let store = sandpit_store::Store::open(&cfg.data_dir.join("sandpit.db")).await?;
     ensure_admin_key(&store, &cfg.data_dir).await?;
     let mut runtimes: BTreeMap<String, Arc<dyn Runtime>> = BTreeMap::new();
+    let harness_dir = file.agents.resolve()?;
+    // From here on the start changes the host (the sandboxes' tmpfs and cgroup, the
+    // nftables table): a start that fails undoes it.
+    let mut guard = StartGuard::default();
     let container = sandpit_runtime::container::ContainerRuntime::new(
         &cfg.data_dir,
         cfg.self_exe.clone(),
         std::path::Path::new("/sys/fs/cgroup"),
     )?;
-    let harness_dir = file.agents.resolve()?;
     let container = match &harness_dir {
         Some(dir) => {
             tracing::info!(dir = %dir.display(), "agent harnesses bound into host sandboxes");
@@ -158,13 +161,15 @@ pub async fn prepare(
         }
         None => container,
     };
+    let container: Arc<dyn Runtime> = Arc::new(container);
+    guard.runtime = Some(container.clone());
     let last_audit = store.max_audit_id().await?;
     let net = net::Net::start(&file.network, &cfg.data_dir, store.clone(), last_audit)?;
-    let container: Arc<dyn Runtime> = Arc::new(container);
     let container: Arc<dyn Runtime> = match &net {
         Some(n) => Arc::new(net::runtime::NetRuntime::new(container, n.clone())),
         None => container,
     };
+    guard.runtime = Some(container.clone());
     runtimes.insert("container".into(), container);
     // Registered even when not offered, so that reconcile can clean up its sandboxes.
     let process =
@@ -193,6 +198,7 @@ pub async fn prepare(
         },
         snapshot_store,
     );
+    guard.manager = Some(manager.clone());
     if let Some(n) = &net {
         manager.attach_net(n.clone());
         // Connections to hosts with a bound credential go through the broker; it wants
@@ -232,12 +238,44 @@ pub async fn prepare(
             ..file.proxy.clone()
         }),
     };
+    guard.disarm();
     Ok((manager, state, file.http))
+}
+
+/// What a start has done to the host so far, released if it fails before serving: the
+/// releases leave alone whatever live sandboxes of an earlier run still use.
+#[derive(Default)]
+struct StartGuard {
+    runtime: Option<Arc<dyn Runtime>>,
+    manager: Option<Arc<Manager>>,
+}
+
+impl StartGuard {
+    fn disarm(&mut self) {
+        self.runtime = None;
+        self.manager = None;
+    }
+}
+
+impl Drop for StartGuard {
+    fn drop(&mut self) {
+        if let Some(m) = self.manager.take() {
+            tracing::info!("start failed: releasing the host resources it took");
+            m.release_host();
+        } else if let Some(rt) = self.runtime.take() {
+            tracing::info!("start failed: releasing the host resources it took");
+            rt.release();
+        }
+    }
 }
 
 /// Runs the daemon until SIGTERM or SIGINT. Sandboxes keep running across a restart and
 /// are re-adopted by the next start.
 pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
+    // Bound first: a port in use must fail the start before it has changed the host.
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .map_err(|e| ServerError::Io(format!("listen on {}", cfg.listen), e))?;
     let (manager, state, http) = prepare(&cfg).await?;
     tokio::spawn(manager.clone().run_pools());
     state.broker.spawn_refresh();
@@ -249,9 +287,6 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
             ticker.tick().await;
         }
     });
-    let listener = tokio::net::TcpListener::bind(cfg.listen)
-        .await
-        .map_err(|e| ServerError::Io(format!("listen on {}", cfg.listen), e))?;
     tracing::info!(listen = %cfg.listen, data_dir = %cfg.data_dir.display(), "sandpit serving");
     let net = manager.net().cloned();
     let shutdown = async move {

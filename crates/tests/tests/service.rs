@@ -1,5 +1,7 @@
-//! Running sandpit as a service: the systemd unit and its install script.
+//! Running sandpit as a service: the systemd unit and its install script, and a start
+//! that fails (its port in use) without leaving anything on the host.
 
+use sandpit_tests::{Daemon, tmpfs_mounted_on};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -106,4 +108,19 @@ fn the_install_script_is_valid_shell_and_installs_the_unit() {
     ] {
         assert!(text.contains(needed), "install-service.sh lacks {needed:?}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_on_a_taken_port_fails_clearly_and_leaves_nothing_mounted() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let (status, stderr, data) = Daemon::builder().port(port).start_failing();
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("listen on 127.0.0.1:{port}")) && stderr.contains("in use"),
+        "{stderr}"
+    );
+    let sandboxes = data.path().join("sandboxes");
+    assert!(!tmpfs_mounted_on(&sandboxes), "{stderr}");
+    drop(taken);
 }
