@@ -520,7 +520,8 @@ pub struct PoolSpec {
     pub runtime: Option<String>,
     #[serde(default)]
     pub limits: LimitsSpec,
-    /// Idle sandboxes to keep ready.
+    /// Idle sandboxes to keep ready: at most the daemon's `[pool_limits] max_size`
+    /// (default 64), and all pools' sandboxes' memory limits together within the host's.
     pub size: u32,
 }
 

@@ -62,6 +62,8 @@ pub enum ServerError {
     Storage(#[from] sandpit_core::snapshot_store::StorageError),
     #[error("{0}: {1}")]
     Io(String, #[source] std::io::Error),
+    #[error("warm pools: {0}")]
+    Pools(#[source] sandpit_core::CoreError),
 }
 
 /// Name of the file in the data dir holding the first admin key (mode 0600).
@@ -195,6 +197,7 @@ pub async fn prepare(
             default_runtime: "container".into(),
             allow_process_runtime: cfg.allow_process_runtime,
             agents: sandpit_core::agent_runtime::AgentsConfig { harness_dir },
+            pool_limits: file.pool_limits.clone(),
         },
         snapshot_store,
     );
@@ -217,8 +220,13 @@ pub async fn prepare(
         tracing::warn!(error = %e.chain(), "reconciling volumes failed");
     }
     manager.templates().recover(&store).await;
-    if let Err(e) = manager.load_pools(&file.pools).await {
-        tracing::warn!(error = %e.chain(), "loading warm pools failed");
+    match manager.load_pools(&file.pools).await {
+        Ok(()) => {}
+        // A config pool over the size limits: the operator must fix the file.
+        Err(e @ (sandpit_core::CoreError::Invalid(_) | sandpit_core::CoreError::Conflict(_))) => {
+            return Err(ServerError::Pools(e));
+        }
+        Err(e) => tracing::warn!(error = %e.chain(), "loading warm pools failed"),
     }
     let state = api::AppState {
         manager: manager.clone(),
