@@ -104,6 +104,8 @@ impl From<FsError> for ConnectError {
 /// A directory that all file operations are confined to.
 pub struct FsRoot {
     dir: OwnedFd,
+    /// The root as the kernel names it (`/proc/self/fd/N` read back).
+    root_path: PathBuf,
     resolve: ResolveFlag,
     cfg: Arc<AgentConfig>,
 }
@@ -152,7 +154,19 @@ impl FsRoot {
                 ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_MAGICLINKS
             }
         };
-        Ok(Self { dir, resolve, cfg })
+        // Where the kernel places the root, so that paths read back from fds below it can
+        // be turned into paths inside the sandbox. Without /proc, the configured path (only
+        // symlink targets are then reported from the links' text).
+        let root_path = std::fs::read_link(Self::fd_path(&dir, None)).unwrap_or_else(|e| {
+            tracing::debug!(error = %e, "cannot read the root's path back from /proc");
+            cfg.root.clone()
+        });
+        Ok(Self {
+            dir,
+            root_path,
+            resolve,
+            cfg,
+        })
     }
 
     /// The agent configuration this root belongs to.
@@ -272,11 +286,8 @@ impl FsRoot {
         .map_err(|e| FsError::from_errno(&p.abs, e))?;
         let mut info = self.info_from_stat(&p.abs, &lst);
         if is_symlink(&lst) {
-            if let Some(Ok(target)) = parent
-                .as_ref()
-                .map(|fd| nix::fcntl::readlinkat(fd.as_fd(), name.as_os_str()))
-            {
-                info.symlink_target = Some(target.to_string_lossy().into_owned());
+            if let Some(fd) = parent.as_ref() {
+                info.symlink_target = self.link_target(p, fd, &name);
             }
             info.is_symlink = true;
             // E2B reports what the link points at; a dangling link stays a file.
@@ -287,6 +298,38 @@ impl FsRoot {
             }
         }
         Ok(info)
+    }
+
+    /// The absolute path inside the sandbox that the symlink `p` leads to, as E2B reports
+    /// it: where the kernel resolves it under the root's confinement, or, for a dangling
+    /// (or refused) link, the path its text names taken from the link's directory and
+    /// normalised with `..` stopping at `/`. A path the kernel resolves outside the root is
+    /// never reported.
+    fn link_target(&self, p: &SandboxPath, parent: &OwnedFd, name: &OsString) -> Option<String> {
+        if let Ok(fd) = self.open_at(p, OFlag::O_PATH, Mode::empty())
+            && let Some(abs) = self.inside_path(&fd)
+        {
+            return Some(abs);
+        }
+        let text = nix::fcntl::readlinkat(parent.as_fd(), name.as_os_str()).ok()?;
+        // The directory the link really sits in, not the lexical one the caller named.
+        let base = self
+            .inside_path(parent)
+            .or_else(|| p.split().map(|(dir, _)| dir.abs))?;
+        Some(clamped_join(&base, &text.to_string_lossy()))
+    }
+
+    /// The path inside the sandbox of an fd opened below the root, from the kernel's own
+    /// record of it; None if the kernel places it outside the root (which openat2's
+    /// confinement should never allow) or it has been deleted.
+    fn inside_path(&self, fd: &OwnedFd) -> Option<String> {
+        let real = std::fs::read_link(Self::fd_path(fd, None)).ok()?;
+        // A deleted entry reads as "path (deleted)": not a path anyone can use.
+        if real.as_os_str().as_bytes().ends_with(b" (deleted)") {
+            return None;
+        }
+        let rel = real.strip_prefix(&self.root_path).ok()?;
+        Some(format!("/{}", rel.to_str()?))
     }
 
     fn info_from_stat(&self, abs: &str, st: &FileStat) -> EntryInfo {
@@ -433,6 +476,23 @@ impl FsRoot {
         }
         Ok((std::fs::File::from(fd), st.st_size as u64))
     }
+}
+
+/// Joins a symlink's text to the directory it sits in and normalises the result, a `..`
+/// at `/` staying at `/` as it does when the kernel resolves in the root.
+fn clamped_join(dir: &str, text: &str) -> String {
+    let mut parts: Vec<&str> = Vec::new();
+    let start = if text.starts_with('/') { "" } else { dir };
+    for comp in start.split('/').chain(text.split('/')) {
+        match comp {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            c => parts.push(c),
+        }
+    }
+    format!("/{}", parts.join("/"))
 }
 
 fn is_dir(st: &FileStat) -> bool {
@@ -663,8 +723,12 @@ mod tests {
     use crate::config::AgentConfig;
 
     fn root_at(dir: &Path) -> FsRoot {
+        root_in(dir, IsolationMode::Process)
+    }
+
+    fn root_in(dir: &Path, mode: IsolationMode) -> FsRoot {
         let cfg = AgentConfig {
-            mode: IsolationMode::Process,
+            mode,
             root: dir.to_path_buf(),
             workdir: "/home/user".into(),
             env: Default::default(),
@@ -742,6 +806,57 @@ mod tests {
             std::fs::read_to_string(t.path().join("secret")).unwrap(),
             "host"
         );
+    }
+
+    #[test]
+    fn a_symlink_reports_the_absolute_path_it_leads_to_inside_the_root() {
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path().join("root");
+        let home = root.join("home/user");
+        std::fs::create_dir_all(&home).unwrap();
+        std::fs::write(t.path().join("secret"), "host").unwrap();
+        std::fs::write(home.join("test_file.txt"), "x").unwrap();
+        let link = |text: &str, name: &str| std::os::unix::fs::symlink(text, home.join(name));
+        link("test_file.txt", "plain").unwrap();
+        link("../user/./test_file.txt", "dotted").unwrap();
+        link("plain", "chained").unwrap();
+        link("missing/x", "dangling").unwrap();
+        link("../../../../../secret", "climbing").unwrap();
+        link(t.path().join("secret").to_str().unwrap(), "host_abs").unwrap();
+        std::os::unix::fs::symlink("/home/user/test_file.txt", root.join("abs")).unwrap();
+        let host = t.path().to_string_lossy().into_owned();
+        let u = user();
+        let target = |r: &FsRoot, p: &str| {
+            let info = r.entry_info(&r.check(p, &u).unwrap()).unwrap();
+            assert!(info.is_symlink, "{p}");
+            info.symlink_target.unwrap()
+        };
+        for mode in [IsolationMode::Process, IsolationMode::Container] {
+            let r = root_in(&root, mode);
+            for p in ["plain", "dotted", "chained"] {
+                assert_eq!(target(&r, p), "/home/user/test_file.txt", "{p} {mode:?}");
+            }
+            assert_eq!(target(&r, "dangling"), "/home/user/missing/x");
+            // A `..` stops at the root, as the kernel's resolution in the root does.
+            assert_eq!(target(&r, "climbing"), "/secret");
+            // A link naming a host path is not followed there: it reports the path it
+            // names, which inside the sandbox is a missing file.
+            assert_eq!(target(&r, "host_abs"), format!("{host}/secret"));
+            let listed = r.list_dir(&r.check("/home/user", &u).unwrap(), 1).unwrap();
+            let plain = listed.iter().find(|e| e.name == "plain").unwrap();
+            assert_eq!(
+                plain.symlink_target.as_deref(),
+                Some("/home/user/test_file.txt")
+            );
+            assert_eq!(
+                plain.r#type.as_known(),
+                Some(FileType::FILE_TYPE_FILE),
+                "a link reports its target's type"
+            );
+        }
+        // An absolute link means the sandbox's own path in a container.
+        let c = root_in(&root, IsolationMode::Container);
+        assert_eq!(target(&c, "/abs"), "/home/user/test_file.txt");
     }
 
     #[test]

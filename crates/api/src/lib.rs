@@ -84,7 +84,8 @@ pub struct CreateSandboxRequest {
     /// Seconds without API calls after which the sandbox is paused (daemon default 300;
     /// 0 = never).
     pub idle_timeout: Option<u64>,
-    /// What its timeout does: `kill` (default) or `pause`.
+    /// What its timeout does: `kill` (default), `pause` (with its memory) or `hibernate`
+    /// (only its files).
     pub on_timeout: Option<String>,
     /// Whether a call to a paused or hibernated sandbox resumes it (default true).
     pub auto_resume: Option<bool>,
@@ -111,7 +112,7 @@ pub struct CreateSandboxRequest {
 pub struct Lifecycle {
     /// Seconds without API calls before an automatic pause; 0 = never.
     pub idle_timeout: u64,
-    /// `kill` or `pause`.
+    /// `kill`, `pause` or `hibernate`.
     pub on_timeout: String,
     pub auto_resume: bool,
     /// Unix ms of the last API call that touched it.
@@ -519,7 +520,8 @@ pub struct PoolSpec {
     pub runtime: Option<String>,
     #[serde(default)]
     pub limits: LimitsSpec,
-    /// Idle sandboxes to keep ready.
+    /// Idle sandboxes to keep ready: at most the daemon's `[pool_limits] max_size`
+    /// (default 64), and all pools' sandboxes' memory limits together within the host's.
     pub size: u32,
 }
 

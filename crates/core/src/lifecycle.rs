@@ -193,9 +193,15 @@ impl Manager {
         }
     }
 
-    /// A sandbox past its timeout: destroyed, or paused when its `on_timeout` says so.
+    /// A sandbox past its timeout: destroyed, or paused (with its memory or, for
+    /// `hibernate`, only its files) when its `on_timeout` says so.
     pub(crate) async fn expire(self: &Arc<Self>, rec: &SandboxRecord) {
-        if rec.life.on_timeout == OnTimeout::Pause
+        let keep_memory = match rec.life.on_timeout {
+            OnTimeout::Kill => None,
+            OnTimeout::Pause => Some(true),
+            OnTimeout::Hibernate => Some(false),
+        };
+        if let Some(memory) = keep_memory
             && matches!(
                 rec.state,
                 SandboxState::Running | SandboxState::Paused | SandboxState::Hibernated
@@ -207,7 +213,7 @@ impl Manager {
                 return;
             }
             if rec.state == SandboxState::Running {
-                self.spawn_pause(rec, "timeout", true);
+                self.spawn_pause(rec, "timeout", memory);
             }
             return;
         }

@@ -43,6 +43,8 @@ pub struct ManagerConfig {
     pub allow_process_runtime: bool,
     /// Agent-run settings (`[agents]`).
     pub agents: crate::agent_runtime::AgentsConfig,
+    /// Bounds on warm pools (`[pool_limits]`).
+    pub pool_limits: crate::pools::PoolLimits,
 }
 
 /// Owns sandbox lifecycles.

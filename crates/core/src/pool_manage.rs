@@ -13,17 +13,48 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-pub(crate) fn check_pool_size(size: u32) -> Result<(), CoreError> {
-    if size > crate::pools::MAX_POOL_SIZE {
-        return Err(CoreError::invalid(format!(
-            "pool size must be at most {}",
-            crate::pools::MAX_POOL_SIZE
-        )));
-    }
-    Ok(())
+/// The host's memory (`MemTotal` of `/proc/meminfo`), in bytes.
+pub(crate) fn host_memory_bytes() -> Result<u64, CoreError> {
+    let text = std::fs::read_to_string("/proc/meminfo").map_err(|e| CoreError::Io {
+        context: "read /proc/meminfo".into(),
+        source: e,
+    })?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kib| kib.saturating_mul(1024))
+        .ok_or_else(|| CoreError::internal("no MemTotal in /proc/meminfo"))
+}
+
+/// Memory the idle sandboxes of `pools` hold at their sizes, leaving out pool `except`.
+fn committed_bytes<'a>(pools: impl Iterator<Item = &'a PoolRecord>, except: &str) -> u64 {
+    pools
+        .filter(|p| p.name != except)
+        .map(|p| (p.size.max(0) as u64).saturating_mul(p.memory_bytes.max(0) as u64))
+        .fold(0u64, u64::saturating_add)
 }
 
 impl Manager {
+    /// Refuses `size` sandboxes of `memory_bytes` for pool `name` when that is over the
+    /// configured maximum or more than the host's memory holds next to the pools in
+    /// `others` (400 and 409 at the API).
+    pub(crate) fn check_pool_fits<'a>(
+        &self,
+        name: &str,
+        size: u32,
+        memory_bytes: u64,
+        others: impl Iterator<Item = &'a PoolRecord>,
+    ) -> Result<(), CoreError> {
+        crate::pools::check_pool_limits(
+            &self.cfg.pool_limits,
+            size,
+            memory_bytes,
+            committed_bytes(others, name),
+            host_memory_bytes()?,
+        )
+        .map_err(CoreError::from)
+    }
+
     /// Validates a pool definition into a store record.
     pub(crate) async fn pool_record(
         &self,
@@ -41,7 +72,6 @@ impl Manager {
                 "pool name must be 1 to 64 characters of [a-zA-Z0-9_-]",
             ));
         }
-        check_pool_size(spec.size)?;
         let plan = self
             .plan(
                 spec.template.as_deref(),
@@ -69,6 +99,8 @@ impl Manager {
     /// Creates a pool through the API; it fills in the background.
     pub async fn create_pool(&self, spec: &PoolSpec) -> Result<PoolView, CoreError> {
         let def = self.pool_record(spec, "api").await?;
+        let others: Vec<PoolRecord> = self.pools.views().into_iter().map(|v| v.def).collect();
+        self.check_pool_fits(&def.name, spec.size, def.memory_bytes as u64, others.iter())?;
         let key = PoolKey::of(&def);
         if let Some(other) = self
             .pools
@@ -92,7 +124,17 @@ impl Manager {
 
     /// Changes how many idle sandboxes a pool keeps; extra idle ones are destroyed.
     pub async fn resize_pool(&self, name: &str, size: u32) -> Result<PoolView, CoreError> {
-        check_pool_size(size)?;
+        let defs: Vec<PoolRecord> = self.pools.views().into_iter().map(|v| v.def).collect();
+        // A pool the store has but that is not in use (another pool keeps its kind) holds
+        // no memory: only the maximum applies to it.
+        let (current, memory) = defs
+            .iter()
+            .find(|d| d.name == name)
+            .map_or((0, 0), |d| (d.size, d.memory_bytes as u64));
+        // Shrinking is always allowed, even on a host that has lost memory since.
+        if i64::from(size) > current {
+            self.check_pool_fits(name, size, memory, defs.iter())?;
+        }
         if !self.store.resize_pool(name, size as i64).await? {
             return Err(CoreError::not_found(format!("pool {name} not found")));
         }
@@ -116,18 +158,47 @@ impl Manager {
 
     /// After reconcile: applies the config file's pools (which replace earlier config
     /// pools), loads every pool, adopts surviving idle members and destroys the rest.
+    /// A config pool over the size limits fails it (`Invalid` over the maximum,
+    /// `Conflict` beyond the host's memory) before anything is changed: the daemon does
+    /// not start with it.
     pub async fn load_pools(&self, from_config: &[PoolSpec]) -> Result<(), CoreError> {
-        let mut declared = Vec::new();
+        let declared: Vec<String> = from_config.iter().map(|s| s.name.clone()).collect();
+        // What the pools will hold: the API's pools and the file's, not the file's old ones.
+        let mut kept: Vec<PoolRecord> = self
+            .store
+            .list_pools()
+            .await?
+            .into_iter()
+            .filter(|p| p.source != "config")
+            .collect();
+        let mut accepted = Vec::new();
         for spec in from_config {
             // A refused entry (say, its template is missing just now) keeps what the store
             // has: only a pool taken out of the file is removed.
-            declared.push(spec.name.clone());
             match self.pool_record(spec, "config").await {
-                Ok(def) => self.store.upsert_pool(&def).await?,
+                Ok(def) => {
+                    let in_file = |m: String| format!("pool {} in the config file: {m}", spec.name);
+                    self.check_pool_fits(
+                        &def.name,
+                        spec.size,
+                        def.memory_bytes as u64,
+                        kept.iter(),
+                    )
+                    .map_err(|e| match e {
+                        CoreError::Invalid(m) => CoreError::Invalid(in_file(m)),
+                        CoreError::Conflict(m) => CoreError::Conflict(in_file(m)),
+                        other => other,
+                    })?;
+                    kept.push(def.clone());
+                    accepted.push(def);
+                }
                 Err(e) => {
                     tracing::error!(pool = %spec.name, error = %e.chain(), "pool in the config file refused")
                 }
             }
+        }
+        for def in &accepted {
+            self.store.upsert_pool(def).await?;
         }
         let mut keys: Vec<PoolKey> = Vec::new();
         for def in self.store.list_pools().await? {

@@ -20,8 +20,87 @@ pub const REFILL_QUIET: std::time::Duration = std::time::Duration::from_millis(2
 pub const REFILL_MAX_HOLD: std::time::Duration = std::time::Duration::from_millis(250);
 /// Pause after a failed refill before the pool tries again.
 pub const REFILL_BACKOFF: std::time::Duration = std::time::Duration::from_secs(2);
-/// Largest size of one pool.
+/// Largest size of one pool, whatever `[pool_limits] max_size` says.
 pub const MAX_POOL_SIZE: u32 = 2048;
+/// Default of `[pool_limits] max_size`.
+pub const DEFAULT_MAX_POOL_SIZE: u32 = 64;
+
+/// Bounds on warm pools (`[pool_limits]` in the config file).
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PoolLimits {
+    /// Most idle sandboxes one pool may keep (at most [`MAX_POOL_SIZE`]).
+    pub max_size: u32,
+}
+
+impl Default for PoolLimits {
+    fn default() -> Self {
+        Self {
+            max_size: DEFAULT_MAX_POOL_SIZE,
+        }
+    }
+}
+
+/// Why a pool of some size was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PoolLimitError {
+    /// Larger than the configured maximum.
+    #[error("pool size {size} is over the maximum of {max} ([pool_limits] max_size)")]
+    OverMax { size: u32, max: u32 },
+    /// Its sandboxes' memory limits do not fit in what the host has left for pools.
+    #[error(
+        "no capacity for {size} sandboxes of {per_mib} MiB ({need_mib} MiB): the host has \
+         {total_mib} MiB of memory and other pools already hold {committed_mib} MiB"
+    )]
+    NoCapacity {
+        size: u32,
+        per_mib: u64,
+        need_mib: u64,
+        total_mib: u64,
+        committed_mib: u64,
+    },
+}
+
+impl From<PoolLimitError> for crate::error::CoreError {
+    fn from(e: PoolLimitError) -> Self {
+        match e {
+            PoolLimitError::OverMax { .. } => Self::Invalid(e.to_string()),
+            PoolLimitError::NoCapacity { .. } => Self::Conflict(e.to_string()),
+        }
+    }
+}
+
+/// Checks a pool of `size` sandboxes with `memory_bytes` each against the configured
+/// maximum and the host's memory: all pools' idle sandboxes together (`committed_bytes`
+/// for the others) may at most reach `mem_total_bytes`, so that an admin's typo cannot
+/// start more idle sandboxes than the host could ever run.
+pub fn check_pool_limits(
+    limits: &PoolLimits,
+    size: u32,
+    memory_bytes: u64,
+    committed_bytes: u64,
+    mem_total_bytes: u64,
+) -> Result<(), PoolLimitError> {
+    let max = limits.max_size.min(MAX_POOL_SIZE);
+    if size > max {
+        return Err(PoolLimitError::OverMax { size, max });
+    }
+    if size == 0 {
+        return Ok(());
+    }
+    let need = u128::from(size) * u128::from(memory_bytes);
+    if need + u128::from(committed_bytes) > u128::from(mem_total_bytes) {
+        let mib = |b: u128| u64::try_from(b >> 20).unwrap_or(u64::MAX);
+        return Err(PoolLimitError::NoCapacity {
+            size,
+            per_mib: memory_bytes >> 20,
+            need_mib: mib(need),
+            total_mib: mem_total_bytes >> 20,
+            committed_mib: committed_bytes >> 20,
+        });
+    }
+    Ok(())
+}
 
 /// What a create must match to be served from a pool.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -388,5 +467,41 @@ mod tests {
         assert!(!pools.started(&stale, Some("8".into())));
         assert!(pools.started(&stale, None));
         assert_eq!(pools.view("a").unwrap().starting, 0);
+    }
+
+    #[test]
+    fn pool_sizes_are_bounded_by_the_maximum_and_the_hosts_memory() {
+        const GIB: u64 = 1 << 30;
+        let limits = PoolLimits::default();
+        assert_eq!(limits.max_size, 64);
+        assert_eq!(check_pool_limits(&limits, 64, GIB / 4, 0, 24 * GIB), Ok(()));
+        assert_eq!(
+            check_pool_limits(&limits, 194, GIB / 4, 0, 1 << 50),
+            Err(PoolLimitError::OverMax { size: 194, max: 64 })
+        );
+        // Exactly full fits; one byte more than the host has does not.
+        assert_eq!(
+            check_pool_limits(&limits, 8, GIB, 16 * GIB, 24 * GIB),
+            Ok(())
+        );
+        assert!(matches!(
+            check_pool_limits(&limits, 8, GIB, 16 * GIB + 1, 24 * GIB),
+            Err(PoolLimitError::NoCapacity {
+                need_mib: 8192,
+                committed_mib: 16384,
+                ..
+            })
+        ));
+        // A configured maximum above the hard one is held to it; nothing overflows.
+        let huge = PoolLimits { max_size: u32::MAX };
+        assert_eq!(
+            check_pool_limits(&huge, MAX_POOL_SIZE + 1, 1, 0, u64::MAX),
+            Err(PoolLimitError::OverMax {
+                size: MAX_POOL_SIZE + 1,
+                max: MAX_POOL_SIZE
+            })
+        );
+        assert!(check_pool_limits(&huge, MAX_POOL_SIZE, u64::MAX, u64::MAX, u64::MAX).is_err());
+        assert_eq!(check_pool_limits(&limits, 0, u64::MAX, u64::MAX, 0), Ok(()));
     }
 }

@@ -118,9 +118,10 @@ impl Manager {
         let on_timeout = match req.on_timeout.as_deref() {
             None | Some("kill") => sandpit_store::OnTimeout::Kill,
             Some("pause") => sandpit_store::OnTimeout::Pause,
+            Some("hibernate") => sandpit_store::OnTimeout::Hibernate,
             Some(other) => {
                 return Err(CoreError::invalid(format!(
-                    "on_timeout is `kill` or `pause`, not {other:?}"
+                    "on_timeout is `kill`, `pause` or `hibernate`, not {other:?}"
                 )));
             }
         };

@@ -643,6 +643,7 @@ async fn manager(data_dir: &Path, fake: Arc<FakeRuntime>) -> Arc<Manager> {
             default_runtime: FAKE.into(),
             allow_process_runtime: false,
             agents: Default::default(),
+            pool_limits: Default::default(),
         },
         snapshots,
     )

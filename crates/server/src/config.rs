@@ -1,4 +1,4 @@
-//! The daemon's config file (TOML): warm pools and the `[lifecycle]`, `[snapshots]`,
+//! The daemon's config file (TOML): warm pools, `[pool_limits]` and the `[lifecycle]`, `[snapshots]`,
 //! `[e2b]`, `[proxy]`, `[broker]`, `[network]` and `[http]` sections; flags carry the
 //! settings a daemon needs before it can read a file (listen address, data directory).
 
@@ -76,6 +76,9 @@ pub struct FileConfig {
     /// Agent runs (`[agents]`: where the harness installs are).
     #[serde(default)]
     pub agents: AgentsFileConfig,
+    /// Bounds on warm pools (`[pool_limits]`: `max_size`, default 64).
+    #[serde(default)]
+    pub pool_limits: crate::pools::PoolLimits,
 }
 
 /// The `[agents]` section.

@@ -73,6 +73,8 @@ pub enum ServerError {
     Storage(#[from] sandpit_core::snapshot_store::StorageError),
     #[error("{0}: {1}")]
     Io(String, #[source] std::io::Error),
+    #[error("warm pools: {0}")]
+    Pools(#[source] sandpit_core::CoreError),
 }
 
 /// Name of the file in the data dir holding the first admin key (mode 0600).
@@ -153,12 +155,15 @@ pub async fn prepare(
     let store = sandpit_store::Store::open(&cfg.data_dir.join("sandpit.db")).await?;
     ensure_admin_key(&store, &cfg.data_dir).await?;
     let mut runtimes: BTreeMap<String, Arc<dyn Runtime>> = BTreeMap::new();
+    let harness_dir = file.agents.resolve()?;
+    // From here on the start changes the host (the sandboxes' tmpfs and cgroup, the
+    // nftables table): a start that fails undoes it.
+    let mut guard = StartGuard::default();
     let container = sandpit_runtime::container::ContainerRuntime::new(
         &cfg.data_dir,
         cfg.self_exe.clone(),
         std::path::Path::new("/sys/fs/cgroup"),
     )?;
-    let harness_dir = file.agents.resolve()?;
     let container = match &harness_dir {
         Some(dir) => {
             tracing::info!(dir = %dir.display(), "agent harnesses bound into host sandboxes");
@@ -169,13 +174,15 @@ pub async fn prepare(
         }
         None => container,
     };
+    let container: Arc<dyn Runtime> = Arc::new(container);
+    guard.runtime = Some(container.clone());
     let last_audit = store.max_audit_id().await?;
     let net = net::Net::start(&file.network, &cfg.data_dir, store.clone(), last_audit)?;
-    let container: Arc<dyn Runtime> = Arc::new(container);
     let container: Arc<dyn Runtime> = match &net {
         Some(n) => Arc::new(net::runtime::NetRuntime::new(container, n.clone())),
         None => container,
     };
+    guard.runtime = Some(container.clone());
     runtimes.insert("container".into(), container);
     // Registered even when not offered, so that reconcile can clean up its sandboxes.
     let process =
@@ -201,9 +208,11 @@ pub async fn prepare(
             default_runtime: "container".into(),
             allow_process_runtime: cfg.allow_process_runtime,
             agents: sandpit_core::agent_runtime::AgentsConfig { harness_dir },
+            pool_limits: file.pool_limits.clone(),
         },
         snapshot_store,
     );
+    guard.manager = Some(manager.clone());
     if let Some(n) = &net {
         manager.attach_net(n.clone());
         // Connections to hosts with a bound credential go through the broker; it wants
@@ -222,8 +231,13 @@ pub async fn prepare(
         tracing::warn!(error = %e.chain(), "reconciling volumes failed");
     }
     manager.templates().recover(&store).await;
-    if let Err(e) = manager.load_pools(&file.pools).await {
-        tracing::warn!(error = %e.chain(), "loading warm pools failed");
+    match manager.load_pools(&file.pools).await {
+        Ok(()) => {}
+        // A config pool over the size limits: the operator must fix the file.
+        Err(e @ (sandpit_core::CoreError::Invalid(_) | sandpit_core::CoreError::Conflict(_))) => {
+            return Err(ServerError::Pools(e));
+        }
+        Err(e) => tracing::warn!(error = %e.chain(), "loading warm pools failed"),
     }
     let state = api::AppState {
         manager: manager.clone(),
@@ -243,12 +257,44 @@ pub async fn prepare(
             ..file.proxy.clone()
         }),
     };
+    guard.disarm();
     Ok((manager, state, file.http))
+}
+
+/// What a start has done to the host so far, released if it fails before serving: the
+/// releases leave alone whatever live sandboxes of an earlier run still use.
+#[derive(Default)]
+struct StartGuard {
+    runtime: Option<Arc<dyn Runtime>>,
+    manager: Option<Arc<Manager>>,
+}
+
+impl StartGuard {
+    fn disarm(&mut self) {
+        self.runtime = None;
+        self.manager = None;
+    }
+}
+
+impl Drop for StartGuard {
+    fn drop(&mut self) {
+        if let Some(m) = self.manager.take() {
+            tracing::info!("start failed: releasing the host resources it took");
+            m.release_host();
+        } else if let Some(rt) = self.runtime.take() {
+            tracing::info!("start failed: releasing the host resources it took");
+            rt.release();
+        }
+    }
 }
 
 /// Runs the daemon until SIGTERM or SIGINT. Sandboxes keep running across a restart and
 /// are re-adopted by the next start.
 pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
+    // Bound first: a port in use must fail the start before it has changed the host.
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .map_err(|e| ServerError::Io(format!("listen on {}", cfg.listen), e))?;
     let (manager, state, http) = prepare(&cfg).await?;
     tokio::spawn(manager.clone().run_pools());
     state.broker.spawn_refresh();
@@ -260,9 +306,6 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
             ticker.tick().await;
         }
     });
-    let listener = tokio::net::TcpListener::bind(cfg.listen)
-        .await
-        .map_err(|e| ServerError::Io(format!("listen on {}", cfg.listen), e))?;
     tracing::info!(listen = %cfg.listen, data_dir = %cfg.data_dir.display(), "sandpit serving");
     let net = manager.net().cloned();
     let shutdown = async move {

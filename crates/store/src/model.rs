@@ -151,6 +151,8 @@ pub enum OnTimeout {
     Kill,
     /// Pause it (and hibernate it later, as the daemon's settings say).
     Pause,
+    /// Hibernate it: keep only its files, as E2B's `autoPauseMemory: false` asks.
+    Hibernate,
 }
 
 /// Lifecycle settings and state of a sandbox beyond its state machine.

@@ -113,10 +113,40 @@ impl DaemonBuilder {
         self
     }
 
-    /// Starts the daemon and waits until it answers (or 5 s have passed).
-    pub async fn start(self) -> Daemon {
+    /// Starts a daemon that is expected to fail its start: waits for it to exit (60 s at
+    /// most) and returns its exit status, its standard error and its data directory.
+    pub fn start_failing(self) -> (std::process::ExitStatus, String, tempfile::TempDir) {
         let port = self.port.unwrap_or_else(free_port);
-        let data = self.data;
+        let (mut cmd, _config_dir) = self.command(port);
+        cmd.env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().expect("spawn sandpit serve");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            if let Some(s) = child.try_wait().expect("wait for sandpit serve") {
+                break s;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("sandpit serve did not exit within 60 s");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let mut stderr = String::new();
+        if let Some(mut e) = child.stderr.take() {
+            use std::io::Read;
+            let _ = e.read_to_string(&mut stderr);
+        }
+        (status, stderr, self.data)
+    }
+
+    /// The `sandpit serve` command of this builder, with the directory holding its
+    /// `--config` file (kept as long as the daemon runs).
+    fn command(&self, port: u16) -> (Command, Option<tempfile::TempDir>) {
+        let data = &self.data;
         if let Some(toml) = &self.config {
             std::fs::write(data.path().join("config.toml"), toml).expect("write config.toml");
         }
@@ -128,7 +158,7 @@ impl DaemonBuilder {
             "--data-dir",
         ])
         .arg(data.path());
-        let config_dir = self.config_file.map(|toml| {
+        let config_dir = self.config_file.as_ref().map(|toml| {
             let dir = temp_dir("sandpit-test-cfg-");
             let path = dir.path().join("config.toml");
             std::fs::write(&path, toml).expect("write the config file");
@@ -139,6 +169,14 @@ impl DaemonBuilder {
         if self.stray_fd || self.fd_limit.is_some() {
             pre_exec(&mut cmd, self.stray_fd, self.fd_limit);
         }
+        (cmd, config_dir)
+    }
+
+    /// Starts the daemon and waits until it answers its health check.
+    pub async fn start(self) -> Daemon {
+        let port = self.port.unwrap_or_else(free_port);
+        let (mut cmd, config_dir) = self.command(port);
+        let data = self.data;
         let level = self
             .log_level
             .unwrap_or_else(|| if self.log.is_some() { "debug" } else { "warn" }.into());

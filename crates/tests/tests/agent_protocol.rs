@@ -229,5 +229,51 @@ async fn client_streamed_stdin_pty_resize_watchdir_and_multipart() {
         c.read_file(&id, "/home/user/m.bin").await.unwrap().as_ref(),
         b"multi\x00part"
     );
+
+    // Stat and ListDir of a symlink report the absolute path it leads to, as E2B does.
+    sh(
+        &c,
+        &id,
+        "cd /home/user && echo x > test_file.txt && ln -sf test_file.txt link && ln -sf nothing/here dangling",
+    )
+    .await;
+    let stat = |path: &str| {
+        agent.fs.stat_with_options(
+            sandpit_proto::filesystem::StatRequest {
+                path: path.into(),
+                ..Default::default()
+            },
+            user_header(),
+        )
+    };
+    let info = stat("/home/user/link").await.unwrap().into_owned().entry;
+    assert!(info.is_symlink);
+    assert_eq!(
+        info.symlink_target.as_deref(),
+        Some("/home/user/test_file.txt")
+    );
+    let info = stat("dangling").await.unwrap().into_owned().entry;
+    assert_eq!(
+        info.symlink_target.as_deref(),
+        Some("/home/user/nothing/here")
+    );
+    let list = agent
+        .fs
+        .list_dir_with_options(
+            sandpit_proto::filesystem::ListDirRequest {
+                path: "/home/user".into(),
+                depth: 1,
+                ..Default::default()
+            },
+            user_header(),
+        )
+        .await
+        .unwrap()
+        .into_owned();
+    let link = list.entries.iter().find(|e| e.name == "link").unwrap();
+    assert_eq!(
+        link.symlink_target.as_deref(),
+        Some("/home/user/test_file.txt")
+    );
     d.shutdown().await;
 }

@@ -650,3 +650,69 @@ async fn e2b_network_settings_become_egress_policies() {
     }
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn auto_pause_memory_false_makes_the_timeout_a_files_only_pause() {
+    let d = Daemon::start().await;
+    let e = E2b::new(&d);
+    let c = d.client();
+    let body = json!({
+        "templateID": "base", "timeout": 5, "autoPause": true, "autoPauseMemory": false
+    });
+    let files_only = e.create_id(body).await;
+    let with_memory = e
+        .create_id(json!({"templateID": "base", "timeout": 5, "autoPause": true}))
+        .await;
+    for id in [&files_only, &with_memory] {
+        sandpit_tests::sh(&c, id, "echo kept > /home/user/kept.txt").await;
+    }
+    let settled = |s: &str| matches!(s, "paused" | "hibernated");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let a = c.get_sandbox(&files_only).await.expect("get").state;
+        let b = c.get_sandbox(&with_memory).await.expect("get").state;
+        if settled(&a) && settled(&b) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not paused by the timeout: {a} {b}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    }
+    let v1 = c.get_sandbox(&files_only).await.expect("get");
+    assert_eq!(
+        v1.state, "hibernated",
+        "autoPauseMemory: false keeps only files"
+    );
+    assert_eq!(v1.lifecycle.on_timeout, "hibernate");
+    let v1 = c.get_sandbox(&with_memory).await.expect("get");
+    assert_eq!(v1.state, "paused", "the default keeps the memory");
+    assert_eq!(v1.lifecycle.on_timeout, "pause");
+    // E2B has one word for both: paused, with a lifecycle that pauses on timeout.
+    for id in [&files_only, &with_memory] {
+        let (s, v, _) = e
+            .call(reqwest::Method::GET, &format!("/sandboxes/{id}"), None)
+            .await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        assert_eq!(v["state"], "paused", "{v}");
+        assert_eq!(v["lifecycle"]["onTimeout"], "pause", "{v}");
+    }
+    // The files survive the files-only pause.
+    let (s, v, _) = e
+        .call(
+            reqwest::Method::POST,
+            &format!("/sandboxes/{files_only}/connect"),
+            Some(json!({"timeout": 60})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    assert_eq!(
+        c.read_file(&files_only, "/home/user/kept.txt")
+            .await
+            .expect("read")
+            .as_ref(),
+        b"kept\n"
+    );
+    d.shutdown().await;
+}

@@ -423,3 +423,110 @@ async fn a_stop_right_after_deleting_a_filling_pool_leaves_nothing() {
         );
     }
 }
+
+/// The host's memory as the daemon sees it (`MemTotal`), in bytes.
+fn host_memory() -> u64 {
+    let text = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let kib: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kib * 1024
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pool_sizes_are_capped_by_the_configured_maximum_and_the_hosts_memory() {
+    let d = Daemon::builder()
+        .config("[pool_limits]\nmax_size = 4\n")
+        .start()
+        .await;
+    let c = d.client();
+    // Over the configured maximum: 400, naming the setting.
+    for size in [5, 194] {
+        let err = c.create_pool(&pool("big", size)).await.unwrap_err();
+        assert_eq!(err.status(), Some(400), "{err}");
+        assert!(err.to_string().contains("max_size"), "{err}");
+    }
+    // Sandboxes whose memory limits together exceed the host's memory: 409.
+    let mib = |b: u64| b >> 20 << 20;
+    let most = mib(host_memory() / 5 * 3);
+    assert!(
+        most <= 64 << 30,
+        "this test needs a host with at most 100 GiB"
+    );
+    let heavy = |name: &str, memory: u64, size: u32| PoolSpec {
+        limits: LimitsSpec {
+            memory_bytes: Some(memory),
+            max_processes: Some(128),
+            ..Default::default()
+        },
+        ..pool(name, size)
+    };
+    let err = c.create_pool(&heavy("heavy", most, 2)).await.unwrap_err();
+    assert_eq!(err.status(), Some(409), "{err}");
+    assert!(err.to_string().contains("no capacity"), "{err}");
+    assert_eq!(
+        c.list_pools().await.unwrap().len(),
+        0,
+        "nothing was created"
+    );
+    // One fits; a second pool that would not fit beside it is refused, and so is
+    // growing the first beyond the host or beyond the maximum.
+    c.create_pool(&heavy("heavy", most, 1)).await.unwrap();
+    let err = c
+        .create_pool(&heavy("beside", most + (1 << 20), 1))
+        .await
+        .unwrap_err();
+    assert_eq!(err.status(), Some(409), "{err}");
+    assert!(
+        err.to_string().contains("other pools already hold"),
+        "{err}"
+    );
+    let err = c.resize_pool("heavy", 2).await.unwrap_err();
+    assert_eq!(err.status(), Some(409), "{err}");
+    assert!(err.to_string().contains("no capacity"), "{err}");
+    assert_eq!(error_status(c.resize_pool("heavy", 5).await), Some(400));
+    assert_eq!(c.get_pool("heavy").await.unwrap().size, 1);
+    // Shrinking is always allowed; pools within both bounds are accepted.
+    assert_eq!(c.resize_pool("heavy", 0).await.unwrap().size, 0);
+    assert_eq!(c.create_pool(&pool("light", 4)).await.unwrap().size, 4);
+    assert_eq!(c.resize_pool("light", 2).await.unwrap().size, 2);
+    c.delete_pool("heavy").await.unwrap();
+    c.delete_pool("light").await.unwrap();
+    d.shutdown().await;
+
+    // A pool in the config file over the maximum stops the start, with an error that
+    // names the pool, and the failed start leaves nothing mounted.
+    let (status, stderr, data) = Daemon::builder()
+        .config(
+            "[pool_limits]\nmax_size = 2\n\n[[pools]]\nname = \"toobig\"\nsize = 3\n\
+             limits = { memory_bytes = 134217728, max_processes = 128 }\n",
+        )
+        .start_failing();
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("pool toobig in the config file") && stderr.contains("max_size"),
+        "{stderr}"
+    );
+    assert!(
+        !tmpfs_mounted_on(&data.path().join("sandboxes")),
+        "{stderr}"
+    );
+    // And one beyond the host's memory, likewise.
+    let (status, stderr, data) = Daemon::builder()
+        .config(&format!(
+            "[[pools]]\nname = \"toomuch\"\nsize = 2\n\
+             limits = {{ memory_bytes = {most}, max_processes = 128 }}\n"
+        ))
+        .start_failing();
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("pool toomuch in the config file") && stderr.contains("no capacity"),
+        "{stderr}"
+    );
+    assert!(
+        !tmpfs_mounted_on(&data.path().join("sandboxes")),
+        "{stderr}"
+    );
+}

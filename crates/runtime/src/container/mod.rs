@@ -48,12 +48,16 @@ impl ContainerRuntime {
     ) -> Result<Self, RuntimeError> {
         let sandboxes_dir = data_dir.join("sandboxes");
         crate::private_dir(&sandboxes_dir)?;
-        ensure_tmpfs(&sandboxes_dir)?;
         let templates_dir = data_dir.join("templates");
         std::fs::create_dir_all(data_dir.join("templates"))
             .map_err(|e| RuntimeError::io("create templates dir", e))?;
         let (host_skeleton, host_binds) = crate::template::host_skeleton(&templates_dir)?;
         let cgroups = Cgroups::detect(cgroup_root, &cgroup_parent(data_dir))?;
+        // The mount comes last, so that a step failing before it leaves nothing mounted.
+        if let Err(e) = ensure_tmpfs(&sandboxes_dir) {
+            cgroups.remove_parent_if_empty();
+            return Err(e);
+        }
         Ok(Self {
             sandboxes_dir,
             host_skeleton,

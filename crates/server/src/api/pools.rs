@@ -75,7 +75,8 @@ pub async fn get(
         .ok_or_else(|| ApiError::not_found(format!("pool {name} not found")))
 }
 
-/// Create a warm pool (admin); it fills in the background.
+/// Create a warm pool (admin); it fills in the background. 400 over `[pool_limits]
+/// max_size`, 409 when its sandboxes' memory does not fit beside the other pools'.
 #[utoipa::path(post, path = "/v1/pools", request_body = PoolSpec,
     responses((status = 201, body = Pool), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn create(
@@ -88,9 +89,10 @@ pub async fn create(
     Ok((StatusCode::CREATED, Json(to_api(v))))
 }
 
-/// Resize a warm pool (admin); idle sandboxes beyond the new size are destroyed.
+/// Resize a warm pool (admin); idle sandboxes beyond the new size are destroyed. Growing
+/// is held to the same limits as a create (400, 409).
 #[utoipa::path(patch, path = "/v1/pools/{name}", request_body = ResizePoolRequest,
-    responses((status = 200, body = Pool), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)))]
+    responses((status = 200, body = Pool), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)))]
 pub async fn resize(
     State(state): State<AppState>,
     owner: Owner,

@@ -33,6 +33,7 @@ pub fn to_api(rec: &SandboxRecord, isolated: bool) -> Sandbox {
             on_timeout: match rec.life.on_timeout {
                 sandpit_store::OnTimeout::Kill => "kill",
                 sandpit_store::OnTimeout::Pause => "pause",
+                sandpit_store::OnTimeout::Hibernate => "hibernate",
             }
             .into(),
             auto_resume: rec.life.auto_resume,

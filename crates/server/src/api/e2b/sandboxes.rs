@@ -85,8 +85,10 @@ pub async fn create(
     let default_internet = state.e2b.internet_by_default && state.manager.net().is_some();
     let network = crate::api::e2b::network_spec(&req, default_internet)?;
     let (template, snapshot) = resolve_template(&state, &owner, &req.template_id).await?;
-    let on_timeout = match req.auto_pause {
-        Some(true) => Some("pause".to_string()),
+    // `autoPauseMemory: false` (the SDKs' `keepMemory: false`) asks for a files-only pause.
+    let on_timeout = match (req.auto_pause, req.auto_pause_memory) {
+        (Some(true), Some(false)) => Some("hibernate".to_string()),
+        (Some(true), _) => Some("pause".to_string()),
         _ => None,
     };
     let create = CreateSandboxRequest {
@@ -306,7 +308,7 @@ pub async fn detail(
             auto_resume: rec.life.auto_resume,
             on_timeout: match rec.life.on_timeout {
                 OnTimeout::Kill => "kill",
-                OnTimeout::Pause => "pause",
+                OnTimeout::Pause | OnTimeout::Hibernate => "pause",
             }
             .into(),
         },
