@@ -20,8 +20,8 @@ use crate::manager::{Manager, new_id};
 use base64::Engine;
 use parking_lot::Mutex;
 use sandpit_agentrun::{
-    Control, Harness, LaunchFile, LaunchSpec, Limits, ModelEndpoint, Outcome, Redactor, adapter,
-    sanitize,
+    Control, Harness, LaunchFile, LaunchSpec, Limits, ModelEndpoint, Outcome, Redactor, Stdin,
+    adapter, sanitize,
 };
 use sandpit_api::{CommandEvent, RunCommandRequest};
 use sandpit_proto::process::Signal;
@@ -190,7 +190,7 @@ impl Manager {
             task: run.task.clone(),
             model: ModelEndpoint {
                 provider: "sandpit".into(),
-                api: wire_api(&model)?,
+                api: wire_api(harness, &model)?,
                 base_url: model.base_url.clone(),
                 model: model.model.clone(),
                 api_key: api_key.clone(),
@@ -457,6 +457,11 @@ impl Drive {
                 data.push(b'\n');
                 exec::write_stdin(&conn, pid, data, false).await?;
             }
+        }
+        // A harness reading its whole input (Codex's task) waits for the end of it; one
+        // with nothing to read must not wait on an open pipe either.
+        if matches!(launch.stdin, Stdin::Input | Stdin::Closed) {
+            exec::write_stdin(&conn, pid, Vec::new(), true).await?;
         }
         let mut events = exec::start_events(stream);
         let mut buf: Vec<u8> = Vec::new();
