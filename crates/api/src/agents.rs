@@ -18,7 +18,8 @@ pub struct AgentModelSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_key_secret: Option<String>,
     /// `chat_completions`, `responses` or `anthropic_messages`; by default the harness's
-    /// own (pi: chat_completions, claude: anthropic_messages, codex: responses). For
+    /// own (pi and opencode: chat_completions, claude: anthropic_messages, codex:
+    /// responses). For
     /// `anthropic_messages` `base_url` is the URL before `/v1/messages`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api: Option<String>,
@@ -28,7 +29,7 @@ pub struct AgentModelSpec {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateAgentRequest {
-    /// `pi`, `claude` or `codex` (`opencode` is not driven yet).
+    /// `pi`, `opencode`, `claude` or `codex`.
     pub harness: String,
     /// The model endpoint.
     pub model: AgentModelSpec,
@@ -138,7 +139,7 @@ pub struct CreateWorkspaceRequest {
     /// Egress policy; the model's address must be allowed by it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<crate::NetworkPolicy>,
-    /// `pi`, `claude` or `codex` (`opencode` is not driven yet).
+    /// `pi`, `opencode`, `claude` or `codex`.
     pub harness: String,
     /// The model endpoint.
     pub model: AgentModelSpec,

@@ -25,8 +25,13 @@ pub struct AgentsConfig {
     pub harness_dir: Option<PathBuf>,
 }
 
-/// The harnesses this daemon drives so far (opencode needs a bridge to its `serve` mode).
-const DRIVEN: [Harness; 3] = [Harness::Pi, Harness::Claude, Harness::Codex];
+/// The harnesses this daemon drives (opencode through a bridge to its `serve` mode).
+const DRIVEN: [Harness; 4] = [
+    Harness::Pi,
+    Harness::OpenCode,
+    Harness::Claude,
+    Harness::Codex,
+];
 
 /// The wire API of a runtime's model: the one its spec names, else the harness's own
 /// default. A harness that cannot speak it is refused, so a runtime is never created that

@@ -1,7 +1,8 @@
-//! Claude Code and Codex driven end to end as agent runs (as `agent_runs.rs` does for
-//! pi): `sandpit-modelsim` speaks each harness's wire API (Anthropic Messages, OpenAI
-//! Responses) inside a test upstream namespace, the model key is a broker secret the
-//! model server requires, and the daemon drives the harness in the sandbox.
+//! Claude Code, Codex and opencode driven end to end as agent runs (as `agent_runs.rs`
+//! does for pi): `sandpit-modelsim` speaks each harness's wire API (Anthropic Messages,
+//! OpenAI Responses, Chat Completions) inside a test upstream namespace, the model key is
+//! a broker secret the model server requires, and the daemon drives the harness in the
+//! sandbox (opencode's `serve` through the daemon's bridge script).
 
 use sandpit_tests::agents::{
     ModelSim, all_events, api, assert_cancelled_for_good, broker_daemon, broker_key_file, daemon,
@@ -35,6 +36,11 @@ const CODEX: Case = Case {
     base_path: "/v1",
     foreign_api: "anthropic_messages",
 };
+const OPENCODE: Case = Case {
+    harness: "opencode",
+    base_path: "/v1",
+    foreign_api: "responses",
+};
 
 /// The key a model request carried (Claude Code: `x-api-key`, Codex: a bearer token).
 fn key_of(r: &Value) -> Option<&str> {
@@ -47,9 +53,12 @@ fn key_of(r: &Value) -> Option<&str> {
 /// Whether a recorded request is a model call (not Claude Code's `HEAD /`).
 fn is_model_call(r: &Value) -> bool {
     r["method"] == "POST"
-        && r["path"]
-            .as_str()
-            .is_some_and(|p| p.ends_with("/messages") || p.ends_with("/responses"))
+        && r["path"].as_str().is_some_and(|p| {
+            p.ends_with("/messages")
+                || p.ends_with("/responses")
+                || p.ends_with("/chat/completions")
+        })
+        && r["side"] != true
 }
 
 /// Writes a file, runs a command, answers (held long enough to look into the sandbox
@@ -58,9 +67,11 @@ fn script() -> Value {
     json!({"turns": [
         {"text": "Writing the file.", "tool_calls": [{"any_of": [
             {"name": "Write", "arguments": {"file_path": "hello.txt", "content": "hi\n"}},
+            {"name": "write", "arguments": {"filePath": "hello.txt", "content": "hi\n"}},
             {"name": "exec_command", "arguments": {"cmd": "printf 'hi\\n' > hello.txt"}}]}]},
         {"tool_calls": [{"any_of": [
             {"name": "Bash", "arguments": {"command": "cat hello.txt && echo ran > ran.txt"}},
+            {"name": "bash", "arguments": {"command": "cat hello.txt && echo ran > ran.txt"}},
             {"name": "exec_command", "arguments": {"cmd": "cat hello.txt && echo ran > ran.txt"}}]}]},
         {"text": "done", "delay_ms": 3000},
         {"text": "continued"}
@@ -233,6 +244,7 @@ async fn cancel_mid_run_leaves_no_harness_process(case: Case, ip_n: u8, port: u1
         json!({"turns": [
             {"tool_calls": [{"any_of": [
                 {"name": "Bash", "arguments": {"command": "sleep 300 & sleep 300"}},
+                {"name": "bash", "arguments": {"command": "sleep 300 & sleep 300"}},
                 {"name": "exec_command", "arguments": {"cmd": "sleep 300 & sleep 300"}}]}]},
             {"text": "too late"}
         ]}),
@@ -317,4 +329,14 @@ async fn claude_cancel_mid_run_leaves_no_harness_process() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn codex_cancel_mid_run_leaves_no_harness_process() {
     cancel_mid_run_leaves_no_harness_process(CODEX, 8, 8093).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opencode_writes_runs_continues_and_never_holds_the_key() {
+    a_run_writes_runs_continues_and_never_holds_the_key(OPENCODE, 9, 8094).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opencode_cancel_mid_run_leaves_no_harness_process() {
+    cancel_mid_run_leaves_no_harness_process(OPENCODE, 10, 8095).await;
 }

@@ -32,13 +32,17 @@ async fn a_pi_run_writes_a_file_runs_a_command_and_its_events_resume_without_gap
     let d = daemon(&up).await;
     let sb = sandbox(&d, &ip, &[8080]).await;
     let rt = runtime(&d, &sb, &m).await;
-    // Harnesses without a driver yet, unknown ones and bad modes are refused clearly.
-    for harness in ["opencode", "nosuch"] {
+    // Unknown harnesses, wire APIs a harness cannot speak and bad modes are refused
+    // clearly.
+    for (harness, api_name) in [("nosuch", None), ("opencode", Some("responses"))] {
         let (status, body) = api(
             &d,
             reqwest::Method::POST,
             &format!("/v1/sandboxes/{sb}/agents"),
-            Some(json!({"harness": harness, "model": {"base_url": m.url, "model": "modelsim"}})),
+            Some(
+                json!({"harness": harness, "model": {"base_url": m.url, "model": "modelsim",
+                "api": api_name}}),
+            ),
         )
         .await;
         assert_eq!(status, 400, "{harness}: {body}");
