@@ -17,7 +17,10 @@ pub struct AgentModelSpec {
     /// the harness gets a fixed dummy key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_key_secret: Option<String>,
-    /// `chat_completions` (default), `responses` or `anthropic_messages`.
+    /// `chat_completions`, `responses` or `anthropic_messages`; by default the harness's
+    /// own (pi and opencode: chat_completions, claude: anthropic_messages, codex:
+    /// responses). For
+    /// `anthropic_messages` `base_url` is the URL before `/v1/messages`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api: Option<String>,
 }
@@ -26,7 +29,7 @@ pub struct AgentModelSpec {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateAgentRequest {
-    /// `pi` (others are not driven yet).
+    /// `pi`, `opencode`, `claude` or `codex`.
     pub harness: String,
     /// The model endpoint.
     pub model: AgentModelSpec,
@@ -136,7 +139,7 @@ pub struct CreateWorkspaceRequest {
     /// Egress policy; the model's address must be allowed by it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<crate::NetworkPolicy>,
-    /// `pi` (others are not driven yet).
+    /// `pi`, `opencode`, `claude` or `codex`.
     pub harness: String,
     /// The model endpoint.
     pub model: AgentModelSpec,

@@ -31,11 +31,12 @@ const SUMMARY_CHARS: usize = 160;
 /// Where a runtime's harness reaches its model (of `agent create` and `workspace create`).
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
-    /// The harness to run: `pi` (others are not driven yet).
+    /// The harness to run: `pi`, `opencode`, `claude` or `codex`.
     #[arg(long, default_value = "pi")]
     harness: String,
-    /// Base URL of the model's API (for Chat Completions the one ending in /v1); the
-    /// sandbox's egress policy must allow it.
+    /// Base URL of the model's API (for Chat Completions and Responses the one ending in
+    /// /v1, for Anthropic Messages the one before it); the sandbox's egress policy must
+    /// allow it.
     #[arg(long, value_name = "URL", env = "SANDPIT_MODEL_URL")]
     model_url: String,
     /// The model id to ask for.
@@ -44,7 +45,8 @@ pub struct ModelArgs {
     /// Broker secret holding the model's API key (the harness sees only its placeholder).
     #[arg(long, value_name = "SECRET")]
     api_key_secret: Option<String>,
-    /// Wire API: chat_completions (default), responses or anthropic_messages.
+    /// Wire API: chat_completions, responses or anthropic_messages (default: the
+    /// harness's own).
     #[arg(long, value_name = "API")]
     model_api: Option<String>,
 }

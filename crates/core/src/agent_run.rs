@@ -8,6 +8,10 @@
 //! anyone can read it. The outcome the harness reports (or its exit without one) ends the
 //! run with a compare-and-set, so a result arriving after a cancel changes nothing.
 //!
+//! A harness that serves HTTP + SSE instead (opencode `serve`) runs under a bridge:
+//! `agent_bridge.js`, run by node in the sandbox, starts it, subscribes to its events,
+//! makes the launch's requests and turns it all into the same stdin/stdout lines.
+//!
 //! Cancel sends the harness's own abort, then SIGKILL through the agent (which kills the
 //! process's whole tree: every harness orphans its tools' children), then marks the run
 //! cancelled. Nothing else cancels a run: readers of its events come and go freely.
@@ -20,8 +24,8 @@ use crate::manager::{Manager, new_id};
 use base64::Engine;
 use parking_lot::Mutex;
 use sandpit_agentrun::{
-    Control, Harness, LaunchFile, LaunchSpec, Limits, ModelEndpoint, Outcome, Redactor, adapter,
-    sanitize,
+    Control, Harness, HttpCall, Launch, LaunchFile, LaunchSpec, Limits, ModelEndpoint, Outcome,
+    Redactor, Resume, Stdin, StreamSource, adapter, sanitize,
 };
 use sandpit_api::{CommandEvent, RunCommandRequest};
 use sandpit_proto::process::Signal;
@@ -40,6 +44,11 @@ const ABORT_GRACE: Duration = Duration::from_millis(300);
 const KILL_WAIT: Duration = Duration::from_secs(5);
 /// Bytes of the harness's stderr kept for the failure reason.
 const STDERR_TAIL: usize = 2048;
+/// The bridge (run by node in the sandbox) that drives a harness serving HTTP + SSE
+/// (opencode `serve`) through stdin and stdout like every other harness.
+const BRIDGE_JS: &str = include_str!("agent_bridge.js");
+/// The `type` of the bridge's line naming the harness session it made.
+const BRIDGE_SESSION: &str = "sandpit.session";
 
 /// What a live run's process is, shared between its driver and a cancel.
 #[derive(Default)]
@@ -190,7 +199,7 @@ impl Manager {
             task: run.task.clone(),
             model: ModelEndpoint {
                 provider: "sandpit".into(),
-                api: wire_api(&model)?,
+                api: wire_api(harness, &model)?,
                 base_url: model.base_url.clone(),
                 model: model.model.clone(),
                 api_key: api_key.clone(),
@@ -266,9 +275,15 @@ impl Manager {
                 p.pid
             };
             if let Some(pid) = pid {
-                if let Some(Control::StdinLine(line)) =
-                    adapter(live.harness).abort(run.session_id.as_deref())
-                {
+                let abort = match adapter(live.harness).abort(run.session_id.as_deref()) {
+                    Some(Control::StdinLine(line)) => Some(line),
+                    // Bridged: the bridge makes the request for us.
+                    Some(Control::Http(call)) => {
+                        Some(bridge_request(&call, run.session_id.as_deref()))
+                    }
+                    None => None,
+                };
+                if let Some(line) = abort {
                     let mut data = line.into_bytes();
                     data.push(b'\n');
                     if let Err(e) = exec::write_stdin(&live.conn, pid, data, false).await {
@@ -416,6 +431,17 @@ impl Drive {
         let launch = adapter
             .launch(&self.spec)
             .map_err(|e| CoreError::invalid(e.to_string()))?;
+        let bridged = matches!(launch.stream, StreamSource::Sse { .. });
+        let launch = if bridged {
+            if let Some(Resume::Session(id)) = &self.spec.resume {
+                // Events of the resumed session are this run's; later continues resume it.
+                adapter.session_started(id);
+                self.store.set_run_session(&self.run.id, id).await?;
+            }
+            bridge(launch, &self.spec.state_dir)
+        } else {
+            launch
+        };
         for f in &launch.files {
             write_file(&conn, f).await?;
         }
@@ -458,6 +484,11 @@ impl Drive {
                 exec::write_stdin(&conn, pid, data, false).await?;
             }
         }
+        // A harness reading its whole input (Codex's task) waits for the end of it; one
+        // with nothing to read must not wait on an open pipe either.
+        if matches!(launch.stdin, Stdin::Input | Stdin::Closed) {
+            exec::write_stdin(&conn, pid, Vec::new(), true).await?;
+        }
         let mut events = exec::start_events(stream);
         let mut buf: Vec<u8> = Vec::new();
         let mut stderr: Vec<u8> = Vec::new();
@@ -471,7 +502,10 @@ impl Drive {
                     while let Some(nl) = buf.iter().position(|b| *b == b'\n') {
                         let line: Vec<u8> = buf.drain(..=nl).collect();
                         let line = String::from_utf8_lossy(&line[..nl]);
-                        if self.line(&mut *adapter, &line, &mut outcome).await? {
+                        if self
+                            .line(&mut *adapter, bridged, &line, &mut outcome)
+                            .await?
+                        {
                             // Told its outcome: closing stdin lets the RPC harness exit.
                             exec::write_stdin(&conn, pid, Vec::new(), true).await?;
                         }
@@ -492,7 +526,8 @@ impl Drive {
         }
         if !buf.is_empty() {
             let line = String::from_utf8_lossy(&buf).into_owned();
-            self.line(&mut *adapter, &line, &mut outcome).await?;
+            self.line(&mut *adapter, bridged, &line, &mut outcome)
+                .await?;
         }
         if outcome.is_none() && !self.live.proc.lock().stopping {
             let tail = String::from_utf8_lossy(&stderr);
@@ -511,9 +546,15 @@ impl Drive {
     async fn line(
         &self,
         adapter: &mut dyn sandpit_agentrun::Adapter,
+        bridged: bool,
         line: &str,
         outcome: &mut Option<Outcome>,
     ) -> Result<bool, CoreError> {
+        if bridged && let Some(id) = bridge_session(line) {
+            adapter.session_started(&id);
+            self.store.set_run_session(&self.run.id, &id).await?;
+            return Ok(false);
+        }
         let parsed = adapter.parse(line);
         if parsed.unrecognized {
             tracing::debug!(run_id = %self.run.id, "harness printed a line that is not its JSON");
@@ -538,6 +579,63 @@ impl Drive {
         }
         Ok(first)
     }
+}
+
+/// The launch that runs `launch` (a harness serving HTTP + SSE) under the bridge: node
+/// runs the bridge script, which starts the harness, waits until it is ready, subscribes
+/// to its events and makes the launch's requests; the daemon then reads and writes lines.
+fn bridge(mut launch: Launch, state_dir: &str) -> Launch {
+    let StreamSource::Sse { port, path } = &launch.stream else {
+        return launch;
+    };
+    let steps: Vec<serde_json::Value> = launch
+        .steps
+        .iter()
+        .filter_map(|s| match s {
+            Control::Http(c) => Some(serde_json::json!({
+                "method": c.method, "path": c.path, "body": c.body,
+                "session_from": c.session_from,
+            })),
+            Control::StdinLine(_) => None,
+        })
+        .collect();
+    let cfg = serde_json::json!({
+        "argv": launch.argv,
+        "port": port,
+        "path": path,
+        "ready": launch.ready_output.clone().unwrap_or_default(),
+        "steps": steps,
+    });
+    let script = format!("{}/sandpit-bridge.js", state_dir.trim_end_matches('/'));
+    launch.files.push(LaunchFile {
+        path: script.clone(),
+        contents: BRIDGE_JS.to_string(),
+        mode: 0o600,
+    });
+    launch.env.insert("SANDPIT_BRIDGE".into(), cfg.to_string());
+    launch.argv = vec!["node".into(), script];
+    launch.steps.clear();
+    launch.stdin = Stdin::Lines;
+    launch.stream = StreamSource::Stdout;
+    launch
+}
+
+/// One request for the bridge to make, as its stdin line.
+fn bridge_request(call: &HttpCall, session: Option<&str>) -> String {
+    let path = match session {
+        Some(s) => call.path_for(s),
+        None => call.path.clone(),
+    };
+    serde_json::json!({"method": call.method, "path": path, "body": call.body}).to_string()
+}
+
+/// The session id of the bridge's session line, if `line` is one.
+fn bridge_session(line: &str) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(line.trim()).ok()?;
+    if v.get("type")?.as_str()? != BRIDGE_SESSION {
+        return None;
+    }
+    v.get("id")?.as_str().map(str::to_string)
 }
 
 /// Writes a launch file as the sandbox's user, making its directory.
@@ -565,4 +663,84 @@ async fn write_file(conn: &AgentConn, f: &LaunchFile) -> Result<(), CoreError> {
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opencode_launch(resume: Option<Resume>) -> Launch {
+        let spec = LaunchSpec {
+            task: "t".into(),
+            model: ModelEndpoint {
+                provider: "sandpit".into(),
+                api: sandpit_agentrun::WireApi::ChatCompletions,
+                base_url: "http://m.example/v1".into(),
+                model: "m".into(),
+                api_key: "SANDPIT_SECRET_k".into(),
+            },
+            workdir: WORKDIR.into(),
+            state_dir: format!("{STATE_ROOT}/agt1/"),
+            resume,
+            approvals: false,
+            program: Some("/opt/oc".into()),
+        };
+        adapter(Harness::OpenCode).launch(&spec).unwrap()
+    }
+
+    #[test]
+    fn a_served_harness_runs_under_the_bridge_with_its_requests_as_data() {
+        let launch = opencode_launch(None);
+        let env = launch.env.clone();
+        let b = bridge(launch, &format!("{STATE_ROOT}/agt1/"));
+        let script = format!("{STATE_ROOT}/agt1/sandpit-bridge.js");
+        assert_eq!(b.argv, vec!["node".to_string(), script.clone()]);
+        assert_eq!(b.stream, StreamSource::Stdout);
+        assert_eq!(b.stdin, Stdin::Lines);
+        assert!(b.steps.is_empty());
+        assert!(
+            b.files
+                .iter()
+                .any(|f| f.path == script && f.contents == BRIDGE_JS)
+        );
+        // The harness's own env (its config with the placeholder key) is kept.
+        for (k, v) in &env {
+            assert_eq!(b.env.get(k), Some(v), "{k}");
+        }
+        let cfg: serde_json::Value = serde_json::from_str(&b.env["SANDPIT_BRIDGE"]).unwrap();
+        assert_eq!(cfg["argv"][0], "/opt/oc");
+        assert_eq!(cfg["argv"][1], "serve");
+        assert_eq!(cfg["path"], "/event");
+        assert!(cfg["ready"].as_str().unwrap().contains("listening"));
+        let steps = cfg["steps"].as_array().unwrap();
+        assert_eq!(steps.len(), 2, "{steps:?}");
+        assert_eq!(steps[0]["path"], "/session");
+        assert_eq!(steps[0]["session_from"], "/id");
+        assert_eq!(steps[1]["path"], "/session/{session}/prompt_async");
+        // A stdout harness is left alone.
+        let pi = opencode_launch(None);
+        let mut plain = pi.clone();
+        plain.stream = StreamSource::Stdout;
+        assert_eq!(bridge(plain.clone(), "/s"), plain);
+    }
+
+    #[test]
+    fn bridge_lines_name_sessions_and_carry_requests() {
+        assert_eq!(
+            bridge_session(r#"{"type":"sandpit.session","id":"ses_1"}"#),
+            Some("ses_1".into())
+        );
+        assert_eq!(bridge_session(r#"{"type":"session.idle","id":"x"}"#), None);
+        assert_eq!(bridge_session("not json"), None);
+        let call = HttpCall {
+            method: "POST".into(),
+            path: "/session/{session}/abort".into(),
+            body: None,
+            session_from: None,
+        };
+        let line: serde_json::Value =
+            serde_json::from_str(&bridge_request(&call, Some("ses_9"))).unwrap();
+        assert_eq!(line["path"], "/session/ses_9/abort");
+        assert_eq!(line["method"], "POST");
+    }
 }

@@ -25,19 +25,37 @@ pub struct AgentsConfig {
     pub harness_dir: Option<PathBuf>,
 }
 
-/// The harnesses this daemon drives so far.
-const DRIVEN: [Harness; 1] = [Harness::Pi];
+/// The harnesses this daemon drives (opencode through a bridge to its `serve` mode).
+const DRIVEN: [Harness; 4] = [
+    Harness::Pi,
+    Harness::OpenCode,
+    Harness::Claude,
+    Harness::Codex,
+];
 
-/// The wire API named in a model spec.
-pub(crate) fn wire_api(spec: &AgentModelSpec) -> Result<WireApi, CoreError> {
-    match spec.api.as_deref().unwrap_or("chat_completions") {
-        "chat_completions" => Ok(WireApi::ChatCompletions),
-        "responses" => Ok(WireApi::Responses),
-        "anthropic_messages" => Ok(WireApi::AnthropicMessages),
-        other => Err(CoreError::invalid(format!(
-            "unknown model api {other:?}: use chat_completions, responses or anthropic_messages"
-        ))),
+/// The wire API of a runtime's model: the one its spec names, else the harness's own
+/// default. A harness that cannot speak it is refused, so a runtime is never created that
+/// no run of could start.
+pub(crate) fn wire_api(harness: Harness, spec: &AgentModelSpec) -> Result<WireApi, CoreError> {
+    let api = match spec.api.as_deref() {
+        None => return Ok(harness.default_api()),
+        Some("chat_completions") => WireApi::ChatCompletions,
+        Some("responses") => WireApi::Responses,
+        Some("anthropic_messages") => WireApi::AnthropicMessages,
+        Some(other) => {
+            return Err(CoreError::invalid(format!(
+                "unknown model api {other:?}: use chat_completions, responses or anthropic_messages"
+            )));
+        }
+    };
+    if !harness.speaks(api) {
+        return Err(CoreError::invalid(format!(
+            "harness {harness} cannot use a {} model endpoint (its api is {})",
+            api.as_str(),
+            harness.default_api().as_str()
+        )));
     }
+    Ok(api)
 }
 
 /// The model spec a runtime was created with.
@@ -113,10 +131,11 @@ impl Manager {
             .map_err(|e: sandpit_agentrun::LaunchError| CoreError::invalid(e.to_string()))?;
         if !DRIVEN.contains(&harness) {
             return Err(CoreError::invalid(format!(
-                "harness {harness} is not driven yet (supported: pi)"
+                "harness {harness} is not driven yet (supported: {})",
+                DRIVEN.map(Harness::as_str).join(", ")
             )));
         }
-        wire_api(&req.model)?;
+        wire_api(harness, &req.model)?;
         if req.model.base_url.is_empty() || req.model.model.is_empty() {
             return Err(CoreError::invalid(
                 "model.base_url and model.model are required",
@@ -209,5 +228,50 @@ impl Manager {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(api: Option<&str>) -> AgentModelSpec {
+        AgentModelSpec {
+            base_url: "http://m.example/v1".into(),
+            model: "m".into(),
+            api_key_secret: None,
+            api: api.map(String::from),
+        }
+    }
+
+    #[test]
+    fn each_harness_gets_its_own_wire_api_by_default_and_refuses_a_foreign_one() {
+        assert_eq!(
+            wire_api(Harness::Pi, &spec(None)).unwrap(),
+            WireApi::ChatCompletions
+        );
+        assert_eq!(
+            wire_api(Harness::Claude, &spec(None)).unwrap(),
+            WireApi::AnthropicMessages
+        );
+        assert_eq!(
+            wire_api(Harness::Codex, &spec(None)).unwrap(),
+            WireApi::Responses
+        );
+        assert_eq!(
+            wire_api(Harness::Pi, &spec(Some("responses"))).unwrap(),
+            WireApi::Responses
+        );
+        for (h, api) in [
+            (Harness::Claude, "chat_completions"),
+            (Harness::Claude, "responses"),
+            (Harness::Codex, "chat_completions"),
+            (Harness::Codex, "anthropic_messages"),
+        ] {
+            let e = wire_api(h, &spec(Some(api))).unwrap_err();
+            assert!(matches!(e, CoreError::Invalid(_)), "{h} {api}: {e}");
+            assert!(e.to_string().contains("cannot use"), "{e}");
+        }
+        assert!(wire_api(Harness::Pi, &spec(Some("smoke_signals"))).is_err());
     }
 }

@@ -2,7 +2,7 @@
 //! daemon with the harnesses bound in, and raw API helpers for runtimes, runs and events.
 
 use crate::netfix::Upstream;
-use crate::{Daemon, free_port, sandpit_bin, sh};
+use crate::{Daemon, free_port, sandpit_bin, sh, sh_root};
 use serde_json::{Value, json};
 use std::io::BufRead;
 use std::process::{Child, Command, Stdio};
@@ -184,16 +184,114 @@ pub async fn sandbox(d: &Daemon, ip: &str, ports: &[u16]) -> String {
 
 /// A `pi` runtime in `sb` asking model `m`; its id.
 pub async fn runtime(d: &Daemon, sb: &str, m: &ModelSim) -> String {
+    runtime_of(d, sb, "pi", json!({"base_url": m.url, "model": "modelsim"})).await
+}
+
+/// A runtime of `harness` in `sb` with model spec `model`; its id.
+pub async fn runtime_of(d: &Daemon, sb: &str, harness: &str, model: Value) -> String {
     let (status, rt) = api(
         d,
         reqwest::Method::POST,
         &format!("/v1/sandboxes/{sb}/agents"),
-        Some(json!({"harness": "pi", "model": {"base_url": m.url, "model": "modelsim"}})),
+        Some(json!({"harness": harness, "model": model})),
     )
     .await;
-    assert_eq!(status, 201, "{rt}");
+    assert_eq!(status, 201, "{harness}: {rt}");
     assert_eq!(rt["state"], "active");
     rt["id"].as_str().unwrap().to_string()
+}
+
+/// The key file a broker test daemon encrypts its secrets with (kept while the daemon
+/// runs).
+pub fn broker_key_file() -> tempfile::TempDir {
+    use std::os::unix::fs::PermissionsExt;
+    let keys = tempfile::tempdir().unwrap();
+    let key = keys.path().join("broker.key");
+    std::fs::write(&key, format!("{}\n", "4f".repeat(32))).unwrap();
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    keys
+}
+
+/// As [`daemon`], with a broker whose key is in `keys` (from [`broker_key_file`]).
+pub async fn broker_daemon(up: &Upstream, keys: &tempfile::TempDir) -> Daemon {
+    let key = keys.path().join("broker.key");
+    daemon_with(
+        up,
+        &format!("[broker]\nkey_file = {:?}\n", key.display().to_string()),
+    )
+    .await
+}
+
+/// Stores `value` as placeholder secret `name`, sent only with POSTs to `host` (over
+/// plain HTTP too: the test model server has no certificate the sandbox trusts).
+pub async fn model_secret(d: &Daemon, name: &str, value: &str, host: &str) {
+    let (status, body) = api(
+        d,
+        reqwest::Method::POST,
+        "/v1/secrets",
+        Some(json!({
+            "name": name, "value": value, "hosts": [host],
+            "methods": ["POST"], "ttl_secs": 3600, "inject": {"type": "placeholder"},
+            "allow_http": true,
+        })),
+    )
+    .await;
+    assert_eq!(status, 201, "{body}");
+}
+
+/// A host-template sandbox holding secret `secret`, allowed to reach only `domain` on
+/// `port`; its id.
+pub async fn sandbox_with_secret(d: &Daemon, secret: &str, domain: &str, port: u16) -> String {
+    let (status, sb) = api(
+        d,
+        reqwest::Method::POST,
+        "/v1/sandboxes",
+        Some(json!({
+            "timeout": 600,
+            "limits": {"memory_bytes": 1u64 << 30},
+            "secrets": [secret],
+            "network": {"mode": "allowlist", "rules": [
+                {"action": "allow", "domain": domain, "ports": [port]}]},
+        })),
+    )
+    .await;
+    assert_eq!(status, 201, "{sb}");
+    sb["id"].as_str().unwrap().to_string()
+}
+
+/// `/proc/PID/environ` and `/proc/PID/cmdline` files in sandbox `sb` that hold `needle`
+/// (each with the process's arguments), read as the user and as root. The needle reaches the scan in two
+/// halves through a file, so neither the scanning shell nor grep holds it whole.
+pub async fn procs_holding(d: &Daemon, sb: &str, needle: &str) -> Vec<String> {
+    assert!(
+        needle.len() >= 4
+            && needle
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'),
+        "a plain needle: {needle}"
+    );
+    let (a, b) = needle.split_at(needle.len() / 2);
+    let script = format!(
+        "a='{a}'; b='{b}'; f=$(mktemp); printf '%s%s' \"$a\" \"$b\" > \"$f\"
+for p in /proc/[0-9]*; do
+  [ \"${{p#/proc/}}\" = \"$$\" ] && continue
+  for k in environ cmdline; do
+    if grep -qaF -f \"$f\" \"$p/$k\" 2>/dev/null; then
+      echo \"$p/$k: $(tr '\\0' ' ' < \"$p/cmdline\" 2>/dev/null | cut -c1-160)\"
+    fi
+  done
+done
+rm -f \"$f\""
+    );
+    // Root in the sandbox may not read the user's processes (no CAP_SYS_PTRACE) and the
+    // user not root's, so both look.
+    let c = d.client();
+    let mut found = std::collections::BTreeSet::new();
+    for out in [sh(&c, sb, &script).await, sh_root(&c, sb, &script).await] {
+        assert_eq!(out.exit_code, 0, "{out:?}");
+        found.extend(out.stdout.lines().map(String::from));
+    }
+    found.into_iter().collect()
 }
 
 /// Waits until run `run` is finished (at most `within`); the run.
@@ -228,13 +326,40 @@ pub fn seqs(events: &[Value]) -> Vec<i64> {
     events.iter().map(|e| e["seq"].as_i64().unwrap()).collect()
 }
 
-/// Processes in the sandbox that belong to the harness (node running pi).
+/// Processes in the sandbox that belong to a harness (node running pi or Codex, the
+/// Claude Code and Codex binaries, anything started from the harness mount) or to the
+/// tests' long-running tool (`sleep 300`).
 pub async fn harness_processes(d: &Daemon, sb: &str) -> Vec<String> {
     let out = sh(&d.client(), sb, "ps -eo pid,args").await;
     out.stdout
         .lines()
-        .filter(|l| l.contains("node") || l.contains("pi-coding-agent") || l.contains("sleep 300"))
+        .filter(|l| {
+            [
+                "node",
+                "pi-coding-agent",
+                "/opt/sandpit/harnesses",
+                "claude",
+                "codex",
+                "sleep 300",
+            ]
+            .iter()
+            .any(|n| l.contains(n))
+        })
         .filter(|l| !l.contains("ps -eo"))
         .map(String::from)
         .collect()
+}
+
+/// Past a slow model's held answer, run `id` is still cancelled and its log is whole
+/// (1..N) and ends with `end` saying so.
+pub async fn assert_cancelled_for_good(d: &Daemon, id: &str) {
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let (_, now) = api(d, reqwest::Method::GET, &format!("/v1/runs/{id}"), None).await;
+    assert_eq!(now["state"], "cancelled", "{now}");
+    let events = all_events(d, id, 0).await;
+    let n = events.len() as i64;
+    assert_eq!(seqs(&events), (1..=n).collect::<Vec<_>>());
+    let last = events.last().unwrap();
+    assert_eq!(last["kind"], "end");
+    assert_eq!(last["payload"]["state"], "cancelled", "{last}");
 }

@@ -4,11 +4,12 @@
 //! drives pi in the sandbox. Nothing leaves the machine.
 
 use sandpit_tests::agents::{
-    ModelSim, NO_KEY, all_events, api, daemon, daemon_with, harness_processes, req, runtime,
-    sandbox, seqs, wait_final,
+    ModelSim, NO_KEY, all_events, api, assert_cancelled_for_good, broker_daemon, broker_key_file,
+    daemon, harness_processes, model_secret, req, runtime, sandbox, sandbox_with_secret, seqs,
+    wait_final,
 };
 use sandpit_tests::netfix::Upstream;
-use sandpit_tests::{Daemon, sh};
+use sandpit_tests::sh;
 use serde_json::json;
 use std::time::{Duration, Instant};
 
@@ -31,13 +32,17 @@ async fn a_pi_run_writes_a_file_runs_a_command_and_its_events_resume_without_gap
     let d = daemon(&up).await;
     let sb = sandbox(&d, &ip, &[8080]).await;
     let rt = runtime(&d, &sb, &m).await;
-    // Harnesses without a driver yet, unknown ones and bad modes are refused clearly.
-    for harness in ["opencode", "nosuch"] {
+    // Unknown harnesses, wire APIs a harness cannot speak and bad modes are refused
+    // clearly.
+    for (harness, api_name) in [("nosuch", None), ("opencode", Some("responses"))] {
         let (status, body) = api(
             &d,
             reqwest::Method::POST,
             &format!("/v1/sandboxes/{sb}/agents"),
-            Some(json!({"harness": harness, "model": {"base_url": m.url, "model": "modelsim"}})),
+            Some(
+                json!({"harness": harness, "model": {"base_url": m.url, "model": "modelsim",
+                "api": api_name}}),
+            ),
         )
         .await;
         assert_eq!(status, 400, "{harness}: {body}");
@@ -327,25 +332,11 @@ async fn cancel_kills_the_harness_and_a_late_answer_changes_nothing() {
     d.shutdown().await;
 }
 
-/// Past the slow model's delay, the run is still cancelled and its log ends with `end`.
-async fn assert_cancelled_for_good(d: &Daemon, id: &str) {
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    let (_, now) = api(d, reqwest::Method::GET, &format!("/v1/runs/{id}"), None).await;
-    assert_eq!(now["state"], "cancelled", "{now}");
-    let events = all_events(d, id, 0).await;
-    let n = events.len() as i64;
-    assert_eq!(seqs(&events), (1..=n).collect::<Vec<_>>());
-    let last = events.last().unwrap();
-    assert_eq!(last["kind"], "end");
-    assert_eq!(last["payload"]["state"], "cancelled", "{last}");
-}
-
 /// The model key is a broker secret: the harness holds only its placeholder (in its
 /// config file inside the sandbox), the broker puts the real key into the request on the
 /// way out, and neither the key nor the placeholder shows in an event.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_model_key_is_a_broker_secret_that_never_enters_the_sandbox() {
-    use std::os::unix::fs::PermissionsExt;
     const REAL: &str = "sk-real-model-key-0123456789abcdef";
     let up = Upstream::start(&[("model.upstream.test", "@11")]);
     let m = ModelSim::start_with_key(
@@ -355,42 +346,10 @@ async fn the_model_key_is_a_broker_secret_that_never_enters_the_sandbox() {
         json!({"turns": [{"text": "done"}]}),
         REAL,
     );
-    let keys = tempfile::tempdir().unwrap();
-    let key = keys.path().join("broker.key");
-    std::fs::write(&key, format!("{}\n", "4f".repeat(32))).unwrap();
-    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let d = daemon_with(
-        &up,
-        &format!("[broker]\nkey_file = {:?}\n", key.display().to_string()),
-    )
-    .await;
-    let (status, body) = api(
-        &d,
-        reqwest::Method::POST,
-        "/v1/secrets",
-        Some(json!({
-            "name": "modelkey", "value": REAL, "hosts": ["model.upstream.test"],
-            "methods": ["POST"], "ttl_secs": 3600, "inject": {"type": "placeholder"},
-            "allow_http": true,
-        })),
-    )
-    .await;
-    assert_eq!(status, 201, "{body}");
-    let (status, sb) = api(
-        &d,
-        reqwest::Method::POST,
-        "/v1/sandboxes",
-        Some(json!({
-            "timeout": 600,
-            "limits": {"memory_bytes": 1u64 << 30},
-            "secrets": ["modelkey"],
-            "network": {"mode": "allowlist", "rules": [
-                {"action": "allow", "domain": "model.upstream.test", "ports": [8083]}]},
-        })),
-    )
-    .await;
-    assert_eq!(status, 201, "{sb}");
-    let sb = sb["id"].as_str().unwrap().to_string();
+    let keys = broker_key_file();
+    let d = broker_daemon(&up, &keys).await;
+    model_secret(&d, "modelkey", REAL, "model.upstream.test").await;
+    let sb = sandbox_with_secret(&d, "modelkey", "model.upstream.test", 8083).await;
     let (status, rt) = api(
         &d,
         reqwest::Method::POST,

@@ -4,9 +4,10 @@
 //! its key read from an environment variable. `exec` mode has no approval channel and no
 //! in-protocol abort: cancel kills the process tree. Continuing is `exec resume ID`.
 //!
-//! The parser has been run over a stream Codex 0.171.0 printed against a scripted model
-//! (`exec --json`, two shell commands and an answer). Not yet checked against the binary:
-//! `-` (the task from stdin), also after `exec resume ID`.
+//! Checked against Codex 0.171.0 with a scripted Responses model: the parser over its
+//! `exec --json` stream (shell commands and an answer), the launch with the task read
+//! from stdin (`-`), also after `exec resume ID`, and (through the daemon, in
+//! `crates/tests/tests/agent_harnesses.rs`) a run, its continue and its cancel.
 
 use std::collections::{BTreeMap, HashSet};
 

@@ -70,6 +70,27 @@ impl Harness {
     pub fn program(self) -> &'static str {
         self.as_str()
     }
+
+    /// The wire API a model endpoint is taken to speak when a runtime names none: the one
+    /// the harness is built around.
+    pub fn default_api(self) -> WireApi {
+        match self {
+            Harness::Pi | Harness::OpenCode => WireApi::ChatCompletions,
+            Harness::Claude => WireApi::AnthropicMessages,
+            Harness::Codex => WireApi::Responses,
+        }
+    }
+
+    /// Whether the harness can talk to a model endpoint speaking `api` (the launch of an
+    /// adapter refuses the others with [`LaunchError::UnsupportedApi`]).
+    pub fn speaks(self, api: WireApi) -> bool {
+        match self {
+            Harness::Pi => true,
+            Harness::OpenCode => api == WireApi::ChatCompletions,
+            Harness::Claude => api == WireApi::AnthropicMessages,
+            Harness::Codex => api == WireApi::Responses,
+        }
+    }
 }
 
 impl fmt::Display for Harness {
@@ -556,6 +577,43 @@ mod tests {
             "gemini".parse::<Harness>(),
             Err(LaunchError::UnknownHarness("gemini".into()))
         );
+    }
+
+    #[test]
+    fn each_harness_speaks_its_default_api_and_its_launch_agrees_with_speaks() {
+        let apis = [
+            WireApi::ChatCompletions,
+            WireApi::Responses,
+            WireApi::AnthropicMessages,
+        ];
+        for h in Harness::ALL {
+            assert!(h.speaks(h.default_api()), "{h}");
+            for api in apis {
+                let spec = LaunchSpec {
+                    task: "t".into(),
+                    model: ModelEndpoint {
+                        provider: "p".into(),
+                        api,
+                        base_url: "http://m.example/v1".into(),
+                        model: "m".into(),
+                        api_key: "k".into(),
+                    },
+                    workdir: "/w".into(),
+                    state_dir: "/home/user/s".into(),
+                    resume: None,
+                    approvals: false,
+                    program: None,
+                };
+                let refused = matches!(
+                    adapter(h).launch(&spec),
+                    Err(LaunchError::UnsupportedApi { .. })
+                );
+                assert_eq!(refused, !h.speaks(api), "{h} with {}", api.as_str());
+            }
+        }
+        assert_eq!(Harness::Claude.default_api(), WireApi::AnthropicMessages);
+        assert_eq!(Harness::Codex.default_api(), WireApi::Responses);
+        assert_eq!(Harness::Pi.default_api(), WireApi::ChatCompletions);
     }
 
     #[test]
