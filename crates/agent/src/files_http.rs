@@ -104,7 +104,7 @@ where
         users::as_fs_user(&u2, || r2.create_file(&p2, &u2))
     })
     .await
-            .map_err(|e| FsError::Io(p.abs.clone(), std::io::Error::other(e)))??;
+    .map_err(|e| FsError::Io(p.abs.clone(), std::io::Error::other(e)))??;
     // Each tokio file write is a trip to the blocking pool; batching body chunks into 1 MiB
     // writes is what makes uploads run at memory speed rather than per-chunk overhead.
     let mut file = tokio::io::BufWriter::with_capacity(1 << 20, tokio::fs::File::from_std(file));

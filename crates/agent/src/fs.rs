@@ -466,7 +466,8 @@ impl FsRoot {
             cur.push_str(comp);
             if !missing {
                 let sp = SandboxPath { abs: cur.clone() };
-                match crate::users::as_fs_user(user, || self.open_at(&sp, dir_flags, Mode::empty())) {
+                match crate::users::as_fs_user(user, || self.open_at(&sp, dir_flags, Mode::empty()))
+                {
                     Ok(fd) => {
                         dir = fd;
                         continue;
@@ -906,7 +907,12 @@ mod tests {
             } else {
                 user()
             };
-            for p in ["/abs/new/x.txt", "/rel/new/x.txt", "/dangling/new/x.txt", "/dangling/x.txt"] {
+            for p in [
+                "/abs/new/x.txt",
+                "/rel/new/x.txt",
+                "/dangling/new/x.txt",
+                "/dangling/x.txt",
+            ] {
                 let sp = r.check(p, &u).unwrap();
                 let made = r
                     .create_missing_parents(&sp, &u)

@@ -729,7 +729,10 @@ async fn an_upload_creates_missing_parents_for_the_user_and_nothing_else() {
     let e = E2b::new(&d);
     let created = e.create(json!({"templateID": "base"})).await;
     let id = created["sandboxID"].as_str().unwrap().to_string();
-    let token = created["envdAccessToken"].as_str().unwrap_or_default().to_string();
+    let token = created["envdAccessToken"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
     let c = d.client();
     let upload = |path: &str, body: &'static str| {
         let url = reqwest::Url::parse_with_params(
@@ -761,7 +764,9 @@ async fn an_upload_creates_missing_parents_for_the_user_and_nothing_else() {
     assert_ne!(uid, "0", "{}", out.stdout);
     assert_eq!(
         out.stdout,
-        format!("{uid}\n0 /opt\n{uid} /opt/made\n{uid} /opt/made/a\n{uid} /opt/made/a/x.txt\nhello"),
+        format!(
+            "{uid}\n0 /opt\n{uid} /opt/made\n{uid} /opt/made/a\n{uid} /opt/made/a/x.txt\nhello"
+        ),
         "{}",
         out.stderr
     );

@@ -192,10 +192,16 @@ async fn issued_keys_have_an_e2b_form_that_authenticates_the_same_owner() {
     let id = v["sandboxID"].as_str().unwrap().to_string();
     let (s, v) = call_as(&d, &e2b, Method::GET, "/v2/sandboxes", None).await;
     assert_eq!(s, StatusCode::OK, "{v}");
-    assert!(v.as_array().unwrap().iter().any(|x| x["sandboxID"] == id), "{v}");
+    assert!(
+        v.as_array().unwrap().iter().any(|x| x["sandboxID"] == id),
+        "{v}"
+    );
     let (s, v) = call_as(&d, &admin, Method::GET, "/v2/sandboxes", None).await;
     assert_eq!(s, StatusCode::OK, "{v}");
-    assert!(!v.as_array().unwrap().iter().any(|x| x["sandboxID"] == id), "{v}");
+    assert!(
+        !v.as_array().unwrap().iter().any(|x| x["sandboxID"] == id),
+        "{v}"
+    );
     // A key of the right shape that was never issued is refused.
     let forged = format!("e2b_{}", "0".repeat(40));
     let (s, _) = call_as(&d, &forged, Method::GET, "/v2/sandboxes", None).await;

@@ -351,7 +351,13 @@ async fn private_ports_by_host_and_header_with_tokens_and_signed_urls() {
     .await;
     let (status, v) = json_of(r).await;
     assert_eq!(status, 401);
-    assert!(v["message"].as_str().unwrap().contains("signature is already expired"), "{v}");
+    assert!(
+        v["message"]
+            .as_str()
+            .unwrap()
+            .contains("signature is already expired"),
+        "{v}"
+    );
     // A forged expiry.
     let later = now_secs() + 3600;
     let r = get_by_host(
