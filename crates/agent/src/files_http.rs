@@ -1,5 +1,7 @@
 //! HTTP `GET /files` (download) and `POST /files` (upload, multipart or raw body), streamed
-//! in both directions so that a large file never sits in memory.
+//! in both directions so that a large file never sits in memory. An upload creates the
+//! directories missing above its file as root, handing them to the user, as E2B's envd
+//! does; the file itself is written as the user.
 
 use crate::fs::{FsError, FsRoot};
 use crate::users;
@@ -94,10 +96,15 @@ where
 {
     let p = root.check(path, user)?;
     let (r2, p2, u2) = (root.clone(), p.clone(), user.clone());
-    let file =
-        tokio::task::spawn_blocking(move || users::as_fs_user(&u2, || r2.create_file(&p2, &u2)))
-            .await
-            .map_err(|e| FsError::Io(p.abs.clone(), std::io::Error::other(e)))??;
+    // Missing parents are created as root and handed to the user (E2B's envd does so);
+    // the file itself is written as the user, so an existing directory it may not write
+    // stays refused.
+    let file = tokio::task::spawn_blocking(move || {
+        r2.create_missing_parents(&p2, &u2)?;
+        users::as_fs_user(&u2, || r2.create_file(&p2, &u2))
+    })
+    .await
+    .map_err(|e| FsError::Io(p.abs.clone(), std::io::Error::other(e)))??;
     // Each tokio file write is a trip to the blocking pool; batching body chunks into 1 MiB
     // writes is what makes uploads run at memory speed rather than per-chunk overhead.
     let mut file = tokio::io::BufWriter::with_capacity(1 << 20, tokio::fs::File::from_std(file));

@@ -446,6 +446,55 @@ impl FsRoot {
         .map_err(|e| FsError::from_errno(&from.abs, e))
     }
 
+    /// Creates the directories missing above `p` with the agent's own (root) identity and
+    /// gives each to `user`, as E2B's envd does before it writes a file as the user (so
+    /// `/0/x.txt` can be written although the user may not write `/`). Existing entries are
+    /// left alone, and each existing one is looked up as `user`, so a directory the user
+    /// cannot search stays closed. Past the first missing component nothing is resolved by
+    /// path: each new directory is opened from its parent's fd without following symlinks,
+    /// so a link (dangling, or swapped in meanwhile) is refused, never followed.
+    pub fn create_missing_parents(&self, p: &SandboxPath, user: &User) -> Result<(), FsError> {
+        let Some((parent, _)) = p.split() else {
+            return Ok(());
+        };
+        let dir_flags = OFlag::O_PATH | OFlag::O_DIRECTORY;
+        let mut dir = self.open_at(&SandboxPath { abs: "/".into() }, dir_flags, Mode::empty())?;
+        let mut cur = String::new();
+        let mut missing = false;
+        for comp in parent.abs.split('/').filter(|c| !c.is_empty()) {
+            cur.push('/');
+            cur.push_str(comp);
+            if !missing {
+                let sp = SandboxPath { abs: cur.clone() };
+                match crate::users::as_fs_user(user, || self.open_at(&sp, dir_flags, Mode::empty()))
+                {
+                    Ok(fd) => {
+                        dir = fd;
+                        continue;
+                    }
+                    Err(FsError::NotFound(_)) => missing = true,
+                    Err(e) => return Err(e),
+                }
+            }
+            let name = OsString::from(comp);
+            match nix::sys::stat::mkdirat(dir.as_fd(), comp, Mode::from_bits_truncate(0o755)) {
+                Ok(()) => self.chown_at(&dir, &name, user),
+                // A dangling symlink, or a race: the open below takes only a directory.
+                Err(Errno::EEXIST) => {}
+                Err(e) => return Err(FsError::from_errno(&cur, e)),
+            }
+            let how = OpenHow::new()
+                .flags(dir_flags | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
+                .resolve(
+                    ResolveFlag::RESOLVE_BENEATH
+                        | ResolveFlag::RESOLVE_NO_SYMLINKS
+                        | ResolveFlag::RESOLVE_NO_MAGICLINKS,
+                );
+            dir = openat2(dir.as_fd(), comp, how).map_err(|e| FsError::from_errno(&cur, e))?;
+        }
+        Ok(())
+    }
+
     /// Opens (creating or truncating) a file for writing, creating its parents.
     pub fn create_file(&self, p: &SandboxPath, user: &User) -> Result<std::fs::File, FsError> {
         if let Some((parent, _)) = p.split() {
@@ -775,6 +824,105 @@ mod tests {
         ));
         assert!(matches!(r.check("", &u), Err(FsError::InvalidPath(_))));
         assert!(matches!(r.check("/a\0b", &u), Err(FsError::InvalidPath(_))));
+    }
+
+    /// A non-root user the agent switches to (needs the tests to run as root).
+    fn switched_user() -> User {
+        User {
+            name: "user",
+            uid: 4242,
+            gid: 4242,
+            home: "/home/user",
+            switch: true,
+        }
+    }
+
+    fn running_as_root() -> bool {
+        nix::unistd::geteuid().is_root()
+    }
+
+    #[test]
+    fn missing_parents_are_created_for_the_user_and_the_file_written_as_the_user() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        if !running_as_root() {
+            eprintln!("skipped: needs root to switch users");
+            return;
+        }
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path().join("root");
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755)).unwrap();
+        // A directory the user may not write: its missing children are still created (as
+        // E2B does for `/0`), but a file directly in it stays refused.
+        std::fs::create_dir(root.join("locked")).unwrap();
+        std::fs::set_permissions(root.join("locked"), std::fs::Permissions::from_mode(0o755))
+            .unwrap();
+        let r = root_in(&root, IsolationMode::Container);
+        let u = switched_user();
+        let sp = r.check("/0/a/x.txt", &u).unwrap();
+        r.create_missing_parents(&sp, &u).unwrap();
+        let f = crate::users::as_fs_user(&u, || r.create_file(&sp, &u)).unwrap();
+        drop(f);
+        for d in ["0", "0/a", "0/a/x.txt"] {
+            let m = std::fs::symlink_metadata(root.join(d)).unwrap();
+            assert_eq!((m.uid(), m.gid()), (4242, 4242), "{d}");
+        }
+        let sp = r.check("/locked/x.txt", &u).unwrap();
+        r.create_missing_parents(&sp, &u).unwrap();
+        assert!(matches!(
+            crate::users::as_fs_user(&u, || r.create_file(&sp, &u)),
+            Err(FsError::Permission(_))
+        ));
+        assert!(!root.join("locked/x.txt").exists());
+        // Existing directories keep their owner.
+        assert_eq!(std::fs::metadata(root.join("locked")).unwrap().uid(), 0);
+        // A directory the user cannot search hides what is below it.
+        std::fs::create_dir(root.join("private")).unwrap();
+        std::fs::set_permissions(root.join("private"), std::fs::Permissions::from_mode(0o700))
+            .unwrap();
+        let sp = r.check("/private/new/x.txt", &u).unwrap();
+        assert!(matches!(
+            r.create_missing_parents(&sp, &u),
+            Err(FsError::Permission(_))
+        ));
+        assert!(!root.join("private/new").exists());
+    }
+
+    #[test]
+    fn missing_parents_never_follow_a_symlink_out_of_the_root() {
+        for mode in [IsolationMode::Container, IsolationMode::Process] {
+            let t = tempfile::tempdir().unwrap();
+            let root = t.path().join("root");
+            let outside = t.path().join("outside");
+            std::fs::create_dir_all(&root).unwrap();
+            std::fs::create_dir_all(&outside).unwrap();
+            // Absolute and relative links to a host directory, and one to a host path that
+            // does not exist yet (a creation there would land outside).
+            std::os::unix::fs::symlink(&outside, root.join("abs")).unwrap();
+            std::os::unix::fs::symlink("../outside", root.join("rel")).unwrap();
+            std::os::unix::fs::symlink(t.path().join("made"), root.join("dangling")).unwrap();
+            let r = root_in(&root, mode);
+            let u = if running_as_root() {
+                switched_user()
+            } else {
+                user()
+            };
+            for p in [
+                "/abs/new/x.txt",
+                "/rel/new/x.txt",
+                "/dangling/new/x.txt",
+                "/dangling/x.txt",
+            ] {
+                let sp = r.check(p, &u).unwrap();
+                let made = r
+                    .create_missing_parents(&sp, &u)
+                    .and_then(|()| crate::users::as_fs_user(&u, || r.create_file(&sp, &u)));
+                assert!(made.is_err(), "{mode:?} {p} must be refused");
+            }
+            assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 0, "{mode:?}");
+            assert!(!t.path().join("made").exists(), "{mode:?}");
+            assert!(!t.path().join("new").exists(), "{mode:?}");
+        }
     }
 
     #[test]

@@ -63,6 +63,11 @@ pub struct StartRunRequest {
     /// Retries with the same key return the same run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idempotency_key: Option<String>,
+    /// Wall-clock limit of the run in seconds (at least 1); past it the run ends
+    /// `timed_out`. The daemon's `[agents] max_run_secs` (default 7 days) caps it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1)]
+    pub timeout_secs: Option<u64>,
 }
 
 /// A run of an agent runtime.
@@ -75,7 +80,8 @@ pub struct AgentRun {
     pub number: i64,
     pub task: String,
     pub mode: String,
-    /// `queued`, `running`, `waiting_approval`, `succeeded`, `failed` or `cancelled`.
+    /// `queued`, `running`, `waiting_approval`, `succeeded`, `failed`, `cancelled` or
+    /// `timed_out`.
     pub state: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,

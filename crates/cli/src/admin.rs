@@ -52,6 +52,7 @@ pub async fn keys(ctx: &Ctx, cmd: KeysCommand) -> anyhow::Result<()> {
                     "name": key.name,
                     "created_at_ms": key.created_at_ms,
                     "key": secret,
+                    "e2b_key": sandpit_store::e2b_key_form(&secret),
                 }))
             } else {
                 println!("{secret}");
@@ -59,6 +60,9 @@ pub async fn keys(ctx: &Ctx, cmd: KeysCommand) -> anyhow::Result<()> {
                     "key {} for owner {:?}: store it now, it cannot be shown again",
                     key.id, key.owner
                 );
+                if let Some(e2b) = sandpit_store::e2b_key_form(&secret) {
+                    eprintln!("for E2B's SDKs (E2B_API_KEY) the same key reads {e2b}");
+                }
                 Ok(())
             }
         }

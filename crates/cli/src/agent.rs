@@ -114,6 +114,9 @@ pub struct RunArgs {
     /// A retry with the same key returns the run the first request started.
     #[arg(long, value_name = "KEY")]
     idempotency_key: Option<String>,
+    /// End the run as `timed_out` after this many seconds.
+    #[arg(long, value_name = "SECS")]
+    timeout: Option<u64>,
     /// Print the run's id and return without reading its events.
     #[arg(long, short = 'd')]
     detach: bool,
@@ -350,6 +353,7 @@ async fn start(ctx: &Ctx, client: &Client, args: RunArgs) -> anyhow::Result<u8> 
         task: args.task,
         mode: Some(if args.cont { "continue" } else { "fresh" }.into()),
         idempotency_key: args.idempotency_key,
+        timeout_secs: args.timeout,
     };
     let run = client.start_run(&args.agent, &req).await?;
     if args.detach {

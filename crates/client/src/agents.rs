@@ -15,7 +15,7 @@ use sandpit_api::{
 use crate::{Client, ClientError};
 
 /// The states a run does not leave.
-pub const TERMINAL_STATES: [&str; 3] = ["succeeded", "failed", "cancelled"];
+pub const TERMINAL_STATES: [&str; 4] = ["succeeded", "failed", "cancelled", "timed_out"];
 /// Events asked for per page when a gap is filled or a finished run is read to its end.
 const FILL_PAGE: u32 = 1000;
 /// A stream silent this long is taken as cut (the daemon sends a keep-alive every 15 s).
@@ -415,6 +415,7 @@ mod tests {
     #[test]
     fn terminal_states() {
         assert!(is_terminal("cancelled"));
+        assert!(is_terminal("timed_out"));
         assert!(!is_terminal("running"));
         assert!(!is_terminal("waiting_approval"));
     }

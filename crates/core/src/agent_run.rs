@@ -15,6 +15,12 @@
 //! Cancel sends the harness's own abort, then SIGKILL through the agent (which kills the
 //! process's whole tree: every harness orphans its tools' children), then marks the run
 //! cancelled. Nothing else cancels a run: readers of its events come and go freely.
+//!
+//! Each run has a wall-clock deadline: its `timeout_secs`, capped by `[agents]
+//! max_run_secs` (7 days by default). The manager's tick calls
+//! [`Manager::time_out_agent_runs`], which ends a run past it as `timed_out` (a
+//! compare-and-set, so a result arriving later changes nothing) and kills its harness
+//! as a cancel does; its events are kept.
 
 use crate::agent_conn::AgentConn;
 use crate::agent_runtime::{HARNESS_MOUNT, NO_KEY, model_of, wire_api};
@@ -66,6 +72,10 @@ struct LiveRun {
     /// Notified when the driver has finished.
     done: tokio::sync::Notify,
     finished: std::sync::atomic::AtomicBool,
+    /// When the run's wall-clock limit is reached.
+    deadline: std::time::Instant,
+    /// That limit, for the reason given when it ends the run.
+    limit: Duration,
 }
 
 /// The runs this daemon is driving, by run id.
@@ -146,6 +156,7 @@ impl Manager {
         if req.task.trim().is_empty() {
             return Err(CoreError::invalid("task must not be empty"));
         }
+        let limit = self.run_limit(req.timeout_secs)?;
         let limits = Limits::default();
         let start = self
             .store
@@ -162,7 +173,7 @@ impl Manager {
             RunStart::Existing(r) => return Ok((r, false)),
             RunStart::Started(r) => r,
         };
-        if let Err(e) = self.launch_run(&rt, &run, limits).await {
+        if let Err(e) = self.launch_run(&rt, &run, limits, limit).await {
             let reason = format!("could not start the harness: {}", e.chain());
             tracing::warn!(run_id = %run.id, %reason, "agent run failed to start");
             let now = self
@@ -180,6 +191,7 @@ impl Manager {
         rt: &sandpit_store::AgentRuntimeRecord,
         run: &RunRecord,
         limits: Limits,
+        limit: Duration,
     ) -> Result<(), CoreError> {
         let harness: Harness = rt
             .harness
@@ -220,6 +232,8 @@ impl Manager {
             proc: Mutex::default(),
             done: tokio::sync::Notify::new(),
             finished: Default::default(),
+            deadline: std::time::Instant::now() + limit,
+            limit,
         });
         self.agent_runs
             .runs
@@ -305,6 +319,61 @@ impl Manager {
             .transition_run(&run.id, RunState::Cancelled, Some("cancelled on request"))
             .await?;
         Ok(update_run(now))
+    }
+
+    /// A run's wall-clock limit: its own `timeout_secs` (at least 1), never more than the
+    /// daemon's cap.
+    fn run_limit(&self, timeout_secs: Option<u64>) -> Result<Duration, CoreError> {
+        let cap = self.cfg.agents.max_run;
+        match timeout_secs {
+            None => Ok(cap),
+            Some(0) => Err(CoreError::invalid("timeout_secs must be at least 1")),
+            Some(s) => Ok(Duration::from_secs(s).min(cap)),
+        }
+    }
+
+    /// Ends every driven run past its deadline as `timed_out` and kills its harness;
+    /// called from the manager's tick.
+    pub async fn time_out_agent_runs(&self) {
+        let now = std::time::Instant::now();
+        let due: Vec<(String, Arc<LiveRun>)> = self
+            .agent_runs
+            .runs
+            .lock()
+            .iter()
+            .filter(|(_, live)| live.deadline <= now)
+            .map(|(id, live)| (id.clone(), live.clone()))
+            .collect();
+        for (run_id, live) in due {
+            let pid = {
+                let mut p = live.proc.lock();
+                if p.stopping {
+                    // Being cancelled, or already timed out by an earlier tick.
+                    continue;
+                }
+                p.stopping = true;
+                p.pid
+            };
+            // The state first: with `stopping` set the driver ends nothing itself, and a
+            // result that still arrives finds the run final.
+            let reason = format!("ran past its time limit of {} s", live.limit.as_secs());
+            match self
+                .store
+                .transition_run(&run_id, RunState::TimedOut, Some(&reason))
+                .await
+            {
+                Ok(RunUpdate::Applied(_)) => tracing::info!(run_id, %reason, "agent run timed out"),
+                Ok(other) => {
+                    tracing::debug!(run_id, now = ?update_run(other).state, "run already ended")
+                }
+                Err(e) => tracing::warn!(run_id, error = %e, "timing out a run"),
+            }
+            // Without a pid the driver has not started the harness yet: it sees `stopping`
+            // (or the final state) and kills or skips it itself.
+            if let Some(pid) = pid {
+                exec::kill(&live.conn, pid).await;
+            }
+        }
     }
 
     /// After a start: runs left active by the previous daemon have no driver. Their

@@ -16,13 +16,27 @@ pub const HARNESS_MOUNT: &str = "/opt/sandpit/harnesses";
 /// Key given to a harness whose runtime names no secret (the model server needs none).
 pub const NO_KEY: &str = "sandpit-no-key";
 
+/// Default hard cap on a run's wall-clock time (`[agents] max_run_secs`): 7 days.
+pub const DEFAULT_MAX_RUN: std::time::Duration = std::time::Duration::from_secs(7 * 24 * 3600);
+
 /// Daemon settings for agent runs (`[agents]`).
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct AgentsConfig {
     /// Host directory holding the harness installs (`node_modules/.bin/pi`, ...), as
     /// `scripts/setup.sh --harnesses` makes it; bound read-only at [`HARNESS_MOUNT`].
     /// `None`: no harness can run.
     pub harness_dir: Option<PathBuf>,
+    /// Longest a run may take, whatever its own `timeout_secs`; past it, `timed_out`.
+    pub max_run: std::time::Duration,
+}
+
+impl Default for AgentsConfig {
+    fn default() -> Self {
+        Self {
+            harness_dir: None,
+            max_run: DEFAULT_MAX_RUN,
+        }
+    }
 }
 
 /// The harnesses this daemon drives (opencode through a bridge to its `serve` mode).

@@ -12,6 +12,7 @@ use std::sync::atomic::Ordering;
 impl Manager {
     /// One pass of housekeeping: expire sandboxes past their TTL and clean up dead ones.
     pub async fn tick(self: &Arc<Self>) {
+        self.time_out_agent_runs().await;
         let states = [
             SandboxState::Running,
             SandboxState::Paused,

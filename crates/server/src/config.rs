@@ -90,9 +90,24 @@ pub struct AgentsFileConfig {
     /// (where `scripts/setup.sh --harnesses` puts them) when it exists.
     #[serde(default)]
     pub harness_dir: Option<std::path::PathBuf>,
+    /// Hard cap on an agent run's wall-clock time, seconds (default 7 days); a run past
+    /// it (or past its own `timeout_secs`) ends `timed_out`.
+    #[serde(default)]
+    pub max_run_secs: Option<u64>,
 }
 
 impl AgentsFileConfig {
+    /// The cap on a run's wall-clock time; 0 is refused (it would end every run at once).
+    pub fn max_run(&self) -> Result<std::time::Duration, ConfigError> {
+        match self.max_run_secs {
+            None => Ok(sandpit_core::agent_runtime::DEFAULT_MAX_RUN),
+            Some(0) => Err(ConfigError::Zero {
+                name: "[agents] max_run_secs",
+            }),
+            Some(s) => Ok(std::time::Duration::from_secs(s)),
+        }
+    }
+
     /// The harness directory to bind: the configured one, else the build tree's if
     /// present; `None` when there is none (agent runtimes are then refused).
     pub fn resolve(&self) -> Result<Option<std::path::PathBuf>, ServerError> {
@@ -131,6 +146,7 @@ impl FileConfig {
         let cfg: FileConfig = toml::from_str(text)?;
         cfg.proxy.check()?;
         cfg.http.check()?;
+        cfg.agents.max_run()?;
         let mut names = std::collections::BTreeSet::new();
         for p in &cfg.pools {
             if !names.insert(p.name.as_str()) {
@@ -283,6 +299,7 @@ size = 1
         assert!(parse.is_some_and(|t| t.span().is_some()), "{e}");
         let missing = AgentsFileConfig {
             harness_dir: Some(dir.path().join("none")),
+            max_run_secs: None,
         }
         .resolve()
         .unwrap_err();
@@ -293,5 +310,22 @@ size = 1
             "{missing}"
         );
         assert!(missing.source().is_some());
+        // A run cap of zero would end every run at once; the default is 7 days.
+        std::fs::write(&path, "[agents]\nmax_run_secs = 0\n").unwrap();
+        let e = FileConfig::load(&path, true).unwrap_err();
+        assert!(
+            e.to_string().contains("max_run_secs must be at least 1"),
+            "{e}"
+        );
+        std::fs::write(&path, "[agents]\nmax_run_secs = 60\n").unwrap();
+        let c = FileConfig::load(&path, true).unwrap();
+        assert_eq!(
+            c.agents.max_run().unwrap(),
+            std::time::Duration::from_secs(60)
+        );
+        assert_eq!(
+            AgentsFileConfig::default().max_run().unwrap(),
+            sandpit_core::agent_runtime::DEFAULT_MAX_RUN
+        );
     }
 }

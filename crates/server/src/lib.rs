@@ -207,7 +207,10 @@ pub async fn prepare(
             max_timeout_secs: cfg.max_timeout_secs,
             default_runtime: "container".into(),
             allow_process_runtime: cfg.allow_process_runtime,
-            agents: sandpit_core::agent_runtime::AgentsConfig { harness_dir },
+            agents: sandpit_core::agent_runtime::AgentsConfig {
+                harness_dir,
+                max_run: file.agents.max_run()?,
+            },
             pool_limits: file.pool_limits.clone(),
         },
         snapshot_store,

@@ -20,14 +20,40 @@ pub(crate) fn hash_key(presented: &str) -> String {
     hex::encode(Sha256::digest(presented.as_bytes()))
 }
 
+/// Prefix of a key's E2B form: E2B's SDKs refuse, client-side, a key that does not match
+/// `^e2b_[0-9a-f]+$`, so every key also authenticates with this prefix in place of `sp_`.
+pub const E2B_KEY_PREFIX: &str = "e2b_";
+
+fn random_part_ok(rest: &str) -> bool {
+    rest.len() == KEY_RANDOM_BYTES * 2
+        && rest
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
 /// Whether `presented` has the shape of a key we issue, so garbage never reaches the DB.
 fn well_formed(presented: &str) -> bool {
-    presented.strip_prefix(KEY_PREFIX).is_some_and(|rest| {
-        rest.len() == KEY_RANDOM_BYTES * 2
-            && rest
-                .bytes()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    })
+    presented
+        .strip_prefix(KEY_PREFIX)
+        .is_some_and(random_part_ok)
+}
+
+/// The key as issued (`sp_…`) for a key presented in either form, `None` for anything else.
+/// The E2B form carries the same secret, so it is no weaker and is revoked with its key.
+fn canonical(presented: &str) -> Option<String> {
+    if well_formed(presented) {
+        return Some(presented.to_string());
+    }
+    presented
+        .strip_prefix(E2B_KEY_PREFIX)
+        .filter(|rest| random_part_ok(rest))
+        .map(|rest| format!("{KEY_PREFIX}{rest}"))
+}
+
+/// The E2B form (`e2b_` + 40 hex digits) of a key sandpit issued, for E2B's SDKs; `None`
+/// for a string that is not such a key.
+pub fn e2b_key_form(key: &str) -> Option<String> {
+    canonical(key).map(|k| format!("{E2B_KEY_PREFIX}{}", &k[KEY_PREFIX.len()..]))
 }
 
 fn key_from_row(row: &SqliteRow) -> Result<ApiKey, StoreError> {
@@ -80,12 +106,12 @@ impl Store {
 
     /// Returns the key matching `presented` (recording its use), or `None` if there is none.
     pub async fn authenticate(&self, presented: &str) -> Result<Option<ApiKey>, StoreError> {
-        if !well_formed(presented) {
+        let Some(issued) = canonical(presented) else {
             return Ok(None);
-        }
+        };
         // The lookup is by digest, so timing reveals nothing about the stored secret and no
         // constant-time comparison is needed.
-        let digest = hash_key(presented);
+        let digest = hash_key(&issued);
         let row = sqlx::query(&format!(
             "SELECT {KEY_COLUMNS} FROM api_keys WHERE key_hash = $1"
         ))
@@ -146,6 +172,15 @@ mod tests {
         assert!(!well_formed(&format!("sp_{}", "A1".repeat(20))));
         assert!(!well_formed(&format!("sp_{}", "a1".repeat(19))));
         assert!(!well_formed(&format!("xx_{}", "a1".repeat(20))));
+        // The E2B form maps onto the issued key and matches E2B's client-side check.
+        let issued = format!("sp_{}", "a1".repeat(20));
+        let e2b = format!("e2b_{}", "a1".repeat(20));
+        assert_eq!(canonical(&e2b).as_deref(), Some(issued.as_str()));
+        assert_eq!(e2b_key_form(&issued).as_deref(), Some(e2b.as_str()));
+        assert_eq!(e2b_key_form(&e2b).as_deref(), Some(e2b.as_str()));
+        assert_eq!(canonical(&format!("e2b_{}", "A1".repeat(20))), None);
+        assert_eq!(canonical(&format!("e2b_{}", "a1".repeat(21))), None);
+        assert_eq!(canonical("e2b_"), None);
         assert!(!well_formed(""));
     }
 

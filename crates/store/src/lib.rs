@@ -13,6 +13,7 @@ mod agents;
 mod approvals;
 mod error;
 mod keys;
+pub use keys::{E2B_KEY_PREFIX, e2b_key_form};
 mod leases;
 mod model;
 mod network;

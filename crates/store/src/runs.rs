@@ -29,7 +29,7 @@ stored_enum! {
 }
 
 stored_enum! {
-    /// Where a run is; `Succeeded`, `Failed` and `Cancelled` are final.
+    /// Where a run is; `Succeeded`, `Failed`, `Cancelled` and `TimedOut` are final.
     pub enum RunState ("run state") {
         /// Recorded, the harness not started yet.
         Queued = "queued",
@@ -43,6 +43,8 @@ stored_enum! {
         Failed = "failed",
         /// Stopped on request (final).
         Cancelled = "cancelled",
+        /// Stopped by its wall-clock limit or the daemon's cap on a run (final).
+        TimedOut = "timed_out",
     }
 }
 
@@ -58,7 +60,7 @@ impl RunState {
     pub fn is_terminal(self) -> bool {
         matches!(
             self,
-            RunState::Succeeded | RunState::Failed | RunState::Cancelled
+            RunState::Succeeded | RunState::Failed | RunState::Cancelled | RunState::TimedOut
         )
     }
 
@@ -69,7 +71,9 @@ impl RunState {
             RunState::Queued => &[],
             RunState::Running => &[RunState::Queued, RunState::WaitingApproval],
             RunState::WaitingApproval => &[RunState::Running],
-            RunState::Succeeded | RunState::Failed | RunState::Cancelled => &RunState::ACTIVE,
+            RunState::Succeeded | RunState::Failed | RunState::Cancelled | RunState::TimedOut => {
+                &RunState::ACTIVE
+            }
         }
     }
 }

@@ -349,6 +349,7 @@ async fn transitions_are_compare_and_set_and_final_states_stay() {
         RunState::Failed,
         RunState::Running,
         RunState::Cancelled,
+        RunState::TimedOut,
     ] {
         match s.transition_run("r1", to, Some("late")).await.unwrap() {
             RunUpdate::AlreadyFinal(r) => {

@@ -300,7 +300,8 @@ pub async fn wait_final(d: &Daemon, run: &str, within: Duration) -> Value {
     loop {
         let (status, r) = api(d, reqwest::Method::GET, &format!("/v1/runs/{run}"), None).await;
         assert_eq!(status, 200, "{r}");
-        if ["succeeded", "failed", "cancelled"].contains(&r["state"].as_str().unwrap()) {
+        if ["succeeded", "failed", "cancelled", "timed_out"].contains(&r["state"].as_str().unwrap())
+        {
             return r;
         }
         assert!(start.elapsed() < within, "run still {}: {r}", r["state"]);

@@ -133,6 +133,7 @@ async fn cli_runs_resume_without_gaps_are_idempotent_and_owner_scoped() {
                 task: "write a.txt, then cat it".into(),
                 mode: None,
                 idempotency_key: Some("k1".into()),
+                timeout_secs: None,
             },
         )
         .await

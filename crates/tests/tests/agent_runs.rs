@@ -456,3 +456,106 @@ async fn a_run_left_active_by_a_killed_daemon_is_failed_and_its_harness_stopped(
     assert_eq!(events.last().unwrap()["kind"], "end");
     d.shutdown().await;
 }
+
+/// A run past its own `timeout_secs`, or past the daemon's `[agents] max_run_secs`, ends
+/// `timed_out` while the model still holds its answer: the harness is killed, the events
+/// are kept (the last is `end`), and the answer arriving later changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_past_its_time_limit_ends_timed_out_and_its_harness_is_killed() {
+    let up = Upstream::start(&[]);
+    let ip = up.ip(9);
+    let slow = ModelSim::start(
+        &up,
+        &ip,
+        8090,
+        json!({"turns": [
+            {"text": "too late", "delay_ms": 8000},
+            {"text": "too late again", "delay_ms": 8000}
+        ]}),
+    );
+    let d = daemon_with(&up, "max_run_secs = 4\n").await;
+    let sb = sandbox(&d, &ip, &[8090]).await;
+    let rt = runtime(&d, &sb, &slow).await;
+    let path = format!("/v1/agents/{rt}/runs");
+    let (status, body) = api(
+        &d,
+        reqwest::Method::POST,
+        &path,
+        Some(json!({"task": "think", "timeout_secs": 0})),
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+
+    // Its own limit (2 s, under the daemon's cap of 4 s).
+    let started = Instant::now();
+    let (status, run) = api(
+        &d,
+        reqwest::Method::POST,
+        &path,
+        Some(json!({"task": "think", "timeout_secs": 2})),
+    )
+    .await;
+    assert_eq!(status, 201, "{run}");
+    let id = run["id"].as_str().unwrap().to_string();
+    slow.wait_asked().await;
+    let now = wait_final(&d, &id, Duration::from_secs(30)).await;
+    let took = started.elapsed();
+    assert_eq!(now["state"], "timed_out", "{now}");
+    assert!(now["reason"].as_str().unwrap().contains("2 s"), "{now}");
+    assert!(took >= Duration::from_secs(2), "ended after {took:?}");
+    assert!(
+        took < Duration::from_secs(8),
+        "ended after {took:?}, not by its limit"
+    );
+    assert_timed_out_for_good(&d, &sb, &id).await;
+
+    // No timeout of its own: the daemon's cap ends it.
+    let started = Instant::now();
+    let (status, run) = api(
+        &d,
+        reqwest::Method::POST,
+        &path,
+        Some(json!({"task": "think"})),
+    )
+    .await;
+    assert_eq!(status, 201, "{run}");
+    let id = run["id"].as_str().unwrap().to_string();
+    let now = wait_final(&d, &id, Duration::from_secs(30)).await;
+    assert_eq!(now["state"], "timed_out", "{now}");
+    assert!(now["reason"].as_str().unwrap().contains("4 s"), "{now}");
+    let took = started.elapsed();
+    assert!(took >= Duration::from_secs(4), "ended after {took:?}");
+    assert!(
+        took < Duration::from_secs(8),
+        "ended after {took:?}, not by the cap"
+    );
+    assert_timed_out_for_good(&d, &sb, &id).await;
+    d.shutdown().await;
+}
+
+/// No harness process is left, and past the model's delay the run is still `timed_out`
+/// with its events whole and `end` last.
+async fn assert_timed_out_for_good(d: &Daemon, sb: &str, id: &str) {
+    let start = Instant::now();
+    loop {
+        let left = harness_processes(d, sb).await;
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "left in the sandbox: {left:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let (_, now) = api(d, reqwest::Method::GET, &format!("/v1/runs/{id}"), None).await;
+    assert_eq!(now["state"], "timed_out", "{now}");
+    let events = all_events(d, id, 0).await;
+    let n = events.len() as i64;
+    assert!(n >= 1, "{events:#?}");
+    assert_eq!(seqs(&events), (1..=n).collect::<Vec<_>>());
+    let last = events.last().unwrap();
+    assert_eq!(last["kind"], "end");
+    assert_eq!(last["payload"]["state"], "timed_out", "{last}");
+}

@@ -716,3 +716,74 @@ async fn auto_pause_memory_false_makes_the_timeout_a_files_only_pause() {
     );
     d.shutdown().await;
 }
+
+/// E2B's `files.write` below a directory only root may write, as the default user: envd
+/// creates the missing directories (as root, then gives them to the user) and writes the
+/// file as the user. (`/` itself stays closed in a `host` sandbox: Landlock keeps the
+/// host's top level read-only, so `/opt` stands in for E2B's `/0`.)
+/// An existing directory the user may not write stays refused, and a symlink in the way
+/// is never followed to create anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_creates_missing_parents_for_the_user_and_nothing_else() {
+    let d = Daemon::start().await;
+    let e = E2b::new(&d);
+    let created = e.create(json!({"templateID": "base"})).await;
+    let id = created["sandboxID"].as_str().unwrap().to_string();
+    let token = created["envdAccessToken"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let c = d.client();
+    let upload = |path: &str, body: &'static str| {
+        let url = reqwest::Url::parse_with_params(
+            &format!("{}/files", d.url),
+            &[("path", path), ("username", "user")],
+        )
+        .unwrap();
+        e.http
+            .post(url)
+            .header("e2b-sandbox-id", &id)
+            .header("e2b-sandbox-port", "49983")
+            .header("x-access-token", &token)
+            .body(body)
+            .send()
+    };
+    let r = upload("/opt/made/a/x.txt", "hello").await.unwrap();
+    let status = r.status();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v[0]["path"], "/opt/made/a/x.txt", "{v}");
+    // Owned by the user the commands run as (the default user), not by root.
+    let out = sandpit_tests::sh(
+        &c,
+        &id,
+        "id -u; stat -c '%u %n' /opt /opt/made /opt/made/a /opt/made/a/x.txt; cat /opt/made/a/x.txt",
+    )
+    .await;
+    let uid = out.stdout.lines().next().unwrap_or_default().to_string();
+    assert_ne!(uid, "0", "{}", out.stdout);
+    assert_eq!(
+        out.stdout,
+        format!(
+            "{uid}\n0 /opt\n{uid} /opt/made\n{uid} /opt/made/a\n{uid} /opt/made/a/x.txt\nhello"
+        ),
+        "{}",
+        out.stderr
+    );
+    // An existing directory the user cannot write: refused, nothing written.
+    let r = upload("/etc/x.txt", "no").await.unwrap();
+    assert_eq!(r.status(), StatusCode::FORBIDDEN);
+    // A dangling symlink in the way: refused, and nothing created where it points.
+    let out = sandpit_tests::sh(&c, &id, "ln -s /made-by-link /home/user/dangling").await;
+    assert_eq!(out.exit_code, 0, "{}", out.stderr);
+    let r = upload("/home/user/dangling/new/x.txt", "no").await.unwrap();
+    assert!(r.status().is_client_error(), "{}", r.status());
+    let out = sandpit_tests::sh_root(
+        &c,
+        &id,
+        "test -e /etc/x.txt && echo etc; test -e /made-by-link && echo link; true",
+    )
+    .await;
+    assert_eq!(out.stdout, "", "{}", out.stderr);
+    d.shutdown().await;
+}

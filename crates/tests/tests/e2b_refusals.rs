@@ -155,3 +155,64 @@ async fn another_owner_reaches_nothing_through_e2b_routes() {
     assert_eq!(snaps[0]["snapshotID"], json!(snap), "{snaps}");
     d.shutdown().await;
 }
+
+/// E2B's SDK check, `^e2b_[0-9a-f]+$`, without a regex crate.
+fn e2b_sdk_accepts(key: &str) -> bool {
+    key.strip_prefix("e2b_").is_some_and(|rest| {
+        !rest.is_empty()
+            && rest
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    })
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn issued_keys_have_an_e2b_form_that_authenticates_the_same_owner() {
+    let d = Daemon::start().await;
+    let (ok, out, err) = d.cli(&["--json", "keys", "create", "--owner", "erin"]);
+    assert!(ok, "{err}");
+    let created: Value = serde_json::from_str(&out).unwrap();
+    let e2b = created["e2b_key"].as_str().unwrap().to_string();
+    assert!(e2b_sdk_accepts(&e2b), "{e2b}");
+    assert!(!e2b_sdk_accepts(created["key"].as_str().unwrap()));
+    // The admin key written at first start has one too.
+    let admin = sandpit_store::e2b_key_form(d.key.trim()).unwrap();
+    assert!(e2b_sdk_accepts(&admin), "{admin}");
+
+    // Erin's E2B form is Erin: her sandbox is hers, not the admin's.
+    let (s, v) = call_as(
+        &d,
+        &e2b,
+        Method::POST,
+        "/v2/sandboxes",
+        Some(json!({"templateID": "base"})),
+    )
+    .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let id = v["sandboxID"].as_str().unwrap().to_string();
+    let (s, v) = call_as(&d, &e2b, Method::GET, "/v2/sandboxes", None).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert!(
+        v.as_array().unwrap().iter().any(|x| x["sandboxID"] == id),
+        "{v}"
+    );
+    let (s, v) = call_as(&d, &admin, Method::GET, "/v2/sandboxes", None).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert!(
+        !v.as_array().unwrap().iter().any(|x| x["sandboxID"] == id),
+        "{v}"
+    );
+    // A key of the right shape that was never issued is refused.
+    let forged = format!("e2b_{}", "0".repeat(40));
+    let (s, _) = call_as(&d, &forged, Method::GET, "/v2/sandboxes", None).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    // Revoking the key revokes its E2B form.
+    let (ok, _, err) = d.cli(&["keys", "revoke", created["id"].as_str().unwrap()]);
+    assert!(ok, "{err}");
+    tokio::time::sleep(sandpit_server::api::KEY_CACHE_TTL).await;
+    let (s, _) = call_as(&d, &e2b, Method::DELETE, &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, _) = call(&d, Method::DELETE, &format!("/sandboxes/{id}"), None).await;
+    assert!(s.is_success() || s == StatusCode::NOT_FOUND, "{s}");
+    d.shutdown().await;
+}

@@ -324,7 +324,7 @@ async fn private_ports_by_host_and_header_with_tokens_and_signed_urls() {
     let (_, v) = json_of(r).await;
     assert!(v["headers"].get("cookie").is_none(), "{v}");
     let r = get_by_host(&d, &id, FILE_PORT, "/", &[("cookie", &cookie)]).await;
-    assert_eq!(r.status(), 403);
+    assert_eq!(r.status(), 401);
     // The header form takes the signed query too.
     let r = http()
         .get(format!("{}/q?{}", d.url, signed["query"].as_str().unwrap()))
@@ -337,7 +337,7 @@ async fn private_ports_by_host_and_header_with_tokens_and_signed_urls() {
     // Bound to its port.
     let other = path_and_query.to_string();
     let r = get_by_host(&d, &id, FILE_PORT, &other, &[]).await;
-    assert_eq!(r.status(), 403);
+    assert_eq!(r.status(), 401);
     // Expired: signed with the real traffic token, an expiry in the past.
     let past = now_secs() - 5;
     let sig = sandpit_server::ingress::auth::port_signature(&traffic, &id, ECHO_PORT, past);
@@ -350,8 +350,14 @@ async fn private_ports_by_host_and_header_with_tokens_and_signed_urls() {
     )
     .await;
     let (status, v) = json_of(r).await;
-    assert_eq!(status, 403);
-    assert!(v["message"].as_str().unwrap().contains("expired"), "{v}");
+    assert_eq!(status, 401);
+    assert!(
+        v["message"]
+            .as_str()
+            .unwrap()
+            .contains("signature is already expired"),
+        "{v}"
+    );
     // A forged expiry.
     let later = now_secs() + 3600;
     let r = get_by_host(
@@ -362,7 +368,7 @@ async fn private_ports_by_host_and_header_with_tokens_and_signed_urls() {
         &[],
     )
     .await;
-    assert_eq!(r.status(), 403);
+    assert_eq!(r.status(), 401);
     // Bad mint requests.
     for (port, body) in [
         (49983u16, serde_json::json!({})),
@@ -418,7 +424,7 @@ async fn private_ports_by_host_and_header_with_tokens_and_signed_urls() {
     .await;
     assert_eq!(r.status(), 403);
     let r = get_by_host(&d, &id, ECHO_PORT, path_and_query, &[]).await;
-    assert_eq!(r.status(), 403);
+    assert_eq!(r.status(), 401);
     let r = get_by_host(
         &d,
         &id,
@@ -746,7 +752,13 @@ async fn envd_through_the_proxy() {
         .send()
         .await
         .unwrap();
-    assert_eq!(r.status(), 403);
+    let (status, v) = json_of(r).await;
+    assert_eq!(status, 401, "{v}");
+    assert_eq!(
+        v,
+        serde_json::json!({"code": 401, "message": "invalid signature"}),
+        "E2B envd's exact body"
+    );
     let old = now_secs() - 1;
     let osig = e2b_file_signature(path, "read", "user", &token, Some(old));
     let r = http()
@@ -756,7 +768,12 @@ async fn envd_through_the_proxy() {
         .await
         .unwrap();
     let (status, v) = json_of(r).await;
-    assert_eq!(status, 403, "{v}");
+    assert_eq!(status, 401, "{v}");
+    assert_eq!(
+        v,
+        serde_json::json!({"code": 401, "message": "signature is already expired"}),
+        "E2B envd's exact body"
+    );
     let nsig = e2b_file_signature(path, "read", "", &token, None);
     let r = http()
         .get(

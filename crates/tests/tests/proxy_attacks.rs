@@ -324,7 +324,7 @@ async fn access_cookies_count_only_for_their_own_pages() {
         &[("cookie", "sandpit_port_access=1.v1_bogus")],
     )
     .await;
-    assert_eq!(status, 403);
+    assert_eq!(status, 401);
     d.shutdown().await;
 }
 

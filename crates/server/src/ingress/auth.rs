@@ -13,6 +13,9 @@
 //!   traffic token over `sandpit-port-v1:{id}:{port}:{expires}`. A host-form request
 //!   with a valid signature also gets a cookie with the same pair, scoped to that host,
 //!   so a browser keeps access for the page's other requests.
+//!
+//! A signature that is wrong or expired is 401 with envd's body (`invalid signature`,
+//! `signature is already expired`) for every kind of signed URL; a wrong token is 403.
 
 use super::{Route, Target};
 use axum::extract::Request;
@@ -60,9 +63,17 @@ pub enum Grant {
 pub enum Denied {
     /// No credential at all (401).
     Missing(String),
-    /// A credential that is wrong or expired (403).
+    /// A credential that is wrong (403).
     Wrong(String),
+    /// A signed URL (or the cookie it left) whose signature is wrong or expired: 401
+    /// with E2B envd's exact body, `{"code":401,"message":...}`, which its SDKs assert.
+    Signature(&'static str),
 }
+
+/// Message of a signed URL whose signature does not match (E2B envd's wording).
+pub const INVALID_SIGNATURE: &str = "invalid signature";
+/// Message of a signed URL past its expiry (E2B envd's wording).
+pub const EXPIRED_SIGNATURE: &str = "signature is already expired";
 
 impl Denied {
     /// The JSON answer.
@@ -70,6 +81,10 @@ impl Denied {
         let (status, msg) = match self {
             Denied::Missing(m) => (StatusCode::UNAUTHORIZED, m),
             Denied::Wrong(m) => (StatusCode::FORBIDDEN, m),
+            // envd's body has no sandbox or port fields; the SDKs compare it whole.
+            Denied::Signature(m) => {
+                return super::error_body(StatusCode::UNAUTHORIZED, m, None, None);
+            }
         };
         super::error_body(status, msg, Some(id), Some(port))
     }
@@ -256,12 +271,12 @@ fn check_port_pair(
         expires,
     );
     if !eq(sig, &want) {
-        return Err(Denied::Wrong("invalid signature".into()));
+        return Err(Denied::Signature(INVALID_SIGNATURE));
     }
     // Checked after the signature, so that the answer says "expired" only for URLs that
     // were once valid.
     if now_secs() > expires {
-        return Err(Denied::Wrong("the signed URL has expired".into()));
+        return Err(Denied::Signature(EXPIRED_SIGNATURE));
     }
     Ok(expires)
 }
@@ -325,10 +340,10 @@ fn file_credential(access: &SandboxAccess, req: &Request) -> Result<Option<Grant
         expires,
     );
     if !eq(sig, &want) {
-        return Err(Denied::Wrong("invalid signature".into()));
+        return Err(Denied::Signature(INVALID_SIGNATURE));
     }
     if expires.is_some_and(|e| now_secs() > e) {
-        return Err(Denied::Wrong("the signed URL has expired".into()));
+        return Err(Denied::Signature(EXPIRED_SIGNATURE));
     }
     Ok(Some(Grant::FileSignature { path, username }))
 }
@@ -525,12 +540,18 @@ mod tests {
             })
         );
         // Read signatures do not write, and the path is covered.
-        assert!(matches!(
+        assert_eq!(
             check(49983, &a, &req("POST", &uri, &[])),
-            Err(Denied::Wrong(_))
-        ));
+            Err(Denied::Signature(INVALID_SIGNATURE))
+        );
         let other = format!("/files?path=%2Fetc%2Fshadow&signature={sig}");
-        assert!(check(49983, &a, &req("GET", &other, &[])).is_err());
+        assert_eq!(
+            check(49983, &a, &req("GET", &other, &[])),
+            Err(Denied::Signature(INVALID_SIGNATURE))
+        );
+        // E2B envd's answer, exactly: 401 and no other fields.
+        let r = Denied::Signature(EXPIRED_SIGNATURE).into_response(ID, 49983);
+        assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
         let twice = format!("/files?path=%2Ftmp%2Ff&path=%2Fetc%2Fshadow&signature={sig}");
         assert!(check(49983, &a, &req("GET", &twice, &[])).is_err());
         // The user is covered too.
@@ -549,7 +570,7 @@ mod tests {
         );
         assert_eq!(
             check(49983, &a, &req("POST", &uri, &[])),
-            Err(Denied::Wrong("the signed URL has expired".into()))
+            Err(Denied::Signature(EXPIRED_SIGNATURE))
         );
         // Elsewhere than /files a signature is no credential.
         let uri = format!("/process.Process/List?path=%2Ftmp%2Ff&signature={sig}");
@@ -608,7 +629,7 @@ mod tests {
         let old = port_url_query(&a, 8080, now_secs() - 1);
         assert_eq!(
             check(8080, &a, &req("GET", &format!("/?{old}"), &[])),
-            Err(Denied::Wrong("the signed URL has expired".into()))
+            Err(Denied::Signature(EXPIRED_SIGNATURE))
         );
         // A longer validity cannot be claimed by editing the expiry.
         let forged = old.replace(
@@ -617,7 +638,7 @@ mod tests {
         );
         assert_eq!(
             check(8080, &a, &req("GET", &format!("/?{forged}"), &[])),
-            Err(Denied::Wrong("invalid signature".into()))
+            Err(Denied::Signature(INVALID_SIGNATURE))
         );
         let sig = port_signature(&a.traffic_token, ID, 8080, exp);
         let c = format!("other=1; {PORT_COOKIE}={exp}.{sig}");
