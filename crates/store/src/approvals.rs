@@ -469,6 +469,24 @@ impl Store {
         rows.iter().map(approval_from_row).collect()
     }
 
+    /// Every approval of the owner's as of `now_ms`, oldest first.
+    pub async fn list_owner_approvals(
+        &self,
+        owner: &str,
+        now_ms: i64,
+    ) -> Result<Vec<ApprovalRecord>, StoreError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {APPROVAL_COLUMNS} FROM agent_approvals WHERE owner = $1 \
+             ORDER BY created_at_ms, id"
+        ))
+        .bind(owner)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| approval_from_row(r).map(|a| a.seen_at(now_ms)))
+            .collect()
+    }
+
     /// Every approval of a run as of `now_ms`, oldest first.
     pub async fn list_run_approvals(
         &self,
