@@ -11,6 +11,7 @@ pub mod usage;
 pub mod volumes;
 
 pub use agents::{
+    Approval, ApproveRequest, DenyRequest,
     AgentModelSpec, AgentRun, AgentRunEvent, AgentRunEventPage, AgentRuntime, CreateAgentRequest,
     CreateWorkspaceRequest, StartRunRequest, Workspace,
 };
