@@ -60,7 +60,10 @@ pub async fn run(ctx: &Ctx, cmd: ApprovalsCommand) -> anyhow::Result<u8> {
                         ]
                     })
                     .collect();
-                print_table(&["ID", "RUN", "STATE", "CAPABILITY", "SUMMARY", "CREATED"], &rows);
+                print_table(
+                    &["ID", "RUN", "STATE", "CAPABILITY", "SUMMARY", "CREATED"],
+                    &rows,
+                );
             }
             return Ok(0);
         }

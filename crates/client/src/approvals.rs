@@ -34,8 +34,11 @@ impl Client {
         let body = ApproveRequest {
             scope: scope.map(str::to_string),
         };
-        self.json(self.req(Method::POST, &["approvals", id, "approve"])?.json(&body))
-            .await
+        self.json(
+            self.req(Method::POST, &["approvals", id, "approve"])?
+                .json(&body),
+        )
+        .await
     }
 
     /// `POST /v1/approvals/{id}/deny`, with a reason told to the sandbox.
@@ -43,7 +46,10 @@ impl Client {
         let body = DenyRequest {
             reason: reason.map(str::to_string),
         };
-        self.json(self.req(Method::POST, &["approvals", id, "deny"])?.json(&body))
-            .await
+        self.json(
+            self.req(Method::POST, &["approvals", id, "deny"])?
+                .json(&body),
+        )
+        .await
     }
 }

@@ -82,7 +82,10 @@ fn egress(host: &str) -> GateRequest {
 /// The one pending approval, once the held action has recorded it.
 async fn pending(store: &Store) -> ApprovalRecord {
     for _ in 0..200 {
-        let p = store.list_pending_approvals("alice", now_ms()).await.unwrap();
+        let p = store
+            .list_pending_approvals("alice", now_ms())
+            .await
+            .unwrap();
         if let [one] = p.as_slice() {
             return one.clone();
         }
@@ -120,7 +123,8 @@ fn policies_are_checked_and_take_the_daemon_timeout() {
 
 #[tokio::test]
 async fn an_ungated_sandbox_or_capability_is_not_held() {
-    let (_d, a, store) = running(json!({"credentials": [{"name": "gh", "methods": ["POST"]}]})).await;
+    let (_d, a, store) =
+        running(json!({"credentials": [{"name": "gh", "methods": ["POST"]}]})).await;
     assert_eq!(a.decide(egress("x.test")).await, GateDecision::NotGated);
     let mut other = egress("x.test");
     other.sandbox_id = "elsewhere".into();
@@ -129,7 +133,13 @@ async fn an_ungated_sandbox_or_capability_is_not_held() {
     let mut get = egress("api.test");
     get.capability = GateCapability::Credential { name: "gh".into() };
     assert_eq!(a.decide(get.clone()).await, GateDecision::NotGated);
-    assert!(store.list_owner_approvals("alice", now_ms()).await.unwrap().is_empty());
+    assert!(
+        store
+            .list_owner_approvals("alice", now_ms())
+            .await
+            .unwrap()
+            .is_empty()
+    );
 }
 
 #[tokio::test]
@@ -141,13 +151,22 @@ async fn approved_for_the_run_lets_the_same_target_through_without_asking() {
     });
     let p = pending(&store).await;
     assert_eq!(p.target.host.as_deref(), Some("x.test:80"));
-    assert!(p.summary.contains("x.test:80") && p.summary.contains("GET /x"), "{}", p.summary);
+    assert!(
+        p.summary.contains("x.test:80") && p.summary.contains("GET /x"),
+        "{}",
+        p.summary
+    );
     assert_eq!(
         store.get_run("r1").await.unwrap().unwrap().state,
         RunState::WaitingApproval
     );
     let decided = store
-        .decide_approval(&p.id, Decision::Approve(ApprovalScope::Run), "alice", now_ms())
+        .decide_approval(
+            &p.id,
+            Decision::Approve(ApprovalScope::Run),
+            "alice",
+            now_ms(),
+        )
         .await
         .unwrap();
     assert!(matches!(decided, Decided::Decided(_)));
@@ -190,7 +209,14 @@ async fn approved_for_the_run_lets_the_same_target_through_without_asking() {
             reason: "denied: not port 22".into()
         }
     );
-    assert_eq!(store.list_owner_approvals("alice", now_ms()).await.unwrap().len(), 2);
+    assert_eq!(
+        store
+            .list_owner_approvals("alice", now_ms())
+            .await
+            .unwrap()
+            .len(),
+        2
+    );
 }
 
 #[tokio::test]
@@ -208,14 +234,23 @@ async fn an_undecided_approval_expires_and_refuses_the_action() {
     assert!(reason.starts_with("expired"), "{reason}");
     assert!(started.elapsed() >= Duration::from_millis(900));
     let rec = store.get_approval(&id, 0).await.unwrap().unwrap();
-    assert_eq!(rec.state, ApprovalState::Expired, "written, not just read so");
+    assert_eq!(
+        rec.state,
+        ApprovalState::Expired,
+        "written, not just read so"
+    );
     assert_eq!(
         store.get_run("r1").await.unwrap().unwrap().state,
         RunState::Running
     );
     // Deciding it now changes nothing.
     let late = store
-        .decide_approval(&id, Decision::Approve(ApprovalScope::Once), "alice", now_ms())
+        .decide_approval(
+            &id,
+            Decision::Approve(ApprovalScope::Once),
+            "alice",
+            now_ms(),
+        )
         .await
         .unwrap();
     assert!(matches!(late, Decided::AlreadyDecided(_)));

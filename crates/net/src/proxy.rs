@@ -160,8 +160,17 @@ async fn handle(net: Arc<Net>, mut client: TcpStream, peer: SocketAddr) {
     .await;
     let verdict = match verdict {
         Err(Refused::Policy(rule)) => {
-            ask_gate(&net, &sandbox, name.as_deref(), claimed.is_some(), ip, port, &first, rule)
-                .await
+            ask_gate(
+                &net,
+                &sandbox,
+                name.as_deref(),
+                claimed.is_some(),
+                ip,
+                port,
+                &first,
+                rule,
+            )
+            .await
         }
         other => other,
     };

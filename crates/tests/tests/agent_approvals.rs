@@ -3,7 +3,9 @@
 //! until a person decides through the approvals API. The upstream hosts live in the test's
 //! own network namespace; nothing leaves the machine.
 
-use sandpit_tests::agents::{ModelSim, all_events, api, daemon_with, harness_processes, req, sandbox};
+use sandpit_tests::agents::{
+    ModelSim, all_events, api, daemon_with, harness_processes, req, sandbox,
+};
 use sandpit_tests::netfix::Upstream;
 use sandpit_tests::{Daemon, sh};
 use serde_json::{Value, json};
@@ -14,7 +16,13 @@ const TIMEOUT_SECS: u64 = 8;
 
 /// Fetches `http://{name}/{path}` from the sandbox, `name` pinned to `ip` (the sandbox's
 /// resolver answers no name outside its allow-list): the body and `HTTP <code>`.
-fn fetch(d: &Daemon, sb: &str, name: &str, ip: &str, path: &str) -> tokio::task::JoinHandle<String> {
+fn fetch(
+    d: &Daemon,
+    sb: &str,
+    name: &str,
+    ip: &str,
+    path: &str,
+) -> tokio::task::JoinHandle<String> {
     let c = d.client();
     let sb = sb.to_string();
     let script = format!(
@@ -41,7 +49,10 @@ async fn pending(d: &Daemon, key: &str, run: &str) -> Value {
         if let Some(one) = list.first() {
             return one.clone();
         }
-        assert!(start.elapsed() < Duration::from_secs(60), "nothing was held");
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "nothing was held"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -104,8 +115,10 @@ async fn egress_outside_the_allow_list_waits_for_a_person() {
             &d,
             reqwest::Method::POST,
             &agents,
-            Some(json!({"harness": "pi", "model": {"base_url": m.url, "model": "modelsim"},
-                        "approval_policy": bad})),
+            Some(
+                json!({"harness": "pi", "model": {"base_url": m.url, "model": "modelsim"},
+                        "approval_policy": bad}),
+            ),
         )
         .await;
         assert_eq!(status, 400, "{bad}: {body}");
@@ -114,8 +127,10 @@ async fn egress_outside_the_allow_list_waits_for_a_person() {
         &d,
         reqwest::Method::POST,
         &agents,
-        Some(json!({"harness": "pi", "model": {"base_url": m.url, "model": "modelsim"},
-                    "approval_policy": {"egress": true, "timeout_secs": TIMEOUT_SECS}})),
+        Some(
+            json!({"harness": "pi", "model": {"base_url": m.url, "model": "modelsim"},
+                    "approval_policy": {"egress": true, "timeout_secs": TIMEOUT_SECS}}),
+        ),
     )
     .await;
     assert_eq!(status, 201, "{rt}");
@@ -136,7 +151,10 @@ async fn egress_outside_the_allow_list_waits_for_a_person() {
         .iter()
         .any(|l| l.contains("sleep 300"))
     {
-        assert!(start.elapsed() < Duration::from_secs(60), "the tool never started");
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the tool never started"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert_eq!(run_state(&d, &run).await, "running");
@@ -145,8 +163,15 @@ async fn egress_outside_the_allow_list_waits_for_a_person() {
     let db = d.store().await;
     let owner = db.authenticate(&d.key).await.unwrap().unwrap().owner;
     let (approver_rec, approver) = db.create_api_key(&owner, "approver").await.unwrap();
-    assert!(db.add_api_key_role(&approver_rec.id, "approver").await.unwrap());
-    assert_eq!(db.api_key_roles(&approver_rec.id).await.unwrap(), ["approver"]);
+    assert!(
+        db.add_api_key_role(&approver_rec.id, "approver")
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        db.api_key_roles(&approver_rec.id).await.unwrap(),
+        ["approver"]
+    );
     db.close().await;
     let stranger = d.owner_key("mallory").await;
 
@@ -180,7 +205,10 @@ async fn egress_outside_the_allow_list_waits_for_a_person() {
     assert_eq!(status, 400, "{body}");
     let (status, body) = decide(&d, &approver, &id, "approve", json!({"scope": "run"})).await;
     assert_eq!(status, 200, "{body}");
-    assert_eq!((body["state"].as_str(), body["scope"].as_str()), (Some("approved"), Some("run")));
+    assert_eq!(
+        (body["state"].as_str(), body["scope"].as_str()),
+        (Some("approved"), Some("run"))
+    );
     let out = first.await.unwrap();
     assert!(out.ends_with("HTTP 200"), "{out}");
     assert_eq!(served(&up, "/one"), 1);
@@ -190,9 +218,17 @@ async fn egress_outside_the_allow_list_waits_for_a_person() {
     assert_eq!(status, 409, "{body}");
 
     // 2. The same host again: through without a new approval.
-    let out = fetch(&d, &sb, "other.test", &up.ip(3), "two").await.unwrap();
+    let out = fetch(&d, &sb, "other.test", &up.ip(3), "two")
+        .await
+        .unwrap();
     assert!(out.ends_with("HTTP 200"), "{out}");
-    let (_, all) = api(&d, reqwest::Method::GET, &format!("/v1/approvals?run={run}"), None).await;
+    let (_, all) = api(
+        &d,
+        reqwest::Method::GET,
+        &format!("/v1/approvals?run={run}"),
+        None,
+    )
+    .await;
     assert_eq!(all.as_array().unwrap().len(), 1, "{all}");
 
     // 3. Another host, denied with a reason: 403 inside the sandbox naming both.
@@ -200,28 +236,53 @@ async fn egress_outside_the_allow_list_waits_for_a_person() {
     let a = pending(&d, &d.key, &run).await;
     let denied = a["id"].as_str().unwrap().to_string();
     assert_eq!(a["host"], "third.test:80", "{a}");
-    let (status, body) = decide(&d, &approver, &denied, "deny", json!({"reason": "not that host"})).await;
+    let (status, body) = decide(
+        &d,
+        &approver,
+        &denied,
+        "deny",
+        json!({"reason": "not that host"}),
+    )
+    .await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["state"], "denied");
     let out = third.await.unwrap();
     assert!(out.ends_with("HTTP 403"), "{out}");
-    assert!(out.contains(&denied) && out.contains("not that host"), "{out}");
+    assert!(
+        out.contains(&denied) && out.contains("not that host"),
+        "{out}"
+    );
     assert_eq!(served(&up, "/three"), 0);
     let (status, _) = decide(&d, &approver, &denied, "approve", json!({})).await;
     assert_eq!(status, 409);
 
     // 4. Nobody decides: expired, refused.
     let started = Instant::now();
-    let out = fetch(&d, &sb, "fourth.test", &up.ip(5), "four").await.unwrap();
+    let out = fetch(&d, &sb, "fourth.test", &up.ip(5), "four")
+        .await
+        .unwrap();
     assert!(out.ends_with("HTTP 403"), "{out}");
     assert!(out.contains("expired"), "{out}");
     assert!(started.elapsed() >= Duration::from_secs(TIMEOUT_SECS - 1));
     assert_eq!(served(&up, "/four"), 0);
-    let (_, expired) = api(&d, reqwest::Method::GET, &format!("/v1/approvals?state=expired&run={run}"), None).await;
+    let (_, expired) = api(
+        &d,
+        reqwest::Method::GET,
+        &format!("/v1/approvals?state=expired&run={run}"),
+        None,
+    )
+    .await;
     let expired = expired.as_array().unwrap();
     assert_eq!(expired.len(), 1, "{expired:?}");
     assert_eq!(expired[0]["host"], "fourth.test:80");
-    let (status, body) = decide(&d, &approver, expired[0]["id"].as_str().unwrap(), "approve", json!({})).await;
+    let (status, body) = decide(
+        &d,
+        &approver,
+        expired[0]["id"].as_str().unwrap(),
+        "approve",
+        json!({}),
+    )
+    .await;
     assert_eq!(status, 409, "{body}");
     let (status, body) = api(&d, reqwest::Method::GET, "/v1/approvals?state=bogus", None).await;
     assert_eq!(status, 400, "{body}");
@@ -229,16 +290,38 @@ async fn egress_outside_the_allow_list_waits_for_a_person() {
     // Every request and decision is a run event; the run goes on.
     let events = all_events(&d, &run, 0).await;
     let kinds: Vec<&str> = events.iter().filter_map(|e| e["kind"].as_str()).collect();
-    assert_eq!(kinds.iter().filter(|k| **k == "approval_requested").count(), 3, "{kinds:?}");
-    assert_eq!(kinds.iter().filter(|k| **k == "approval_decided").count(), 3, "{kinds:?}");
+    assert_eq!(
+        kinds.iter().filter(|k| **k == "approval_requested").count(),
+        3,
+        "{kinds:?}"
+    );
+    assert_eq!(
+        kinds.iter().filter(|k| **k == "approval_decided").count(),
+        3,
+        "{kinds:?}"
+    );
     assert_eq!(run_state(&d, &run).await, "running");
-    let (status, _) = api(&d, reqwest::Method::POST, &format!("/v1/runs/{run}/cancel"), None).await;
+    let (status, _) = api(
+        &d,
+        reqwest::Method::POST,
+        &format!("/v1/runs/{run}/cancel"),
+        None,
+    )
+    .await;
     assert_eq!(status, 200);
 
     // Without an active run the allow-list refuses as always, and nothing is asked.
-    let out = fetch(&d, &sb, "other.test", &up.ip(3), "five").await.unwrap();
+    let out = fetch(&d, &sb, "other.test", &up.ip(3), "five")
+        .await
+        .unwrap();
     assert!(out.ends_with("HTTP 403"), "{out}");
-    let (_, all) = api(&d, reqwest::Method::GET, &format!("/v1/approvals?run={run}"), None).await;
+    let (_, all) = api(
+        &d,
+        reqwest::Method::GET,
+        &format!("/v1/approvals?run={run}"),
+        None,
+    )
+    .await;
     assert_eq!(all.as_array().unwrap().len(), 3, "{all}");
     d.shutdown().await;
 }

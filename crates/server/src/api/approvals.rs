@@ -122,7 +122,8 @@ fn optional_body<T: serde::de::DeserializeOwned + Default>(body: &[u8]) -> Resul
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(T::default());
     }
-    serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
 }
 
 /// With the approver role required, refuses keys without it (403), after the approval
