@@ -325,3 +325,176 @@ async fn egress_outside_the_allow_list_waits_for_a_person() {
     assert_eq!(all.as_array().unwrap().len(), 3, "{all}");
     d.shutdown().await;
 }
+
+/// A value the sandbox must never see; the upstream gets it only through the broker.
+const VALUE: &str = "ghp_ApprovalGate_Secret_7d21e0";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gated_credential_waits_for_a_person_per_method() {
+    use sandpit_api::secrets::{CreateSecretRequest, InjectSpec};
+    let up = Upstream::start(&[("api.upstream.test", "@2")]);
+    let ip = up.ip(10);
+    let m = ModelSim::start(
+        &up,
+        &ip,
+        8081,
+        json!({"turns": [
+            {"tool_calls": [{"name": "bash", "arguments": {"command": "sleep 300"}}]},
+            {"text": "never asked"}
+        ]}),
+    );
+    let keys = tempfile::tempdir().unwrap();
+    let key = keys.path().join("broker.key");
+    std::fs::write(&key, [7u8; 32]).unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+    let d = daemon_with(
+        &up,
+        &format!(
+            "[broker]\nkey_file = {:?}\nextra_ca_file = {:?}\n",
+            key.display().to_string(),
+            up.ca_file().display().to_string()
+        ),
+    )
+    .await;
+    let c = d.client();
+    c.create_secret(
+        &CreateSecretRequest {
+            name: "gh".into(),
+            value: VALUE.into(),
+            hosts: vec!["api.upstream.test".into()],
+            methods: vec!["GET".into(), "POST".into()],
+            path_prefixes: vec![],
+            ttl_secs: Some(3600),
+            inject: InjectSpec::Header {
+                name: "Authorization".into(),
+                format: "Bearer {value}".into(),
+            },
+            allow_http: false,
+            expires_at_ms: None,
+        },
+        None,
+    )
+    .await
+    .unwrap();
+    let (status, sb) = api(
+        &d,
+        reqwest::Method::POST,
+        "/v1/sandboxes",
+        Some(json!({
+            "timeout": 600,
+            "limits": {"memory_bytes": 1u64 << 30},
+            "secrets": ["gh"],
+            "network": {"mode": "allowlist", "rules": [
+                {"action": "allow", "cidr": format!("{ip}/32"), "ports": [8081]},
+                {"action": "allow", "domain": "api.upstream.test", "ports": [443]}]},
+        })),
+    )
+    .await;
+    assert_eq!(status, 201, "{sb}");
+    let sb = sb["id"].as_str().unwrap().to_string();
+    let (status, rt) = api(
+        &d,
+        reqwest::Method::POST,
+        &format!("/v1/sandboxes/{sb}/agents"),
+        Some(
+            json!({"harness": "pi", "model": {"base_url": m.url, "model": "modelsim"},
+                    "approval_policy": {"credentials": [{"name": "gh", "methods": ["post"]}]}}),
+        ),
+    )
+    .await;
+    assert_eq!(status, 201, "{rt}");
+    let rt = rt["id"].as_str().unwrap().to_string();
+    let (status, run) = api(
+        &d,
+        reqwest::Method::POST,
+        &format!("/v1/agents/{rt}/runs"),
+        Some(json!({"task": "sleep"})),
+    )
+    .await;
+    assert_eq!(status, 201, "{run}");
+    let run = run["id"].as_str().unwrap().to_string();
+    let start = Instant::now();
+    while !harness_processes(&d, &sb)
+        .await
+        .iter()
+        .any(|l| l.contains("sleep 300"))
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the tool never started"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let curl = |method: &str, path: &str| {
+        let c = d.client();
+        let sb = sb.clone();
+        let script = format!(
+            "curl -sS --max-time 60 -X {method} -w '\\nHTTP %{{http_code}}' https://api.upstream.test{path}"
+        );
+        tokio::spawn(async move {
+            let out = sh(&c, &sb, &script).await;
+            assert!(!out.stdout.contains(VALUE) && !out.stderr.contains(VALUE));
+            out.stdout
+        })
+    };
+    let with_credential = |path: &str| {
+        up.requests()
+            .iter()
+            .filter(|r| {
+                r["path"].as_str() == Some(path)
+                    && r["authorization"].as_str() == Some(&format!("Bearer {VALUE}"))
+            })
+            .count()
+    };
+
+    // GET is not gated: through at once, with the credential.
+    let out = curl("GET", "/get").await.unwrap();
+    assert!(out.ends_with("HTTP 200"), "{out}");
+    assert_eq!(with_credential("/get"), 1);
+    let (_, all) = api(&d, reqwest::Method::GET, "/v1/approvals", None).await;
+    assert_eq!(all, json!([]));
+
+    // POST waits; denied: the broker's 403 names the approval, the upstream sees nothing.
+    let held = curl("POST", "/post");
+    let a = pending(&d, &d.key, &run).await;
+    let id = a["id"].as_str().unwrap().to_string();
+    assert_eq!(a["capability"], "credential", "{a}");
+    assert_eq!(a["name"], "gh", "{a}");
+    assert_eq!(a["method"], "POST", "{a}");
+    assert_eq!(a["host"], "api.upstream.test:443", "{a}");
+    assert_eq!(a["path"], "/post", "{a}");
+    assert_eq!(run_state(&d, &run).await, "waiting_approval");
+    assert_eq!(served(&up, "/post"), 0);
+    let (status, body) = decide(&d, &d.key, &id, "deny", json!({"reason": "no writes"})).await;
+    assert_eq!(status, 200, "{body}");
+    let out = held.await.unwrap();
+    assert!(out.ends_with("HTTP 403"), "{out}");
+    assert!(
+        out.contains("\"approval\"") && out.contains(&id) && out.contains("no writes"),
+        "{out}"
+    );
+    assert_eq!(served(&up, "/post"), 0);
+
+    // Asked again and approved once: the upstream gets it with the credential.
+    let held = curl("POST", "/post");
+    let a = pending(&d, &d.key, &run).await;
+    assert_ne!(a["id"], id.as_str());
+    let (status, body) = decide(&d, &d.key, a["id"].as_str().unwrap(), "approve", json!({})).await;
+    assert_eq!(status, 200, "{body}");
+    let out = held.await.unwrap();
+    assert!(out.ends_with("HTTP 200"), "{out}");
+    assert_eq!(with_credential("/post"), 1);
+    assert_eq!(run_state(&d, &run).await, "running");
+    let (status, _) = api(
+        &d,
+        reqwest::Method::POST,
+        &format!("/v1/runs/{run}/cancel"),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    d.shutdown().await;
+}
