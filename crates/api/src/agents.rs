@@ -185,6 +185,9 @@ pub struct Approval {
     pub scope: String,
     /// `pending`, `approved`, `denied` or `expired`.
     pub state: String,
+    /// Why it was denied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decided_by: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -43,11 +43,10 @@ impl Default for ApprovalsConfig {
     }
 }
 
-/// A held action's wake-up and the reason a denial gave.
+/// A held action's wake-up.
 #[derive(Default)]
 struct Waiter {
     notify: tokio::sync::Notify,
-    reason: Mutex<Option<String>>,
 }
 
 /// The held actions and how to ask about new ones.
@@ -223,8 +222,7 @@ impl Approvals {
                     };
                 }
                 ApprovalState::Denied => {
-                    let why = r.waiter.reason.lock().clone();
-                    let reason = match why {
+                    let reason = match rec.reason {
                         Some(why) => format!("denied: {why}"),
                         None => "denied".to_string(),
                     };
@@ -250,9 +248,8 @@ impl Approvals {
     }
 
     /// Wakes the held action of approval `id`, if this daemon holds one.
-    fn wake(&self, id: &str, reason: Option<String>) {
+    fn wake(&self, id: &str) {
         if let Some(w) = self.waiting.lock().get(id) {
-            *w.reason.lock() = reason;
             w.notify.notify_one();
         }
     }
@@ -305,6 +302,7 @@ pub fn to_api(a: &ApprovalRecord) -> sandpit_api::Approval {
         summary: a.summary.clone(),
         scope: a.scope.as_str().into(),
         state: a.state.as_str().into(),
+        reason: a.reason.clone(),
         decided_by: a.decided_by.clone(),
         decided_at_ms: a.decided_at_ms,
         expires_at_ms: a.expires_at_ms,
@@ -392,16 +390,16 @@ impl Manager {
         self.approval(owner, id).await?;
         let outcome = self
             .store
-            .decide_approval(id, decision, by, now_ms())
+            .decide_approval_with_reason(id, decision, by, reason.as_deref(), now_ms())
             .await?;
         match outcome {
             Decided::Decided(a) => {
                 tracing::info!(approval_id = id, state = %a.state, scope = %a.scope, by, "approval decided");
-                self.approvals.wake(id, reason);
+                self.approvals.wake(id);
                 Ok(a)
             }
             Decided::Expired(a) => {
-                self.approvals.wake(id, None);
+                self.approvals.wake(id);
                 Err(CoreError::conflict(format!(
                     "approval {} expired before it was decided",
                     a.id

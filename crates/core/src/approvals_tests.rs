@@ -170,7 +170,7 @@ async fn approved_for_the_run_lets_the_same_target_through_without_asking() {
         .await
         .unwrap();
     assert!(matches!(decided, Decided::Decided(_)));
-    a.wake(&p.id, None);
+    a.wake(&p.id);
     assert_eq!(
         held.await.unwrap(),
         GateDecision::Approved {
@@ -198,10 +198,16 @@ async fn approved_for_the_run_lets_the_same_target_through_without_asking() {
     let p2 = pending(&store).await;
     assert_ne!(p2.id, p.id);
     store
-        .decide_approval(&p2.id, Decision::Deny, "alice", now_ms())
+        .decide_approval_with_reason(
+            &p2.id,
+            Decision::Deny,
+            "alice",
+            Some("not port 22"),
+            now_ms(),
+        )
         .await
         .unwrap();
-    a.wake(&p2.id, Some("not port 22".into()));
+    a.wake(&p2.id);
     assert_eq!(
         held.await.unwrap(),
         GateDecision::Refused {
@@ -209,13 +215,13 @@ async fn approved_for_the_run_lets_the_same_target_through_without_asking() {
             reason: "denied: not port 22".into()
         }
     );
+    let all = store.list_owner_approvals("alice", now_ms()).await.unwrap();
+    assert_eq!(all.len(), 2);
+    assert_eq!(all[0].reason, None);
     assert_eq!(
-        store
-            .list_owner_approvals("alice", now_ms())
-            .await
-            .unwrap()
-            .len(),
-        2
+        all[1].reason.as_deref(),
+        Some("not port 22"),
+        "kept with the decision"
     );
 }
 

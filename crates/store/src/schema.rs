@@ -401,6 +401,8 @@ pub(crate) const MIGRATIONS: &[(i64, &[&str])] = &[
             // Roles of an API key, comma-separated (`approver` decides approvals when the
             // daemon requires it); existing keys have none.
             "ALTER TABLE api_keys ADD COLUMN roles TEXT NOT NULL DEFAULT ''",
+            // Why an approval was denied, kept with the decision.
+            "ALTER TABLE agent_approvals ADD COLUMN reason TEXT",
         ],
     ),
 ];

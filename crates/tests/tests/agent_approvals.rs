@@ -246,6 +246,7 @@ async fn egress_outside_the_allow_list_waits_for_a_person() {
     .await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["state"], "denied");
+    assert_eq!(body["reason"], "not that host");
     let out = third.await.unwrap();
     assert!(out.ends_with("HTTP 403"), "{out}");
     assert!(
