@@ -285,6 +285,46 @@ async fn egress_outside_the_allow_list_waits_for_a_person() {
     )
     .await;
     assert_eq!(status, 409, "{body}");
+    // The CLI: a key made with `--role approver` lists and decides; deciding again fails.
+    let (ok, out, err) = d.cli(&[
+        "keys", "create", "--owner", &owner, "--role", "approver", "--json",
+    ]);
+    assert!(ok, "{err}");
+    let made: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(made["roles"], json!(["approver"]), "{made}");
+    let db = d.store().await;
+    assert!(
+        db.key_has_role(made["id"].as_str().unwrap(), "approver")
+            .await
+            .unwrap()
+    );
+    db.close().await;
+    let cli_key = made["key"].as_str().unwrap().to_string();
+    let (ok, out, err) = d.cli(&[
+        "--api-key",
+        &cli_key,
+        "--json",
+        "approvals",
+        "ls",
+        "--state",
+        "all",
+        "--run",
+        &run,
+    ]);
+    assert!(ok, "{err}");
+    let listed: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(listed.as_array().unwrap().len(), 3, "{listed}");
+    let (ok, _, err) = d.cli(&[
+        "--api-key",
+        &cli_key,
+        "approvals",
+        "approve",
+        &denied,
+        "--for-run",
+    ]);
+    assert!(!ok && err.contains("already denied"), "{err}");
+    let (ok, _, _) = d.cli(&["keys", "create", "--owner", &owner, "--role", "root"]);
+    assert!(!ok, "an unknown role is refused");
     let (status, body) = api(&d, reqwest::Method::GET, "/v1/approvals?state=bogus", None).await;
     assert_eq!(status, 400, "{body}");
 
