@@ -33,6 +33,11 @@ pub struct CreateAgentRequest {
     pub harness: String,
     /// The model endpoint.
     pub model: AgentModelSpec,
+    /// Which actions of its runs wait for a person: `{"egress": true, "credentials":
+    /// [{"name": "github", "methods": ["POST"]}], "timeout_secs": 300}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub approval_policy: Option<serde_json::Value>,
 }
 
 /// An agent runtime.
@@ -42,6 +47,9 @@ pub struct AgentRuntime {
     pub sandbox_id: String,
     pub harness: String,
     pub model: AgentModelSpec,
+    /// The approval policy as stored.
+    #[schema(value_type = Object)]
+    pub approval_policy: serde_json::Value,
     /// `active` or `ended`.
     pub state: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -149,6 +157,10 @@ pub struct CreateWorkspaceRequest {
     pub harness: String,
     /// The model endpoint.
     pub model: AgentModelSpec,
+    /// The runtime's approval policy (see [`CreateAgentRequest::approval_policy`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub approval_policy: Option<serde_json::Value>,
 }
 
 /// A workspace: the sandbox and the agent runtime made in it.
@@ -156,4 +168,58 @@ pub struct CreateWorkspaceRequest {
 pub struct Workspace {
     pub sandbox: crate::Sandbox,
     pub agent: AgentRuntime,
+}
+
+/// A run's request for a person's decision on a risky action.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Approval {
+    pub id: String,
+    pub run_id: String,
+    pub runtime_id: String,
+    pub sandbox_id: String,
+    /// `egress`, `credential` or `harness_permission`.
+    pub capability: String,
+    /// Destination `host:port`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub method: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// The credential's name, for a credential approval.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub summary: String,
+    /// `once` or `run`.
+    pub scope: String,
+    /// `pending`, `approved`, `denied` or `expired`.
+    pub state: String,
+    /// Why it was denied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decided_by: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decided_at_ms: Option<i64>,
+    pub expires_at_ms: i64,
+    pub created_at_ms: i64,
+}
+
+/// `POST /v1/approvals/{id}/approve`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ApproveRequest {
+    /// `once` (default): this action; `run`: the same capability and target for the rest
+    /// of the run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scope: Option<String>,
+}
+
+/// `POST /v1/approvals/{id}/deny`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DenyRequest {
+    /// Told to the sandbox with the refusal.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }

@@ -11,8 +11,9 @@ pub mod usage;
 pub mod volumes;
 
 pub use agents::{
-    AgentModelSpec, AgentRun, AgentRunEvent, AgentRunEventPage, AgentRuntime, CreateAgentRequest,
-    CreateWorkspaceRequest, StartRunRequest, Workspace,
+    AgentModelSpec, AgentRun, AgentRunEvent, AgentRunEventPage, AgentRuntime, Approval,
+    ApproveRequest, CreateAgentRequest, CreateWorkspaceRequest, DenyRequest, StartRunRequest,
+    Workspace,
 };
 pub use network::{NetworkAuditEntry, NetworkAuditList, NetworkMode, NetworkPolicy, NetworkRule};
 pub use volumes::{CreateVolumeRequest, Volume, VolumeList, VolumeMountSpec};

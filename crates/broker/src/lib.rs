@@ -135,6 +135,8 @@ pub(crate) struct Inner {
     /// Orders store writes and cache reloads of attachments, so that a reload read before
     /// a change cannot overwrite the cache after it.
     writes: tokio::sync::Mutex<()>,
+    /// Asked before a gated credential goes into a request (the daemon's approvals).
+    pub(crate) gate: RwLock<Option<Arc<dyn sandpit_net::approval::ApprovalGate>>>,
 }
 
 /// The credential broker; cheap to clone.
@@ -248,6 +250,12 @@ fn upstream_tls(extra_ca: Option<&Path>) -> Result<rustls::ClientConfig, BrokerE
 }
 
 impl Broker {
+    /// Installs what is asked before a credential an approval policy gates goes into a
+    /// request; without one every matching credential is injected as its rules allow.
+    pub fn set_approval_gate(&self, g: Arc<dyn sandpit_net::approval::ApprovalGate>) {
+        *self.inner.gate.write() = Some(g);
+    }
+
     /// A broker as configured, its secrets and attachments loaded from the store. Without
     /// a key it is disabled: it wants no connection and refuses to store secrets.
     pub async fn new(cfg: &BrokerConfig, store: Store) -> Result<Self, BrokerError> {
@@ -270,6 +278,7 @@ impl Broker {
                 store,
                 cache: RwLock::default(),
                 writes: tokio::sync::Mutex::new(()),
+                gate: RwLock::new(None),
             }),
         };
         broker.reload().await?;

@@ -16,6 +16,7 @@ use http_body_util::combinators::BoxBody;
 use hyper::body::Incoming;
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use sandpit_net::approval::{GateCapability, GateDecision, GateRequest};
 use sandpit_net::intercept::{BoxedIo, Carried, Destination, Outbound};
 use std::io;
 use std::net::SocketAddr;
@@ -266,6 +267,11 @@ impl ConnCtx {
                 return refused(&r);
             }
         };
+        if let Some(r) = self.ask_gate(&req, &secrets, &actions).await {
+            tracing::info!(sandbox = %self.sandbox_id, host = %self.host, method = %req.method(),
+                secret = %r.secret, "credential broker refused a request: {}", r.message);
+            return refused(&r);
+        }
         let mut masks: Vec<Zeroizing<Vec<u8>>> = Vec::new();
         let mut used = Vec::new();
         for action in &actions {
@@ -297,6 +303,51 @@ impl ConnCtx {
                 secrets = ?used, "credential broker injected credentials");
         }
         self.forward(req, masks).await
+    }
+
+    /// Asks the approval gate about each credential the request would carry; the first
+    /// refused one refuses the request (the request is held until the gate answers).
+    async fn ask_gate(
+        &self,
+        req: &Request<Incoming>,
+        secrets: &[&Secret],
+        actions: &[Action],
+    ) -> Option<Refusal> {
+        let gate = self.inner.gate.read().clone()?;
+        let mut asked: Vec<usize> = Vec::new();
+        for action in actions {
+            let (Action::SetHeader { secret, .. } | Action::Replace { secret, .. }) = action;
+            if asked.contains(secret) {
+                continue;
+            }
+            asked.push(*secret);
+            let name = secrets[*secret].name.clone();
+            let ask = GateRequest {
+                sandbox_id: self.sandbox_id.clone(),
+                capability: GateCapability::Credential { name: name.clone() },
+                host: self.host.clone(),
+                port: self.upstream.port(),
+                method: Some(req.method().as_str().to_string()),
+                path: Some(req.uri().path().chars().take(256).collect()),
+            };
+            match gate.decide(ask).await {
+                GateDecision::NotGated | GateDecision::Approved { .. } => {}
+                GateDecision::Refused {
+                    approval_id,
+                    reason,
+                } => {
+                    return Some(Refusal {
+                        secret: name,
+                        reason: Reason::Approval,
+                        message: format!(
+                            "approval {}: {reason}",
+                            approval_id.as_deref().unwrap_or("(not recorded)")
+                        ),
+                    });
+                }
+            }
+        }
+        None
     }
 
     fn open(&self, s: &Secret) -> Result<Zeroizing<Vec<u8>>, Refusal> {

@@ -178,6 +178,8 @@ pub enum Reason {
     Destination,
     /// The secret cannot be used at all (its value does not decrypt).
     Unavailable,
+    /// A person denied its injection, or nobody decided in time (an approval gate).
+    Approval,
 }
 
 /// A refused request: the secret and the rule, in words (never the value).

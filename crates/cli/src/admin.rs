@@ -38,12 +38,18 @@ async fn open_store(ctx: &Ctx, create: bool) -> anyhow::Result<Store> {
 /// `sandpit keys ...`.
 pub async fn keys(ctx: &Ctx, cmd: KeysCommand) -> anyhow::Result<()> {
     match cmd {
-        KeysCommand::Create { owner, name } => {
+        KeysCommand::Create { owner, name, roles } => {
             if owner.trim().is_empty() {
                 anyhow::bail!("--owner must not be empty");
             }
+            if let Some(bad) = roles.iter().find(|r| r.as_str() != "approver") {
+                anyhow::bail!("unknown role {bad:?} (known: approver)");
+            }
             let store = open_store(ctx, true).await?;
             let (key, secret) = store.create_api_key(&owner, &name).await?;
+            for role in &roles {
+                store.add_api_key_role(&key.id, role).await?;
+            }
             store.close().await;
             if ctx.json {
                 print_json(&serde_json::json!({
@@ -51,6 +57,7 @@ pub async fn keys(ctx: &Ctx, cmd: KeysCommand) -> anyhow::Result<()> {
                     "owner": key.owner,
                     "name": key.name,
                     "created_at_ms": key.created_at_ms,
+                    "roles": roles,
                     "key": secret,
                     "e2b_key": sandpit_store::e2b_key_form(&secret),
                 }))

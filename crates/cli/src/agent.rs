@@ -71,6 +71,10 @@ pub enum AgentCommand {
         sandbox: String,
         #[command(flatten)]
         model: ModelArgs,
+        /// Which actions of its runs wait for a person, as JSON, e.g.
+        /// `{"egress": true, "credentials": [{"name": "github", "methods": ["POST"]}]}`.
+        #[arg(long, value_name = "JSON")]
+        approval_policy: Option<String>,
     },
     /// List agent runtimes (of one sandbox, or all of yours).
     Ls {
@@ -240,10 +244,19 @@ fn parse_allow(s: &str) -> Result<NetworkRule, String> {
 pub async fn run(ctx: &Ctx, cmd: AgentCommand) -> anyhow::Result<u8> {
     let client = ctx.client()?;
     match cmd {
-        AgentCommand::Create { sandbox, model } => {
+        AgentCommand::Create {
+            sandbox,
+            model,
+            approval_policy,
+        } => {
+            let approval_policy = approval_policy
+                .map(|p| serde_json::from_str(&p))
+                .transpose()
+                .map_err(|e| anyhow::anyhow!("--approval-policy is not JSON: {e}"))?;
             let req = CreateAgentRequest {
                 harness: model.harness.clone(),
                 model: model.spec(),
+                approval_policy,
             };
             let rt = client.create_agent(&sandbox, &req).await?;
             if ctx.json {
@@ -334,6 +347,7 @@ pub async fn workspace(ctx: &Ctx, cmd: WorkspaceCommand) -> anyhow::Result<u8> {
         network,
         harness: args.model.harness.clone(),
         model: args.model.spec(),
+        approval_policy: None,
     };
     let ws = ctx.client()?.create_workspace(&req).await?;
     if ctx.json {

@@ -3,6 +3,7 @@
 
 mod admin;
 mod agent;
+mod approvals;
 mod cp;
 mod exec;
 mod leases;
@@ -221,6 +222,9 @@ enum Command {
     /// Workspaces: a sandbox and an agent runtime in it, made in one call.
     #[command(subcommand)]
     Workspace(agent::WorkspaceCommand),
+    /// Approvals of agent runs' risky actions: list, approve, deny.
+    #[command(subcommand)]
+    Approvals(approvals::ApprovalsCommand),
 }
 
 #[derive(Debug, Args)]
@@ -411,6 +415,10 @@ enum KeysCommand {
         /// A label for people.
         #[arg(long, default_value = "")]
         name: String,
+        /// A role of the key (repeatable): `approver` may decide approvals when the daemon
+        /// requires it (`[approvals] require_approver_role`).
+        #[arg(long = "role")]
+        roles: Vec<String>,
     },
     /// List keys (never their secrets).
     Ls,
@@ -621,6 +629,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Executions(args) => usage::executions(&ctx, args).await.map(|()| 0),
         Command::Agent(cmd) => agent::run(&ctx, cmd).await,
         Command::Workspace(cmd) => agent::workspace(&ctx, cmd).await,
+        Command::Approvals(cmd) => approvals::run(&ctx, cmd).await,
     }
 }
 

@@ -17,6 +17,7 @@
 #![warn(missing_docs)]
 
 mod agents;
+mod approvals;
 mod error;
 mod leases;
 mod local;

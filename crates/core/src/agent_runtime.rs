@@ -85,6 +85,7 @@ pub fn to_api(rec: &AgentRuntimeRecord) -> Result<sandpit_api::AgentRuntime, Cor
         sandbox_id: rec.sandbox_id.clone(),
         harness: rec.harness.clone(),
         model: model_of(rec)?,
+        approval_policy: rec.approval_policy.clone(),
         state: rec.state.as_str().into(),
         reason: rec.reason.clone(),
         created_at_ms: rec.created_at_ms,
@@ -101,6 +102,8 @@ impl Manager {
         req: &sandpit_api::CreateAgentRequest,
     ) -> Result<AgentRuntimeRecord, CoreError> {
         let harness = self.check_agent_request(req)?;
+        let approval_policy =
+            crate::approvals::checked_policy(req.approval_policy.as_ref(), &self.cfg.approvals)?;
         let sandbox = self.get(owner, sandbox_id).await?;
         if sandbox.template != "host" || sandbox.runtime != "container" {
             return Err(CoreError::invalid(
@@ -121,7 +124,7 @@ impl Manager {
                 harness: harness.as_str().into(),
                 harness_version: None,
                 harness_template: None,
-                approval_policy: serde_json::json!({}),
+                approval_policy,
                 model: serde_json::to_value(&req.model)
                     .map_err(|e| CoreError::internal_from("model spec", e))?,
             })
@@ -175,8 +178,10 @@ impl Manager {
         let agent = sandpit_api::CreateAgentRequest {
             harness: req.harness.clone(),
             model: req.model.clone(),
+            approval_policy: req.approval_policy.clone(),
         };
         self.check_agent_request(&agent)?;
+        crate::approvals::checked_policy(agent.approval_policy.as_ref(), &self.cfg.approvals)?;
         let sandbox_req = sandpit_api::CreateSandboxRequest {
             template: req.template.clone(),
             timeout: req.timeout,

@@ -14,6 +14,7 @@ pub mod access;
 pub mod agent_conn;
 pub mod agent_run;
 pub mod agent_runtime;
+pub mod approvals;
 pub mod error;
 pub mod exec;
 pub mod leases;

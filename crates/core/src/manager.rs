@@ -45,6 +45,8 @@ pub struct ManagerConfig {
     pub agents: crate::agent_runtime::AgentsConfig,
     /// Bounds on warm pools (`[pool_limits]`).
     pub pool_limits: crate::pools::PoolLimits,
+    /// Approval settings (`[approvals]`).
+    pub approvals: crate::approvals::ApprovalsConfig,
 }
 
 /// Owns sandbox lifecycles.
@@ -83,6 +85,8 @@ pub struct Manager {
     pub(crate) auto_failures: Mutex<HashMap<String, std::time::Instant>>,
     /// Agent runs this daemon is driving.
     pub(crate) agent_runs: Arc<crate::agent_run::LiveRuns>,
+    /// Actions held for a person's approval.
+    pub(crate) approvals: Arc<crate::approvals::Approvals>,
     /// Template builds, and creates holding templates.
     pub(crate) templates: crate::templates::Templates,
     /// Usage metering queue.
@@ -213,6 +217,7 @@ impl Manager {
         cfg: ManagerConfig,
         snapshot_store: crate::snapshots::SnapshotStore,
     ) -> Arc<Self> {
+        let approvals = Arc::new(crate::approvals::Approvals::new(store.clone()));
         Arc::new(Self {
             templates: crate::templates::Templates::new(&cfg.data_dir),
             store,
@@ -234,6 +239,7 @@ impl Manager {
             snapshot_store,
             auto_failures: Mutex::default(),
             agent_runs: Arc::default(),
+            approvals,
             usage: Default::default(),
             broker,
             net: Default::default(),

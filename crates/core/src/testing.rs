@@ -644,6 +644,7 @@ async fn manager(data_dir: &Path, fake: Arc<FakeRuntime>) -> Arc<Manager> {
             allow_process_runtime: false,
             agents: Default::default(),
             pool_limits: Default::default(),
+            approvals: Default::default(),
         },
         snapshots,
     )

@@ -9,6 +9,7 @@
 //! query to the resolver, and drops the rest. The proxy and resolver decide with the
 //! sandbox's policy and record every attempt in the audit.
 
+pub mod approval;
 pub mod audit;
 pub mod dns;
 mod error;
@@ -262,6 +263,7 @@ pub struct Net {
     /// Open proxied connections of one owner's sandboxes together, at most.
     max_conns_per_owner: usize,
     interceptor: RwLock<Option<Arc<dyn intercept::Interceptor>>>,
+    approval_gate: RwLock<Option<Arc<dyn approval::ApprovalGate>>>,
     listeners: Mutex<Option<Listeners>>,
     pub(crate) peek_timeout: Duration,
     pub(crate) connect_timeout: Duration,
@@ -542,6 +544,7 @@ impl Net {
                 .max_connections_per_owner
                 .unwrap_or((max_conns / 2).max(1)),
             interceptor: RwLock::new(None),
+            approval_gate: RwLock::new(None),
             listeners: Mutex::new(Some(Listeners {
                 proxy: proxy.into(),
                 dns_udp: dns_udp.into(),
@@ -908,6 +911,17 @@ impl Net {
     /// The interceptor, if one is installed.
     pub fn interceptor(&self) -> Option<Arc<dyn intercept::Interceptor>> {
         self.interceptor.read().clone()
+    }
+
+    /// Installs what asks a person about a connection the policy refuses (the daemon's
+    /// approvals); without one such a connection is simply refused.
+    pub fn set_approval_gate(&self, g: Arc<dyn approval::ApprovalGate>) {
+        *self.approval_gate.write() = Some(g);
+    }
+
+    /// The approval gate, if one is installed.
+    pub fn approval_gate(&self) -> Option<Arc<dyn approval::ApprovalGate>> {
+        self.approval_gate.read().clone()
     }
 
     /// The address of a running sandbox's link (reachable from the host while its policy

@@ -6,12 +6,17 @@
 //! given out, is refused. Allowed connections are spliced (or handed to the interceptor
 //! when it wants them), with their bytes counted for the audit and metering.
 //!
+//! A connection the policy refuses (a blocked range never) is first put to the approval
+//! gate when one is installed: it is held, nothing sent upstream, until the gate answers;
+//! only an approval lets it on, and then only to an address its name resolves to.
+//!
 //! The interceptor (the credential broker) is told whether the destination is an address
 //! its name resolves to, whatever the policy said: a policy that allows the address alone
 //! (open mode, a CIDR rule) lets a client claim any name to any address, and a credential
 //! bound to that name must not go along.
 
 use super::Net;
+use super::approval::{GateCapability, GateDecision, GateRequest, request_line};
 use super::intercept::{Destination, Outbound};
 use super::policy::{Attempt, normalize_name};
 use super::sniff::{MAX_PEEK, Sniffed, sniff};
@@ -153,15 +158,36 @@ async fn handle(net: Arc<Net>, mut client: TcpStream, peer: SocketAddr) {
         port,
     )
     .await;
+    let verdict = match verdict {
+        Err(Refused::Policy(rule)) => {
+            ask_gate(
+                &net,
+                &sandbox,
+                name.as_deref(),
+                claimed.is_some(),
+                ip,
+                port,
+                &first,
+                rule,
+            )
+            .await
+        }
+        other => other,
+    };
     let allowed = match verdict {
         Ok(allowed) => allowed,
         Err(refused) => {
             let rule = refused.to_string();
             net.audit.record(attempt, false, &rule);
             if matches!(sniffed, Sniffed::Http(_)) {
-                let body = format!(
-                    "sandpit: the sandbox's egress policy refused this connection ({rule})\n"
-                );
+                let body = match &refused {
+                    Refused::Approval { .. } => {
+                        format!("sandpit: this connection was refused: {rule}\n")
+                    }
+                    _ => format!(
+                        "sandpit: the sandbox's egress policy refused this connection ({rule})\n"
+                    ),
+                };
                 let resp = format!(
                     "HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
                     body.len()
@@ -251,6 +277,9 @@ enum Refused {
     /// The claimed name does not resolve to the destination.
     #[error("{name} does not resolve to {ip}")]
     NameMismatch { name: String, ip: Ipv4Addr },
+    /// A person refused it, or nobody decided in time.
+    #[error("approval {}: {reason}", id.as_deref().unwrap_or("(not recorded)"))]
+    Approval { id: Option<String>, reason: String },
     /// The claimed name could not be looked up.
     #[error("{name} could not be resolved: {source}")]
     Unresolved {
@@ -286,6 +315,56 @@ async fn resolves_to(net: &Net, sandbox: &str, name: &str, ip: Ipv4Addr) -> Resu
             name: name.to_string(),
             source,
         }),
+    }
+}
+
+/// Asks the approval gate about a connection the policy refused by `rule`; with no gate,
+/// or none that asks a person about it, the refusal stands. The connection is held (its
+/// client waits, nothing is sent upstream) until the gate answers.
+#[allow(clippy::too_many_arguments)]
+async fn ask_gate(
+    net: &Net,
+    sandbox: &str,
+    name: Option<&str>,
+    claimed: bool,
+    ip: Ipv4Addr,
+    port: u16,
+    first: &[u8],
+    rule: String,
+) -> Result<Allowed, Refused> {
+    let Some(gate) = net.approval_gate() else {
+        return Err(Refused::Policy(rule));
+    };
+    let (method, path) = request_line(first).unzip();
+    let req = GateRequest {
+        sandbox_id: sandbox.to_string(),
+        capability: GateCapability::Egress,
+        host: name.map_or_else(|| ip.to_string(), str::to_string),
+        port,
+        method,
+        path,
+    };
+    match gate.decide(req).await {
+        GateDecision::NotGated => Err(Refused::Policy(rule)),
+        GateDecision::Refused {
+            approval_id,
+            reason,
+        } => Err(Refused::Approval {
+            id: approval_id,
+            reason,
+        }),
+        GateDecision::Approved { approval_id } => {
+            // The person approved a name: the bytes must go to an address it resolves to,
+            // or a client could claim an approved name to reach any address.
+            if let Some(n) = name.filter(|_| claimed) {
+                resolves_to(net, sandbox, n, ip).await?;
+            }
+            tracing::info!(sandbox, approval_id, %ip, port, "connection let through by an approval");
+            Ok(Allowed {
+                rule: format!("approval {approval_id}"),
+                name_resolves: true,
+            })
+        }
     }
 }
 

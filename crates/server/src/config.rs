@@ -79,6 +79,48 @@ pub struct FileConfig {
     /// Bounds on warm pools (`[pool_limits]`: `max_size`, default 64).
     #[serde(default)]
     pub pool_limits: crate::pools::PoolLimits,
+    /// Approvals of agent runs' risky actions (`[approvals]`).
+    #[serde(default)]
+    pub approvals: ApprovalsFileConfig,
+}
+
+/// The `[approvals]` section.
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ApprovalsFileConfig {
+    /// Seconds an approval waits for a decision when the runtime's policy names none
+    /// (default 300, at most a day).
+    pub timeout_secs: u64,
+    /// Only API keys with the `approver` role may approve or deny.
+    pub require_approver_role: bool,
+}
+
+impl Default for ApprovalsFileConfig {
+    fn default() -> Self {
+        let core = sandpit_core::approvals::ApprovalsConfig::default();
+        ApprovalsFileConfig {
+            timeout_secs: core.timeout_secs,
+            require_approver_role: core.require_approver_role,
+        }
+    }
+}
+
+impl ApprovalsFileConfig {
+    /// The core's settings, checked.
+    pub fn resolve(&self) -> Result<sandpit_core::approvals::ApprovalsConfig, ConfigError> {
+        const DAY: u64 = 24 * 60 * 60;
+        if !(1..=DAY).contains(&self.timeout_secs) {
+            return Err(ConfigError::OutOfRange {
+                name: "approvals.timeout_secs",
+                min: 1,
+                max: DAY,
+            });
+        }
+        Ok(sandpit_core::approvals::ApprovalsConfig {
+            timeout_secs: self.timeout_secs,
+            require_approver_role: self.require_approver_role,
+        })
+    }
 }
 
 /// The `[agents]` section.

@@ -156,6 +156,7 @@ pub async fn prepare(
     ensure_admin_key(&store, &cfg.data_dir).await?;
     let mut runtimes: BTreeMap<String, Arc<dyn Runtime>> = BTreeMap::new();
     let harness_dir = file.agents.resolve()?;
+    let approvals = file.approvals.resolve()?;
     // From here on the start changes the host (the sandboxes' tmpfs and cgroup, the
     // nftables table): a start that fails undoes it.
     let mut guard = StartGuard::default();
@@ -212,15 +213,21 @@ pub async fn prepare(
                 max_run: file.agents.max_run()?,
             },
             pool_limits: file.pool_limits.clone(),
+            approvals,
         },
         snapshot_store,
     );
     guard.manager = Some(manager.clone());
+    // A credential a run's approval policy gates waits for a person before it is injected.
+    broker.set_approval_gate(manager.approval_gate());
     if let Some(n) = &net {
         manager.attach_net(n.clone());
         // Connections to hosts with a bound credential go through the broker; it wants
         // none while it has no key.
         n.set_interceptor(broker.clone());
+        // A connection the policy refuses asks the approvals first (when a run's policy
+        // gates egress); the approvals API is on this daemon's listener only.
+        n.set_approval_gate(manager.approval_gate());
     }
     if let Err(e) = manager.reconcile().await {
         tracing::warn!(error = %e.chain(), "reconcile failed");

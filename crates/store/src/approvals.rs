@@ -21,7 +21,7 @@ use crate::{Store, StoreError, now_ms};
 
 const APPROVAL_COLUMNS: &str = "id, run_id, runtime_id, sandbox_id, owner, capability, host, \
      method, path, target_name, summary, detail, scope, state, decided_by, decided_at_ms, \
-     expires_at_ms, created_at_ms";
+     expires_at_ms, created_at_ms, reason";
 
 stored_enum! {
     /// What kind of action waits for a person.
@@ -128,6 +128,9 @@ pub struct ApprovalRecord {
     pub scope: ApprovalScope,
     /// Pending or how it was decided.
     pub state: ApprovalState,
+    /// Why it was denied, as the approver gave it (shown inside the sandbox).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
     /// Who decided (the approver's principal); `None` for an expiry.
     pub decided_by: Option<String>,
     /// When it was decided or written expired, unix milliseconds.
@@ -192,6 +195,7 @@ fn approval_from_row(row: &SqliteRow) -> Result<ApprovalRecord, StoreError> {
         detail,
         scope: scope.parse()?,
         state: state.parse()?,
+        reason: row.try_get("reason")?,
         decided_by: row.try_get("decided_by")?,
         decided_at_ms: row.try_get("decided_at_ms")?,
         expires_at_ms: row.try_get("expires_at_ms")?,
@@ -287,7 +291,7 @@ impl Store {
         let target = new.target.normalized();
         let row = sqlx::query(&format!(
             "INSERT INTO agent_approvals ({APPROVAL_COLUMNS}) VALUES \
-             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, NULL, NULL, $15, $16) \
+             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, NULL, NULL, $15, $16, NULL) \
              RETURNING {APPROVAL_COLUMNS}"
         ))
         .bind(&new.id)
@@ -366,14 +370,28 @@ impl Store {
         decided_by: &str,
         now_ms: i64,
     ) -> Result<Decided, StoreError> {
+        self.decide_approval_with_reason(id, decision, decided_by, None, now_ms)
+            .await
+    }
+
+    /// As [`Store::decide_approval`], keeping the approver's `reason` with the decision
+    /// (and in its event).
+    pub async fn decide_approval_with_reason(
+        &self,
+        id: &str,
+        decision: Decision,
+        decided_by: &str,
+        reason: Option<&str>,
+        now_ms: i64,
+    ) -> Result<Decided, StoreError> {
         let (state, scope) = match decision {
             Decision::Approve(scope) => (ApprovalState::Approved, scope),
             Decision::Deny => (ApprovalState::Denied, ApprovalScope::Once),
         };
         let mut tx = self.writer.begin_with("BEGIN IMMEDIATE").await?;
         let row = sqlx::query(&format!(
-            "UPDATE agent_approvals SET state = $1, scope = $2, decided_by = $3, decided_at_ms = $4 \
-             WHERE id = $5 AND state = $6 AND expires_at_ms > $4 RETURNING {APPROVAL_COLUMNS}"
+            "UPDATE agent_approvals SET state = $1, scope = $2, decided_by = $3, decided_at_ms = $4, \
+             reason = $7 WHERE id = $5 AND state = $6 AND expires_at_ms > $4 RETURNING {APPROVAL_COLUMNS}"
         ))
         .bind(state.as_str())
         .bind(scope.as_str())
@@ -381,6 +399,7 @@ impl Store {
         .bind(now_ms)
         .bind(id)
         .bind(ApprovalState::Pending.as_str())
+        .bind(reason)
         .fetch_optional(&mut *tx)
         .await?;
         let outcome = match row.as_ref().map(approval_from_row).transpose()? {
@@ -467,6 +486,24 @@ impl Store {
         .fetch_all(&self.pool)
         .await?;
         rows.iter().map(approval_from_row).collect()
+    }
+
+    /// Every approval of the owner's as of `now_ms`, oldest first.
+    pub async fn list_owner_approvals(
+        &self,
+        owner: &str,
+        now_ms: i64,
+    ) -> Result<Vec<ApprovalRecord>, StoreError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {APPROVAL_COLUMNS} FROM agent_approvals WHERE owner = $1 \
+             ORDER BY created_at_ms, id"
+        ))
+        .bind(owner)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| approval_from_row(r).map(|a| a.seen_at(now_ms)))
+            .collect()
     }
 
     /// Every approval of a run as of `now_ms`, oldest first.

@@ -25,6 +25,10 @@ pub enum StoreError {
     #[error("not found: {0}")]
     NotFound(String),
 
+    /// A role name that is not a lowercase word.
+    #[error("invalid role name {0:?}")]
+    InvalidRole(String),
+
     /// A pagination cursor was not one this store handed out.
     #[error("invalid pagination cursor")]
     InvalidCursor,

@@ -104,6 +104,59 @@ impl Store {
         Ok((key, plaintext))
     }
 
+    /// Gives key `id` the role `role` (a lowercase word); false when there is no such key.
+    pub async fn add_api_key_role(&self, id: &str, role: &str) -> Result<bool, StoreError> {
+        if role.is_empty() || !role.bytes().all(|b| b.is_ascii_lowercase() || b == b'_') {
+            return Err(StoreError::InvalidRole(role.to_string()));
+        }
+        let mut tx = self.writer.begin_with("BEGIN IMMEDIATE").await?;
+        let Some(row) = sqlx::query("SELECT roles FROM api_keys WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await?
+        else {
+            return Ok(false);
+        };
+        let roles: String = row.try_get("roles")?;
+        if !roles.split(',').any(|r| r == role) {
+            let roles = if roles.is_empty() {
+                role.to_string()
+            } else {
+                format!("{roles},{role}")
+            };
+            sqlx::query("UPDATE api_keys SET roles = $1 WHERE id = $2")
+                .bind(roles)
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        tracing::info!(key_id = id, role, "api key role added");
+        Ok(true)
+    }
+
+    /// The roles of key `id` (empty for an unknown key).
+    pub async fn api_key_roles(&self, id: &str) -> Result<Vec<String>, StoreError> {
+        let row = sqlx::query("SELECT roles FROM api_keys WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        let Some(row) = row else {
+            return Ok(Vec::new());
+        };
+        let roles: String = row.try_get("roles")?;
+        Ok(roles
+            .split(',')
+            .filter(|r| !r.is_empty())
+            .map(str::to_string)
+            .collect())
+    }
+
+    /// Whether key `id` has role `role`.
+    pub async fn key_has_role(&self, id: &str, role: &str) -> Result<bool, StoreError> {
+        Ok(self.api_key_roles(id).await?.iter().any(|r| r == role))
+    }
+
     /// Returns the key matching `presented` (recording its use), or `None` if there is none.
     pub async fn authenticate(&self, presented: &str) -> Result<Option<ApiKey>, StoreError> {
         let Some(issued) = canonical(presented) else {

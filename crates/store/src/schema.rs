@@ -395,10 +395,20 @@ pub(crate) const MIGRATIONS: &[(i64, &[&str])] = &[
             "ALTER TABLE agent_runtimes ADD COLUMN model TEXT NOT NULL DEFAULT '{}'",
         ],
     ),
+    (
+        13,
+        &[
+            // Roles of an API key, comma-separated (`approver` decides approvals when the
+            // daemon requires it); existing keys have none.
+            "ALTER TABLE api_keys ADD COLUMN roles TEXT NOT NULL DEFAULT ''",
+            // Why an approval was denied, kept with the decision.
+            "ALTER TABLE agent_approvals ADD COLUMN reason TEXT",
+        ],
+    ),
 ];
 
 /// Highest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 12;
+pub const SCHEMA_VERSION: i64 = 13;
 
 /// Brings the database up to [`SCHEMA_VERSION`]; a no-op when it is already there.
 pub(crate) async fn apply(pool: &SqlitePool) -> Result<(), StoreError> {

@@ -33,6 +33,40 @@ fn sandbox(id: &str, owner: &str, created_at_ms: i64) -> SandboxRecord {
 }
 
 #[tokio::test]
+async fn api_key_roles_are_added_once_and_checked_per_key() {
+    let store = Store::open_in_memory().await.unwrap();
+    let (key, _) = store.create_api_key("alice", "ci").await.unwrap();
+    let (other, _) = store.create_api_key("alice", "laptop").await.unwrap();
+    assert!(store.api_key_roles(&key.id).await.unwrap().is_empty());
+    assert!(!store.key_has_role(&key.id, "approver").await.unwrap());
+    assert!(store.add_api_key_role(&key.id, "approver").await.unwrap());
+    assert!(store.add_api_key_role(&key.id, "approver").await.unwrap());
+    assert!(store.add_api_key_role(&key.id, "auditor").await.unwrap());
+    assert_eq!(
+        store.api_key_roles(&key.id).await.unwrap(),
+        ["approver", "auditor"]
+    );
+    assert!(store.key_has_role(&key.id, "approver").await.unwrap());
+    assert!(!store.key_has_role(&other.id, "approver").await.unwrap());
+    assert!(
+        !store
+            .add_api_key_role("no-such-key", "approver")
+            .await
+            .unwrap()
+    );
+    for bad in ["", "Approver", "a,b", "a b"] {
+        assert!(
+            matches!(
+                store.add_api_key_role(&key.id, bad).await,
+                Err(StoreError::InvalidRole(_))
+            ),
+            "{bad:?}"
+        );
+    }
+    assert!(!store.key_has_role("no-such-key", "approver").await.unwrap());
+}
+
+#[tokio::test]
 async fn api_keys_create_authenticate_list_revoke() {
     let store = Store::open_in_memory().await.unwrap();
     let (key, plaintext) = store.create_api_key("alice", "ci").await.unwrap();

@@ -1,6 +1,7 @@
 //! The REST API under `/v1`: routing, authentication and request decoding.
 
 pub mod agents;
+pub mod approvals;
 pub mod commands;
 pub mod e2b;
 pub mod files;
@@ -217,6 +218,7 @@ async fn authenticate(
         network::get_policy, network::set_policy, network::audit, network::audit_stream,
         agents::create, agents::list, agents::list_all, agents::get_one, agents::delete, agents::start_run,
         agents::get_run, agents::cancel, agents::events, agents::stream, agents::create_workspace,
+        approvals::list, approvals::get_one, approvals::approve, approvals::deny,
     ),
     components(schemas(sandpit_api::ErrorBody, sandpit_api::CommandEvent, sandpit_api::ClientMessage)),
     modifiers(&BearerAuth)
@@ -265,6 +267,7 @@ fn api_router(state: AppState) -> Router {
     let authed = Router::new()
         .merge(network::routes())
         .merge(agents::routes())
+        .merge(approvals::routes())
         .route("/v1/info", get(sandboxes::info))
         .route("/v1/templates", get(templates::list).post(templates::build))
         .route(

@@ -1,0 +1,263 @@
+//! The gate against a real store: policy, standing grants, decisions and expiry.
+
+use super::*;
+use sandpit_store::{
+    NewAgentRuntime, NewRun, RunMode, RunStart, RunState, SandboxRecord, SandboxState,
+};
+use serde_json::json;
+
+fn sandbox(id: &str) -> SandboxRecord {
+    SandboxRecord {
+        id: id.into(),
+        owner: "alice".into(),
+        template: "host".into(),
+        runtime: "container".into(),
+        state: SandboxState::Running,
+        cpu_millis: 1000,
+        memory_bytes: 512 << 20,
+        disk_bytes: 1 << 30,
+        max_processes: 64,
+        env: Default::default(),
+        metadata: Default::default(),
+        created_at_ms: 1,
+        updated_at_ms: 1,
+        expires_at_ms: i64::MAX,
+        runtime_state: json!({}),
+        error: None,
+        version: 0,
+        pool: None,
+        life: Default::default(),
+    }
+}
+
+/// A store with sandbox `sb`, a runtime under `policy` and a running run `r1`.
+async fn running(policy: serde_json::Value) -> (tempfile::TempDir, Arc<Approvals>, Store) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("a.db")).await.unwrap();
+    store.insert_sandbox(&sandbox("sb")).await.unwrap();
+    let policy = checked_policy(Some(&policy), &ApprovalsConfig::default()).unwrap();
+    store
+        .insert_agent_runtime(&NewAgentRuntime {
+            id: "rt".into(),
+            sandbox_id: "sb".into(),
+            owner: "alice".into(),
+            harness: "pi".into(),
+            harness_version: None,
+            harness_template: None,
+            approval_policy: policy,
+            model: json!({}),
+        })
+        .await
+        .unwrap();
+    let started = store
+        .start_run(&NewRun {
+            id: "r1".into(),
+            runtime_id: "rt".into(),
+            task: "t".into(),
+            mode: RunMode::Fresh,
+            idempotency_key: None,
+            max_events: 1000,
+        })
+        .await
+        .unwrap();
+    assert!(matches!(started, RunStart::Started(_)));
+    store
+        .transition_run("r1", RunState::Running, None)
+        .await
+        .unwrap();
+    (dir, Arc::new(Approvals::new(store.clone())), store)
+}
+
+fn egress(host: &str) -> GateRequest {
+    GateRequest {
+        sandbox_id: "sb".into(),
+        capability: GateCapability::Egress,
+        host: host.into(),
+        port: 80,
+        method: Some("GET".into()),
+        path: Some("/x".into()),
+    }
+}
+
+/// The one pending approval, once the held action has recorded it.
+async fn pending(store: &Store) -> ApprovalRecord {
+    for _ in 0..200 {
+        let p = store
+            .list_pending_approvals("alice", now_ms())
+            .await
+            .unwrap();
+        if let [one] = p.as_slice() {
+            return one.clone();
+        }
+        assert!(p.len() < 2, "{p:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("no approval was requested");
+}
+
+#[test]
+fn policies_are_checked_and_take_the_daemon_timeout() {
+    let cfg = ApprovalsConfig {
+        timeout_secs: 42,
+        require_approver_role: false,
+    };
+    let p = checked_policy(Some(&json!({"egress": true})), &cfg).unwrap();
+    assert_eq!(p["timeout_secs"], 42);
+    assert_eq!(p["egress"], true);
+    let p = checked_policy(Some(&json!({"timeout_secs": 7})), &cfg).unwrap();
+    assert_eq!(p["timeout_secs"], 7);
+    assert_eq!(checked_policy(None, &cfg).unwrap()["egress"], false);
+    for bad in [
+        json!([]),
+        json!({"egres": true}),
+        json!({"timeout_secs": 0}),
+        json!({"credentials": [{"name": ""}]}),
+        json!({"credentials": [{"name": "a", "methods": ["P OST"]}]}),
+    ] {
+        assert!(
+            matches!(checked_policy(Some(&bad), &cfg), Err(CoreError::Invalid(_))),
+            "{bad}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn an_ungated_sandbox_or_capability_is_not_held() {
+    let (_d, a, store) =
+        running(json!({"credentials": [{"name": "gh", "methods": ["POST"]}]})).await;
+    assert_eq!(a.decide(egress("x.test")).await, GateDecision::NotGated);
+    let mut other = egress("x.test");
+    other.sandbox_id = "elsewhere".into();
+    assert_eq!(a.decide(other).await, GateDecision::NotGated);
+    // A credential only gated for POST.
+    let mut get = egress("api.test");
+    get.capability = GateCapability::Credential { name: "gh".into() };
+    assert_eq!(a.decide(get.clone()).await, GateDecision::NotGated);
+    assert!(
+        store
+            .list_owner_approvals("alice", now_ms())
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
+#[tokio::test]
+async fn approved_for_the_run_lets_the_same_target_through_without_asking() {
+    let (_d, a, store) = running(json!({"egress": true})).await;
+    let held = tokio::spawn({
+        let a = a.clone();
+        async move { a.decide(egress("x.test")).await }
+    });
+    let p = pending(&store).await;
+    assert_eq!(p.target.host.as_deref(), Some("x.test:80"));
+    assert!(
+        p.summary.contains("x.test:80") && p.summary.contains("GET /x"),
+        "{}",
+        p.summary
+    );
+    assert_eq!(
+        store.get_run("r1").await.unwrap().unwrap().state,
+        RunState::WaitingApproval
+    );
+    let decided = store
+        .decide_approval(
+            &p.id,
+            Decision::Approve(ApprovalScope::Run),
+            "alice",
+            now_ms(),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(decided, Decided::Decided(_)));
+    a.wake(&p.id);
+    assert_eq!(
+        held.await.unwrap(),
+        GateDecision::Approved {
+            approval_id: p.id.clone()
+        }
+    );
+    assert_eq!(
+        store.get_run("r1").await.unwrap().unwrap().state,
+        RunState::Running
+    );
+    // The same target again: the standing grant, no new approval.
+    assert_eq!(
+        a.decide(egress("X.test")).await,
+        GateDecision::Approved {
+            approval_id: p.id.clone()
+        }
+    );
+    // Another port is another target: held again.
+    let mut other = egress("x.test");
+    other.port = 22;
+    let held = tokio::spawn({
+        let a = a.clone();
+        async move { a.decide(other).await }
+    });
+    let p2 = pending(&store).await;
+    assert_ne!(p2.id, p.id);
+    store
+        .decide_approval_with_reason(
+            &p2.id,
+            Decision::Deny,
+            "alice",
+            Some("not port 22"),
+            now_ms(),
+        )
+        .await
+        .unwrap();
+    a.wake(&p2.id);
+    assert_eq!(
+        held.await.unwrap(),
+        GateDecision::Refused {
+            approval_id: Some(p2.id.clone()),
+            reason: "denied: not port 22".into()
+        }
+    );
+    let all = store.list_owner_approvals("alice", now_ms()).await.unwrap();
+    assert_eq!(all.len(), 2);
+    assert_eq!(all[0].reason, None);
+    assert_eq!(
+        all[1].reason.as_deref(),
+        Some("not port 22"),
+        "kept with the decision"
+    );
+}
+
+#[tokio::test]
+async fn an_undecided_approval_expires_and_refuses_the_action() {
+    let (_d, a, store) = running(json!({"egress": true, "timeout_secs": 1})).await;
+    let started = std::time::Instant::now();
+    let d = a.decide(egress("slow.test")).await;
+    let GateDecision::Refused {
+        approval_id: Some(id),
+        reason,
+    } = d
+    else {
+        panic!("{d:?}");
+    };
+    assert!(reason.starts_with("expired"), "{reason}");
+    assert!(started.elapsed() >= Duration::from_millis(900));
+    let rec = store.get_approval(&id, 0).await.unwrap().unwrap();
+    assert_eq!(
+        rec.state,
+        ApprovalState::Expired,
+        "written, not just read so"
+    );
+    assert_eq!(
+        store.get_run("r1").await.unwrap().unwrap().state,
+        RunState::Running
+    );
+    // Deciding it now changes nothing.
+    let late = store
+        .decide_approval(
+            &id,
+            Decision::Approve(ApprovalScope::Once),
+            "alice",
+            now_ms(),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(late, Decided::AlreadyDecided(_)));
+}
