@@ -5,9 +5,10 @@
 
 use sandpit_tests::agents::{
     ModelSim, NO_KEY, all_events, api, assert_cancelled_for_good, broker_daemon, broker_key_file,
-    daemon, harness_processes, model_secret, req, runtime, sandbox, sandbox_with_secret, seqs,
-    wait_final,
+    daemon, daemon_with, harness_processes, model_secret, req, runtime, sandbox,
+    sandbox_with_secret, seqs, wait_final,
 };
+use sandpit_tests::daemon::Daemon;
 use sandpit_tests::netfix::Upstream;
 use sandpit_tests::sh;
 use serde_json::json;
