@@ -85,11 +85,12 @@ impl Approvals {
         }
     }
 
-    /// The active run of `sandbox_id` under a policy, if any, with that policy.
-    async fn gated_run(
+    /// The policies of `sandbox_id`'s active runtimes, each with its active run if any.
+    async fn policies(
         &self,
         sandbox_id: &str,
-    ) -> Result<Option<(RunRecord, ApprovalPolicy)>, CoreError> {
+    ) -> Result<Vec<(ApprovalPolicy, Option<RunRecord>)>, CoreError> {
+        let mut out = Vec::new();
         for rt in self
             .store
             .list_agent_runtimes(None, Some(sandbox_id))
@@ -98,24 +99,21 @@ impl Approvals {
             if rt.state != AgentRuntimeState::Active {
                 continue;
             }
-            let Some(run) = self.store.active_run(&rt.id).await? else {
-                continue;
-            };
             let policy: ApprovalPolicy = serde_json::from_value(rt.approval_policy.clone())
                 .map_err(|e| {
                     CoreError::internal_from(format!("agent runtime {}: approval policy", rt.id), e)
                 })?;
-            return Ok(Some((run, policy)));
+            let run = self.store.active_run(&rt.id).await?;
+            out.push((policy, run));
         }
-        Ok(None)
+        Ok(out)
     }
 
     /// Decides on one held action: not gated, a standing grant, or a new approval waited
     /// on until it is decided or expires.
     pub async fn decide(&self, req: GateRequest) -> GateDecision {
-        let (run, policy) = match self.gated_run(&req.sandbox_id).await {
-            Ok(Some(found)) => found,
-            Ok(None) => return GateDecision::NotGated,
+        let policies = match self.policies(&req.sandbox_id).await {
+            Ok(found) => found,
             Err(e) => {
                 tracing::warn!(sandbox_id = %req.sandbox_id, error = %e.chain(),
                     "approvals: cannot read the sandbox's runs; the action is refused");
@@ -123,14 +121,33 @@ impl Approvals {
             }
         };
         let method = req.method.as_deref().map(str::to_ascii_uppercase);
-        let (capability, name) = match &req.capability {
-            GateCapability::Egress if policy.egress => (Capability::Egress, None),
-            GateCapability::Credential { name }
-                if policy.credential_needs_approval(name, method.as_deref().unwrap_or("")) =>
-            {
-                (Capability::Credential, Some(name.clone()))
+        let gates = |p: &ApprovalPolicy| match &req.capability {
+            GateCapability::Egress => p.egress,
+            GateCapability::Credential { name } => {
+                p.credential_needs_approval(name, method.as_deref().unwrap_or(""))
             }
-            _ => return GateDecision::NotGated,
+        };
+        // Every active runtime's policy counts (one without gates cannot switch off
+        // another's), and a gated credential stays gated between runs: the secret belongs
+        // to the sandbox, and code a run left behind must not get it unasked.
+        let gating: Vec<_> = policies.into_iter().filter(|(p, _)| gates(p)).collect();
+        if gating.is_empty() {
+            return GateDecision::NotGated;
+        }
+        let Some((policy, run)) = gating.into_iter().find_map(|(p, run)| run.map(|r| (p, r)))
+        else {
+            return match &req.capability {
+                // Outside the allow-list and nobody to ask: the usual refusal.
+                GateCapability::Egress => GateDecision::NotGated,
+                GateCapability::Credential { name } => refused(format!(
+                    "credential {name:?} needs a person's approval, and no run of this \
+                     sandbox is active to ask it for"
+                )),
+            };
+        };
+        let (capability, name) = match &req.capability {
+            GateCapability::Egress => (Capability::Egress, None),
+            GateCapability::Credential { name } => (Capability::Credential, Some(name.clone())),
         };
         let target = ApprovalTarget {
             host: Some(format!("{}:{}", req.host, req.port)),

@@ -261,3 +261,39 @@ async fn an_undecided_approval_expires_and_refuses_the_action() {
         .unwrap();
     assert!(matches!(late, Decided::AlreadyDecided(_)));
 }
+
+#[tokio::test]
+async fn a_gated_credential_stays_gated_when_no_run_is_active() {
+    let (_d, a, store) =
+        running(json!({"credentials": [{"name": "gh", "methods": ["POST"]}]})).await;
+    store
+        .transition_run("r1", RunState::Succeeded, None)
+        .await
+        .unwrap();
+    // Code the run left behind posts with the secret: nobody can be asked, so it is refused.
+    let mut post = egress("api.test");
+    post.capability = GateCapability::Credential { name: "gh".into() };
+    post.method = Some("post".into());
+    match a.decide(post).await {
+        GateDecision::Refused {
+            approval_id: None,
+            reason,
+        } => assert!(
+            reason.contains("no run of this sandbox is active"),
+            "{reason}"
+        ),
+        other => panic!("a gated credential went through without a run: {other:?}"),
+    }
+    // What the policy does not gate is not held; egress outside the list keeps its refusal.
+    let mut get = egress("api.test");
+    get.capability = GateCapability::Credential { name: "gh".into() };
+    assert_eq!(a.decide(get).await, GateDecision::NotGated);
+    assert_eq!(a.decide(egress("x.test")).await, GateDecision::NotGated);
+    assert!(
+        store
+            .list_owner_approvals("alice", now_ms())
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}

@@ -25,6 +25,28 @@ pub fn temp_dir(prefix: &str) -> tempfile::TempDir {
 
 /// A loopback port nobody listened on a moment ago.
 pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    // Below the kernel's ephemeral range (32768-60999 by default): a port from there can be
+    // handed to some client's outgoing connection between this check and the daemon's
+    // bind, which made a daemon fail with "Address already in use" under a loaded suite.
+    const BASE: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    // Test binaries run one after another, each with many tests at once: start each
+    // process somewhere else in the span, then walk it, skipping ports in use.
+    let _ = NEXT.compare_exchange(
+        0,
+        std::process::id().wrapping_mul(7919) % SPAN + 1,
+        Ordering::Relaxed,
+        Ordering::Relaxed,
+    );
+    for _ in 0..SPAN {
+        let port = BASE + NEXT.fetch_add(1, Ordering::Relaxed) % SPAN;
+        let port = u16::try_from(port).expect("the span is below 65536");
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     l.local_addr().expect("addr").port()
 }
