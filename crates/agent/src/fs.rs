@@ -10,7 +10,7 @@ use crate::config::{AgentConfig, IsolationMode};
 use crate::users::{self, User};
 use connectrpc::{ConnectError, RequestContext, Response, ServiceRequest, ServiceResult};
 use nix::errno::Errno;
-use nix::fcntl::{OFlag, OpenHow, ResolveFlag, openat2};
+use nix::fcntl::{AtFlags, OFlag, OpenHow, ResolveFlag, openat2};
 use nix::sys::stat::{FileStat, Mode, SFlag, fstatat};
 use sandpit_proto::filesystem::*;
 use std::ffi::OsString;
@@ -476,13 +476,13 @@ impl FsRoot {
                     Err(e) => return Err(e),
                 }
             }
-            let name = OsString::from(comp);
-            match nix::sys::stat::mkdirat(dir.as_fd(), comp, Mode::from_bits_truncate(0o755)) {
-                Ok(()) => self.chown_at(&dir, &name, user),
-                // A dangling symlink, or a race: the open below takes only a directory.
-                Err(Errno::EEXIST) => {}
-                Err(e) => return Err(FsError::from_errno(&cur, e)),
-            }
+            let created =
+                match nix::sys::stat::mkdirat(dir.as_fd(), comp, Mode::from_bits_truncate(0o755)) {
+                    Ok(()) => true,
+                    // A dangling symlink, or a race: the open below takes only a directory.
+                    Err(Errno::EEXIST) => false,
+                    Err(e) => return Err(FsError::from_errno(&cur, e)),
+                };
             let how = OpenHow::new()
                 .flags(dir_flags | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
                 .resolve(
@@ -490,7 +490,11 @@ impl FsRoot {
                         | ResolveFlag::RESOLVE_NO_SYMLINKS
                         | ResolveFlag::RESOLVE_NO_MAGICLINKS,
                 );
-            dir = openat2(dir.as_fd(), comp, how).map_err(|e| FsError::from_errno(&cur, e))?;
+            let next = openat2(dir.as_fd(), comp, how).map_err(|e| FsError::from_errno(&cur, e))?;
+            if created {
+                give_new_dir(&next, user);
+            }
+            dir = next;
         }
         Ok(())
     }
@@ -764,6 +768,38 @@ pub fn watch_target(root: &FsRoot, p: &SandboxPath) -> Result<(OwnedFd, PathBuf)
 /// Converts bytes of an OS string for messages.
 pub fn lossy(name: &OsString) -> String {
     String::from_utf8_lossy(name.as_bytes()).into_owned()
+}
+
+/// Gives a directory the agent just made (as root) to `user` through its descriptor, not
+/// by name: the user owns the parent, so between the mkdir and a chown by name it could
+/// swap the name for another inode (a hard link to a root-owned file) and have that chowned.
+/// Only a directory still owned by the agent is handed over.
+fn give_new_dir(fd: &OwnedFd, user: &User) {
+    if !user.switch {
+        return;
+    }
+    let empty = AtFlags::AT_EMPTY_PATH;
+    match fstatat(fd.as_fd(), "", empty) {
+        Ok(st) if st.st_uid == nix::unistd::geteuid().as_raw() => {}
+        Ok(_) => {
+            tracing::debug!("a new directory changed hands before its chown; left alone");
+            return;
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "stat of a new directory failed");
+            return;
+        }
+    }
+    let r = nix::unistd::fchownat(
+        fd.as_fd(),
+        "",
+        Some(nix::unistd::Uid::from_raw(user.uid)),
+        Some(nix::unistd::Gid::from_raw(user.gid)),
+        empty,
+    );
+    if let Err(e) = r {
+        tracing::debug!(error = %e, "chown of a new directory failed");
+    }
 }
 
 #[cfg(test)]

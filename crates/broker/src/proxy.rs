@@ -16,7 +16,7 @@ use http_body_util::combinators::BoxBody;
 use hyper::body::Incoming;
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use sandpit_net::approval::{GateCapability, GateDecision, GateRequest};
+use sandpit_net::approval::{GateCapability, GateDecision, GateRequest, printable_path};
 use sandpit_net::intercept::{BoxedIo, Carried, Destination, Outbound};
 use std::io;
 use std::net::SocketAddr;
@@ -328,7 +328,7 @@ impl ConnCtx {
                 host: self.host.clone(),
                 port: self.upstream.port(),
                 method: Some(req.method().as_str().to_string()),
-                path: Some(req.uri().path().chars().take(256).collect()),
+                path: Some(printable_path(req.uri().path())),
             };
             match gate.decide(ask).await {
                 GateDecision::NotGated | GateDecision::Approved { .. } => {}

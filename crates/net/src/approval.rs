@@ -75,13 +75,16 @@ pub fn request_line(first: &[u8]) -> Option<(String, String)> {
     {
         return None;
     }
-    // Shown to a person: a path is kept short and printable.
-    let path: String = path
-        .chars()
+    Some((method.to_string(), printable_path(path)))
+}
+
+/// A request path as a person is shown it in an approval: printable ASCII only (no control
+/// characters that could rewrite the approver's terminal), at most 256 characters.
+pub fn printable_path(path: &str) -> String {
+    path.chars()
         .filter(|c| c.is_ascii_graphic())
         .take(256)
-        .collect();
-    Some((method.to_string(), path))
+        .collect()
 }
 
 #[cfg(test)]
@@ -95,6 +98,7 @@ mod tests {
             Some(("POST".into(), "/v1/x?a=b".into()))
         );
         assert_eq!(request_line(b"\x16\x03\x01\x02"), None);
+        assert_eq!(printable_path("/a\u{1b}[2J\u{9b}b c"), "/a[2Jbc");
         assert_eq!(request_line(b"get / HTTP/1.1\r\n"), None);
         assert_eq!(request_line(b"GET / HTTP/1.1 extra\r\n"), None);
         assert_eq!(request_line(b"GET / HTTP/1.1"), None);
