@@ -294,6 +294,33 @@ rm -f \"$f\""
     found.into_iter().collect()
 }
 
+/// Starts a run of runtime `rt` with `body` (at least a `task`) and returns its id; the
+/// start must be a `201`.
+pub async fn start_run(d: &Daemon, rt: &str, body: Value) -> String {
+    let path = format!("/v1/agents/{rt}/runs");
+    let (status, run) = api(d, reqwest::Method::POST, &path, Some(body)).await;
+    assert_eq!(status, 201, "{run}");
+    run["id"].as_str().unwrap().to_string()
+}
+
+/// Waits (a minute at most) until a process of sandbox `sb` whose line holds `needle` runs:
+/// the model's tool call reached the sandbox. What the model was asked is shown if not.
+pub async fn wait_tool_running(d: &Daemon, sb: &str, needle: &str, m: &ModelSim) {
+    let start = Instant::now();
+    while !harness_processes(d, sb)
+        .await
+        .iter()
+        .any(|l| l.contains(needle))
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the tool never started: {:#?}",
+            m.requests()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// Waits until run `run` is finished (at most `within`); the run.
 pub async fn wait_final(d: &Daemon, run: &str, within: Duration) -> Value {
     let start = Instant::now();

@@ -4,7 +4,7 @@
 //! own network namespace; nothing leaves the machine.
 
 use sandpit_tests::agents::{
-    ModelSim, all_events, api, daemon_with, harness_processes, req, sandbox,
+    ModelSim, all_events, api, daemon_with, req, sandbox, start_run, wait_tool_running,
 };
 use sandpit_tests::netfix::Upstream;
 use sandpit_tests::{Daemon, sh};
@@ -136,27 +136,8 @@ async fn egress_outside_the_allow_list_waits_for_a_person() {
     assert_eq!(status, 201, "{rt}");
     assert_eq!(rt["approval_policy"]["egress"], true, "{rt}");
     let rt = rt["id"].as_str().unwrap().to_string();
-    let (status, run) = api(
-        &d,
-        reqwest::Method::POST,
-        &format!("/v1/agents/{rt}/runs"),
-        Some(json!({"task": "sleep"})),
-    )
-    .await;
-    assert_eq!(status, 201, "{run}");
-    let run = run["id"].as_str().unwrap().to_string();
-    let start = Instant::now();
-    while !harness_processes(&d, &sb)
-        .await
-        .iter()
-        .any(|l| l.contains("sleep 300"))
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "the tool never started"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let run = start_run(&d, &rt, json!({"task": "sleep"})).await;
+    wait_tool_running(&d, &sb, "sleep 300", &m).await;
     assert_eq!(run_state(&d, &run).await, "running");
 
     // Keys: the daemon's (the owner's, no role), an approver of the same owner, another owner.
@@ -448,27 +429,8 @@ async fn a_gated_credential_waits_for_a_person_per_method() {
     .await;
     assert_eq!(status, 201, "{rt}");
     let rt = rt["id"].as_str().unwrap().to_string();
-    let (status, run) = api(
-        &d,
-        reqwest::Method::POST,
-        &format!("/v1/agents/{rt}/runs"),
-        Some(json!({"task": "sleep"})),
-    )
-    .await;
-    assert_eq!(status, 201, "{run}");
-    let run = run["id"].as_str().unwrap().to_string();
-    let start = Instant::now();
-    while !harness_processes(&d, &sb)
-        .await
-        .iter()
-        .any(|l| l.contains("sleep 300"))
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "the tool never started"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let run = start_run(&d, &rt, json!({"task": "sleep"})).await;
+    wait_tool_running(&d, &sb, "sleep 300", &m).await;
     let curl = |method: &str, path: &str| {
         let c = d.client();
         let sb = sb.clone();

@@ -6,6 +6,7 @@
 use sandpit_api::StartRunRequest;
 use sandpit_tests::agents::{
     ModelSim, all_events, api, daemon, daemon_with, harness_processes, req, sandbox, seqs,
+    wait_tool_running,
 };
 use sandpit_tests::netfix::Upstream;
 use sandpit_tests::{Daemon, sandboxes};
@@ -285,19 +286,7 @@ async fn ctrl_c_detaches_and_cancel_ends_the_run() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let start = Instant::now();
-    while !harness_processes(&d, &sb)
-        .await
-        .iter()
-        .any(|l| l.contains("sleep 300"))
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "the tool never started: {:#?}",
-            m.requests()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wait_tool_running(&d, &sb, "sleep 300", &m).await;
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(child.id() as i32),
         nix::sys::signal::Signal::SIGINT,

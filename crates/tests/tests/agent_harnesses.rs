@@ -7,7 +7,7 @@
 use sandpit_tests::agents::{
     ModelSim, all_events, api, assert_cancelled_for_good, broker_daemon, broker_key_file, daemon,
     harness_processes, model_secret, procs_holding, runtime_of, sandbox, sandbox_with_secret, seqs,
-    wait_final,
+    start_run, wait_final,
 };
 use sandpit_tests::netfix::Upstream;
 use sandpit_tests::sh;
@@ -259,15 +259,7 @@ async fn cancel_mid_run_leaves_no_harness_process(case: Case, ip_n: u8, port: u1
         json!({"base_url": base_url, "model": "modelsim"}),
     )
     .await;
-    let (status, run) = api(
-        &d,
-        reqwest::Method::POST,
-        &format!("/v1/agents/{rt}/runs"),
-        Some(json!({"task": "sleep"})),
-    )
-    .await;
-    assert_eq!(status, 201, "{run}");
-    let id = run["id"].as_str().unwrap().to_string();
+    let id = start_run(&d, &rt, json!({"task": "sleep"})).await;
 
     let start = Instant::now();
     while !harness_processes(&d, &sb)

@@ -6,7 +6,7 @@
 use sandpit_tests::agents::{
     ModelSim, NO_KEY, all_events, api, assert_cancelled_for_good, broker_daemon, broker_key_file,
     daemon, daemon_with, harness_processes, model_secret, req, runtime, sandbox,
-    sandbox_with_secret, seqs, wait_final,
+    sandbox_with_secret, seqs, start_run, wait_final, wait_tool_running,
 };
 use sandpit_tests::daemon::Daemon;
 use sandpit_tests::netfix::Upstream;
@@ -260,19 +260,7 @@ async fn cancel_kills_the_harness_and_a_late_answer_changes_nothing() {
     assert_eq!(status, 409, "{body}");
 
     // Wait until the harness's tool runs (sleep in the background and foreground).
-    let start = Instant::now();
-    while !harness_processes(&d, &sb)
-        .await
-        .iter()
-        .any(|l| l.contains("sleep 300"))
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "the tool never started: {:#?}",
-            m.requests()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wait_tool_running(&d, &sb, "sleep 300", &m).await;
     let (status, cancelled) = api(
         &d,
         reqwest::Method::POST,
@@ -362,15 +350,7 @@ async fn the_model_key_is_a_broker_secret_that_never_enters_the_sandbox() {
     .await;
     assert_eq!(status, 201, "{rt}");
     let rt = rt["id"].as_str().unwrap().to_string();
-    let (status, run) = api(
-        &d,
-        reqwest::Method::POST,
-        &format!("/v1/agents/{rt}/runs"),
-        Some(json!({"task": "say done"})),
-    )
-    .await;
-    assert_eq!(status, 201, "{run}");
-    let id = run["id"].as_str().unwrap().to_string();
+    let id = start_run(&d, &rt, json!({"task": "say done"})).await;
     let done = wait_final(&d, &id, Duration::from_secs(120)).await;
     let events = all_events(&d, &id, 0).await;
     // The model refuses any other key, so success means the broker put the real one in.
@@ -430,15 +410,7 @@ async fn a_run_left_active_by_a_killed_daemon_is_failed_and_its_harness_stopped(
     let mut d = daemon(&up).await;
     let sb = sandbox(&d, &ip, &[8084]).await;
     let rt = runtime(&d, &sb, &slow).await;
-    let (status, run) = api(
-        &d,
-        reqwest::Method::POST,
-        &format!("/v1/agents/{rt}/runs"),
-        Some(json!({"task": "think"})),
-    )
-    .await;
-    assert_eq!(status, 201, "{run}");
-    let id = run["id"].as_str().unwrap().to_string();
+    let id = start_run(&d, &rt, json!({"task": "think"})).await;
     slow.wait_asked().await;
     d.kill9();
     let d = d.restart().start().await;
