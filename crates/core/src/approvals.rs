@@ -68,6 +68,16 @@ impl Drop for Registered<'_> {
     }
 }
 
+/// Whom an action must be asked of.
+enum Gating {
+    /// No active runtime's policy holds the action.
+    NotGated,
+    /// A policy holds it, but no run of such a runtime is active to ask.
+    NoRun,
+    /// This run, under this policy, is asked.
+    Ask(ApprovalPolicy, Box<RunRecord>),
+}
+
 /// A refusal with no record behind it.
 fn refused(reason: impl Into<String>) -> GateDecision {
     GateDecision::Refused {
@@ -85,12 +95,16 @@ impl Approvals {
         }
     }
 
-    /// The policies of `sandbox_id`'s active runtimes, each with its active run if any.
-    async fn policies(
+    /// Which active run of `sandbox_id` must be asked about an action that the policies
+    /// matching `gates` hold. Every active runtime's policy counts (one without gates
+    /// cannot switch off another's); only runtimes whose policy gates the action have
+    /// their active run looked up.
+    async fn gating_run(
         &self,
         sandbox_id: &str,
-    ) -> Result<Vec<(ApprovalPolicy, Option<RunRecord>)>, CoreError> {
-        let mut out = Vec::new();
+        gates: impl Fn(&ApprovalPolicy) -> bool,
+    ) -> Result<Gating, CoreError> {
+        let mut gated = false;
         for rt in self
             .store
             .list_agent_runtimes(None, Some(sandbox_id))
@@ -103,23 +117,24 @@ impl Approvals {
                 .map_err(|e| {
                     CoreError::internal_from(format!("agent runtime {}: approval policy", rt.id), e)
                 })?;
-            let run = self.store.active_run(&rt.id).await?;
-            out.push((policy, run));
+            if !gates(&policy) {
+                continue;
+            }
+            gated = true;
+            if let Some(run) = self.store.active_run(&rt.id).await? {
+                return Ok(Gating::Ask(policy, Box::new(run)));
+            }
         }
-        Ok(out)
+        Ok(if gated {
+            Gating::NoRun
+        } else {
+            Gating::NotGated
+        })
     }
 
     /// Decides on one held action: not gated, a standing grant, or a new approval waited
     /// on until it is decided or expires.
     pub async fn decide(&self, req: GateRequest) -> GateDecision {
-        let policies = match self.policies(&req.sandbox_id).await {
-            Ok(found) => found,
-            Err(e) => {
-                tracing::warn!(sandbox_id = %req.sandbox_id, error = %e.chain(),
-                    "approvals: cannot read the sandbox's runs; the action is refused");
-                return refused("sandpit could not check the approval policy");
-            }
-        };
         let method = req.method.as_deref().map(str::to_ascii_uppercase);
         let gates = |p: &ApprovalPolicy| match &req.capability {
             GateCapability::Egress => p.egress,
@@ -127,23 +142,26 @@ impl Approvals {
                 p.credential_needs_approval(name, method.as_deref().unwrap_or(""))
             }
         };
-        // Every active runtime's policy counts (one without gates cannot switch off
-        // another's), and a gated credential stays gated between runs: the secret belongs
-        // to the sandbox, and code a run left behind must not get it unasked.
-        let gating: Vec<_> = policies.into_iter().filter(|(p, _)| gates(p)).collect();
-        if gating.is_empty() {
-            return GateDecision::NotGated;
-        }
-        let Some((policy, run)) = gating.into_iter().find_map(|(p, run)| run.map(|r| (p, r)))
-        else {
-            return match &req.capability {
-                // Outside the allow-list and nobody to ask: the usual refusal.
-                GateCapability::Egress => GateDecision::NotGated,
-                GateCapability::Credential { name } => refused(format!(
-                    "credential {name:?} needs a person's approval, and no run of this \
-                     sandbox is active to ask it for"
-                )),
-            };
+        let (policy, run) = match self.gating_run(&req.sandbox_id, gates).await {
+            Ok(Gating::Ask(policy, run)) => (policy, run),
+            Ok(Gating::NotGated) => return GateDecision::NotGated,
+            // A gated credential stays gated between runs: the secret belongs to the
+            // sandbox, and code a run left behind must not get it unasked.
+            Ok(Gating::NoRun) => {
+                return match &req.capability {
+                    // Outside the allow-list and nobody to ask: the usual refusal.
+                    GateCapability::Egress => GateDecision::NotGated,
+                    GateCapability::Credential { name } => refused(format!(
+                        "credential {name:?} needs a person's approval, and no run of this \
+                         sandbox is active to ask it for"
+                    )),
+                };
+            }
+            Err(e) => {
+                tracing::warn!(sandbox_id = %req.sandbox_id, error = %e.chain(),
+                    "approvals: cannot read the sandbox's runs; the action is refused");
+                return refused("sandpit could not check the approval policy");
+            }
         };
         let (capability, name) = match &req.capability {
             GateCapability::Egress => (Capability::Egress, None),
