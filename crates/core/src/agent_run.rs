@@ -157,7 +157,7 @@ impl Manager {
             return Err(CoreError::invalid("task must not be empty"));
         }
         let limit = self.run_limit(req.timeout_secs)?;
-        let limits = Limits::default();
+        let limits = self.cfg.agents.event_limits;
         let start = self
             .store
             .start_run(&NewRun {

@@ -11,6 +11,9 @@ use sandpit_store::{AgentRuntimeRecord, NewAgentRuntime, SandboxRecord};
 use std::path::PathBuf;
 use std::sync::Arc;
 
+/// Bounds on a run's events (`[agents]` `max_events_per_run`, `max_string_bytes`, ...).
+pub use sandpit_agentrun::Limits as EventLimits;
+
 /// Where the harness directory appears inside a `host` sandbox.
 pub const HARNESS_MOUNT: &str = "/opt/sandpit/harnesses";
 /// Key given to a harness whose runtime names no secret (the model server needs none).
@@ -28,6 +31,8 @@ pub struct AgentsConfig {
     pub harness_dir: Option<PathBuf>,
     /// Longest a run may take, whatever its own `timeout_secs`; past it, `timed_out`.
     pub max_run: std::time::Duration,
+    /// Bounds on each run's events (count per run, string length, nesting, size).
+    pub event_limits: EventLimits,
 }
 
 impl Default for AgentsConfig {
@@ -35,6 +40,7 @@ impl Default for AgentsConfig {
         Self {
             harness_dir: None,
             max_run: DEFAULT_MAX_RUN,
+            event_limits: EventLimits::default(),
         }
     }
 }

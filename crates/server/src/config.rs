@@ -136,7 +136,36 @@ pub struct AgentsFileConfig {
     /// it (or past its own `timeout_secs`) ends `timed_out`.
     #[serde(default)]
     pub max_run_secs: Option<u64>,
+    /// Events stored per run, the final `truncated` marker included (default 10000).
+    #[serde(default)]
+    pub max_events_per_run: Option<u64>,
+    /// Longest string (or object key) of an event kept whole, bytes (default 16384); a
+    /// longer one keeps its head and ends in `…[truncated N bytes]`.
+    #[serde(default)]
+    pub max_string_bytes: Option<u64>,
+    /// Deepest nesting of arrays and objects in an event's payload (default 16).
+    #[serde(default)]
+    pub max_event_depth: Option<u64>,
+    /// Most elements of an array (members of an object) in an event (default 1000).
+    #[serde(default)]
+    pub max_event_items: Option<u64>,
+    /// Largest serialized payload of an event, bytes (default 262144); a larger one is
+    /// replaced by a preview.
+    #[serde(default)]
+    pub max_event_payload_bytes: Option<u64>,
 }
+
+/// Bounds of the `[agents]` event limits: (name, min, max). The minimums leave room for
+/// the truncation markers; the maximums keep one run's events, and one event, a size the
+/// store and a reader of the events page can hold (and depth within what serde_json
+/// parses back: it refuses nesting past 128 levels).
+const EVENT_LIMIT_RANGES: [(&str, u64, u64); 5] = [
+    ("[agents] max_events_per_run", 2, 1_000_000),
+    ("[agents] max_string_bytes", 64, 16 << 20),
+    ("[agents] max_event_depth", 2, 64),
+    ("[agents] max_event_items", 1, 1_000_000),
+    ("[agents] max_event_payload_bytes", 1024, 16 << 20),
+];
 
 impl AgentsFileConfig {
     /// The cap on a run's wall-clock time; 0 is refused (it would end every run at once).
@@ -148,6 +177,35 @@ impl AgentsFileConfig {
             }),
             Some(s) => Ok(std::time::Duration::from_secs(s)),
         }
+    }
+
+    /// The event limits of every run: the defaults, with each configured one checked
+    /// against its range.
+    pub fn event_limits(&self) -> Result<sandpit_core::agent_runtime::EventLimits, ConfigError> {
+        let mut limits = sandpit_core::agent_runtime::EventLimits::default();
+        let [events, string, depth, items, payload] = EVENT_LIMIT_RANGES;
+        let checked = |value: Option<u64>, (name, min, max): (&'static str, u64, u64)| match value {
+            Some(v) if !(min..=max).contains(&v) => Err(ConfigError::OutOfRange { name, min, max }),
+            v => Ok(v),
+        };
+        // Every maximum fits a usize on the 64-bit hosts the daemon runs on.
+        let size = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+        if let Some(v) = checked(self.max_events_per_run, events)? {
+            limits.max_events_per_run = v;
+        }
+        if let Some(v) = checked(self.max_string_bytes, string)? {
+            limits.max_string_bytes = size(v);
+        }
+        if let Some(v) = checked(self.max_event_depth, depth)? {
+            limits.max_depth = size(v);
+        }
+        if let Some(v) = checked(self.max_event_items, items)? {
+            limits.max_items = size(v);
+        }
+        if let Some(v) = checked(self.max_event_payload_bytes, payload)? {
+            limits.max_payload_bytes = size(v);
+        }
+        Ok(limits)
     }
 
     /// The harness directory to bind: the configured one, else the build tree's if
@@ -189,6 +247,7 @@ impl FileConfig {
         cfg.proxy.check()?;
         cfg.http.check()?;
         cfg.agents.max_run()?;
+        cfg.agents.event_limits()?;
         let mut names = std::collections::BTreeSet::new();
         for p in &cfg.pools {
             if !names.insert(p.name.as_str()) {
@@ -284,6 +343,97 @@ size = 1
     }
 
     #[test]
+    fn agents_event_limits_default_parse_and_refuse_nonsense() {
+        let defaults = sandpit_core::agent_runtime::EventLimits::default();
+        assert_eq!(parse("").unwrap().agents.event_limits().unwrap(), defaults);
+        assert_eq!(
+            parse("[agents]\nmax_run_secs = 60\n")
+                .unwrap()
+                .agents
+                .event_limits()
+                .unwrap(),
+            defaults
+        );
+        let cfg = parse(
+            "[agents]\nmax_events_per_run = 50\nmax_string_bytes = 100\nmax_event_depth = 4\n\
+             max_event_items = 10\nmax_event_payload_bytes = 4096\n",
+        )
+        .unwrap();
+        let l = cfg.agents.event_limits().unwrap();
+        assert_eq!(
+            (
+                l.max_events_per_run,
+                l.max_string_bytes,
+                l.max_depth,
+                l.max_items,
+                l.max_payload_bytes
+            ),
+            (50, 100, 4, 10, 4096)
+        );
+        // One set, the rest keep their defaults.
+        let l = parse("[agents]\nmax_string_bytes = 64\n")
+            .unwrap()
+            .agents
+            .event_limits()
+            .unwrap();
+        assert_eq!(l.max_string_bytes, 64);
+        assert_eq!(l.max_events_per_run, defaults.max_events_per_run);
+        // The bounds themselves are accepted.
+        for ok in [
+            "max_events_per_run = 2",
+            "max_events_per_run = 1000000",
+            "max_event_depth = 64",
+            "max_event_payload_bytes = 16777216",
+        ] {
+            assert!(parse(&format!("[agents]\n{ok}\n")).is_ok(), "{ok}");
+        }
+        for (bad, message) in [
+            (
+                "max_events_per_run = 0",
+                "[agents] max_events_per_run must be between 2 and 1000000",
+            ),
+            (
+                "max_events_per_run = 1",
+                "[agents] max_events_per_run must be between 2 and 1000000",
+            ),
+            (
+                "max_events_per_run = 1000001",
+                "[agents] max_events_per_run must be between 2 and 1000000",
+            ),
+            (
+                "max_string_bytes = 0",
+                "[agents] max_string_bytes must be between 64 and 16777216",
+            ),
+            (
+                "max_string_bytes = 18446744073709551615",
+                "[agents] max_string_bytes must be between 64 and 16777216",
+            ),
+            (
+                "max_event_depth = 0",
+                "[agents] max_event_depth must be between 2 and 64",
+            ),
+            (
+                "max_event_depth = 1000",
+                "[agents] max_event_depth must be between 2 and 64",
+            ),
+            (
+                "max_event_items = 0",
+                "[agents] max_event_items must be between 1 and 1000000",
+            ),
+            (
+                "max_event_payload_bytes = 10",
+                "[agents] max_event_payload_bytes must be between 1024 and 16777216",
+            ),
+        ] {
+            let e = parse(&format!("[agents]\n{bad}\n")).unwrap_err();
+            assert!(e.to_string().ends_with(message), "{bad}: {e}");
+        }
+        // Negative numbers and typos are refused by the parser itself.
+        assert!(parse("[agents]\nmax_events_per_run = -1\n").is_err());
+        assert!(parse("[agents]\nmax_events = 5\n").is_err());
+    }
+
+    #[test]
     fn typos_duplicates_and_missing_files_are_errors() {
         assert!(parse("[[pool]]\nname = \"x\"\nsize = 1\n").is_err());
         assert!(parse("[[pools]]\nname = \"x\"\nsize = 1\nsze = 2\n").is_err());
@@ -341,7 +491,7 @@ size = 1
         assert!(parse.is_some_and(|t| t.span().is_some()), "{e}");
         let missing = AgentsFileConfig {
             harness_dir: Some(dir.path().join("none")),
-            max_run_secs: None,
+            ..Default::default()
         }
         .resolve()
         .unwrap_err();
