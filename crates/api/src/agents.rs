@@ -145,6 +145,10 @@ pub struct CreateWorkspaceRequest {
     /// Environment of the sandbox's commands.
     #[serde(default)]
     pub env: std::collections::BTreeMap<String, String>,
+    /// Names of `env` variables whose values are secret (see
+    /// [`crate::CreateSandboxRequest::secret_env`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secret_env: Vec<String>,
     #[serde(default)]
     pub metadata: std::collections::BTreeMap<String, String>,
     /// Names of the owner's secrets the broker may inject (the model key's among them).

@@ -71,6 +71,11 @@ pub struct CreateSandboxRequest {
     pub limits: LimitsSpec,
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// Names of `env` variables whose values are secret: no API response shows them, and
+    /// agent runs in the sandbox mask them (values of 4 bytes or more) in their events.
+    /// Each must be a key of `env` (or of the snapshot's env when starting from one).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secret_env: Vec<String>,
     #[serde(default)]
     pub metadata: BTreeMap<String, String>,
     /// Default working directory of commands (default `/home/user`).

@@ -156,6 +156,7 @@ async fn sandbox(store: &Store, id: &str, owner: &str) {
         disk_bytes: 1 << 28,
         max_processes: 64,
         env: Default::default(),
+        secret_env: Default::default(),
         metadata: Default::default(),
         created_at_ms: 0,
         updated_at_ms: 0,

@@ -164,6 +164,10 @@ pub struct WorkspaceArgs {
     /// Environment variable of every command (repeatable).
     #[arg(long, value_name = "K=V", value_parser = parse_key_value)]
     env: Vec<(String, String)>,
+    /// Name of an --env variable whose value is secret: never shown by the API, masked in
+    /// the events of agent runs (repeatable).
+    #[arg(long = "secret-env", value_name = "NAME")]
+    secret_env: Vec<String>,
     /// Metadata label (repeatable).
     #[arg(long = "meta", value_name = "K=V", value_parser = parse_key_value)]
     meta: Vec<(String, String)>,
@@ -342,6 +346,7 @@ pub async fn workspace(ctx: &Ctx, cmd: WorkspaceCommand) -> anyhow::Result<u8> {
         timeout: args.timeout,
         limits: args.limits.spec(),
         env: args.env.iter().cloned().collect(),
+        secret_env: args.secret_env.clone(),
         metadata: args.meta.iter().cloned().collect(),
         secrets: args.secrets.clone(),
         network,

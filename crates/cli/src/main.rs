@@ -311,6 +311,10 @@ struct CreateArgs {
     /// Environment variable of every command (repeatable).
     #[arg(long, value_name = "K=V", value_parser = parse_key_value)]
     env: Vec<(String, String)>,
+    /// Name of an --env variable whose value is secret: never shown by the API, masked in
+    /// the events of agent runs (repeatable).
+    #[arg(long = "secret-env", value_name = "NAME")]
+    secret_env: Vec<String>,
     /// Default user of commands and file operations: `user` or `root` [default: user].
     #[arg(long, value_name = "USER")]
     user: Option<String>,

@@ -29,6 +29,7 @@ pub async fn create(ctx: &Ctx, args: CreateArgs) -> anyhow::Result<()> {
     let client = ctx.client()?;
     let req = CreateSandboxRequest {
         user: args.user.clone(),
+        secret_env: args.secret_env.clone(),
         snapshot: args.snapshot.clone(),
         idle_timeout: args.idle_timeout,
         on_timeout: args.on_timeout.clone(),

@@ -225,7 +225,18 @@ impl Manager {
                 harness.program()
             )),
         };
-        let (_, conn) = self.agent(&rt.owner, &rt.sandbox_id).await?;
+        let (sandbox, conn) = self.agent(&rt.owner, &rt.sandbox_id).await?;
+        // The key the harness holds is a placeholder, but it must not show in events
+        // either: an agent told to print its config would otherwise publish it. The
+        // sandbox's secret env is in every process the harness starts.
+        let redactor = Redactor::new(
+            std::iter::once(api_key.as_str()).chain(
+                sandbox
+                    .secret_env
+                    .iter()
+                    .filter_map(|k| sandbox.env.get(k).map(String::as_str)),
+            ),
+        );
         let live = Arc::new(LiveRun {
             conn,
             harness,
@@ -245,9 +256,7 @@ impl Manager {
             live,
             run: run.clone(),
             spec,
-            // The key the harness holds is a placeholder, but it must not show in events
-            // either: an agent told to print its config would otherwise publish it.
-            redactor: Redactor::new([api_key]),
+            redactor,
             limits,
         };
         tokio::spawn(drive.run());

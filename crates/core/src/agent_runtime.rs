@@ -193,6 +193,7 @@ impl Manager {
             timeout: req.timeout,
             limits: req.limits,
             env: req.env.clone(),
+            secret_env: req.secret_env.clone(),
             metadata: req.metadata.clone(),
             secrets: req.secrets.clone(),
             network: req.network.clone(),

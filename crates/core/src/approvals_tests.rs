@@ -18,6 +18,7 @@ fn sandbox(id: &str) -> SandboxRecord {
         disk_bytes: 1 << 30,
         max_processes: 64,
         env: Default::default(),
+        secret_env: Default::default(),
         metadata: Default::default(),
         created_at_ms: 1,
         updated_at_ms: 1,

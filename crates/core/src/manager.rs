@@ -9,7 +9,7 @@ use parking_lot::Mutex;
 use sandpit_api::Limits;
 use sandpit_runtime::{Runtime, SandboxHandle, TemplateSource};
 use sandpit_store::{SandboxRecord, SandboxState, Store};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
 
@@ -111,6 +111,8 @@ pub(crate) struct NewSandbox<'a> {
     pub pool: Option<String>,
     pub plan: Plan,
     pub env: BTreeMap<String, String>,
+    /// Names of the `env` variables whose values are secret.
+    pub secret_env: BTreeSet<String>,
     pub metadata: BTreeMap<String, String>,
     pub workdir: String,
     pub expires_at_ms: i64,
@@ -185,6 +187,20 @@ pub fn check_metadata(metadata: &BTreeMap<String, String>) -> Result<(), CoreErr
         ));
     }
     Ok(())
+}
+
+/// The names of `env` a create marks secret, each of which must be a key of `env`: a
+/// name without a value would protect nothing and is most likely a typo.
+pub fn check_secret_env(
+    env: &BTreeMap<String, String>,
+    names: &[String],
+) -> Result<BTreeSet<String>, CoreError> {
+    if let Some(missing) = names.iter().find(|n| !env.contains_key(n.as_str())) {
+        return Err(CoreError::invalid(format!(
+            "secret_env names {missing:?}, which is not a variable of env"
+        )));
+    }
+    Ok(names.iter().cloned().collect())
 }
 
 /// Checks an environment variable name and value.

@@ -711,3 +711,43 @@ async fn a_fork_that_fails_part_way_leaves_only_its_source() {
         assert_eq!(record(m, id).await, None);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secret_env_names_must_be_env_variables_and_are_kept_cold_and_from_a_pool() {
+    let bed = Bed::new().await;
+    let m = bed.m.clone();
+    let env: std::collections::BTreeMap<String, String> = [
+        ("TOKENISH".to_string(), "value-of-the-secret".to_string()),
+        ("PLAIN".to_string(), "p".to_string()),
+    ]
+    .into();
+    let secret = |names: &[&str]| CreateSandboxRequest {
+        env: env.clone(),
+        secret_env: names.iter().map(|n| n.to_string()).collect(),
+        ..req()
+    };
+    // A name without a variable is a typo: refused before anything starts.
+    let e = m.create("alice", secret(&["NOPE"])).await.unwrap_err();
+    assert!(matches!(e, CoreError::Invalid(_)), "{e:?}");
+    assert!(e.to_string().contains("NOPE"), "{e}");
+    assert!(started(&bed.fake).is_empty());
+    // Cold: the record keeps the mark, the agent gets the value like any env.
+    let cold = m.create("alice", secret(&["TOKENISH"])).await.unwrap();
+    let want: BTreeSet<String> = ["TOKENISH".to_string()].into();
+    assert_eq!(record(&m, &cold.id).await.unwrap().secret_env, want);
+    let cfg = bed.fake.agent_config(&cold.id).unwrap();
+    assert_eq!(
+        cfg.env().get("TOKENISH").map(String::as_str),
+        Some("value-of-the-secret")
+    );
+    // Claimed from a warm pool: the claim writes the mark too.
+    let [member]: [String; 1] = fill_pool(&m, "warm", 1).await.try_into().unwrap();
+    m.stop_pools(Duration::from_secs(5)).await;
+    let warm = m.create("bob", secret(&["TOKENISH"])).await.unwrap();
+    assert_eq!(warm.id, member);
+    assert_eq!(warm.secret_env, want);
+    assert_eq!(record(&m, &member).await.unwrap().secret_env, want);
+    // Without a mark, nothing is secret.
+    let plain = m.create("carol", secret(&[])).await.unwrap();
+    assert!(record(&m, &plain.id).await.unwrap().secret_env.is_empty());
+}

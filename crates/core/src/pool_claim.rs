@@ -22,6 +22,7 @@ impl Manager {
         life: &sandpit_store::Lifecycle,
     ) -> Option<SandboxRecord> {
         let mut pool_name = None;
+        let secret_env = req.secret_env.iter().cloned().collect();
         while let Some((pool, member)) = self.pools.take(key) {
             {
                 let mut at = self.last_claim.lock();
@@ -33,6 +34,7 @@ impl Manager {
             let claim = Claim {
                 owner,
                 env: &req.env,
+                secret_env: &secret_env,
                 metadata: &req.metadata,
                 expires_at_ms,
                 life,

@@ -315,6 +315,7 @@ impl Manager {
                 pool: Some(refill.pool.clone()),
                 plan,
                 env: BTreeMap::new(),
+                secret_env: Default::default(),
                 metadata: BTreeMap::new(),
                 workdir: DEFAULT_WORKDIR.into(),
                 // Idle pool members never expire; a claim sets the caller's deadline.

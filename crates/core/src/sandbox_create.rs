@@ -81,6 +81,8 @@ impl Manager {
             let mut env = r.env.clone();
             env.append(&mut req.env);
             req.env = env;
+            // What was secret when the snapshot was taken stays secret.
+            req.secret_env.extend(r.secret_env.iter().cloned());
             req.workdir = req.workdir.take().or_else(|| r.workdir.clone());
             req.user = req.user.take().or_else(|| r.user.clone());
             req.network = req.network.take().or_else(|| r.network.clone());
@@ -95,6 +97,7 @@ impl Manager {
             crate::net::plan_policy(self.net.get(), &plan.key.runtime, req.network.as_ref())?;
         let timeout = self.timeout(req.timeout)?;
         check_env(&req.env)?;
+        let secret_env = check_secret_env(&req.env, &req.secret_env)?;
         check_metadata(&req.metadata)?;
         let workdir = req
             .workdir
@@ -164,6 +167,7 @@ impl Manager {
                 pool: None,
                 plan,
                 env: req.env,
+                secret_env,
                 metadata: req.metadata,
                 workdir,
                 expires_at_ms,
@@ -231,6 +235,7 @@ impl Manager {
             pool,
             plan,
             env,
+            secret_env,
             metadata,
             workdir,
             expires_at_ms,
@@ -249,6 +254,7 @@ impl Manager {
             disk_bytes: limits.disk_bytes as i64,
             max_processes: limits.max_processes as i64,
             env: env.clone(),
+            secret_env,
             metadata,
             created_at_ms: now,
             updated_at_ms: now,

@@ -104,6 +104,7 @@ impl Manager {
                     pool: None,
                     plan: plan.clone(),
                     env: rec.env.clone(),
+                    secret_env: rec.secret_env.clone(),
                     metadata: metadata.clone(),
                     workdir: workdir.clone(),
                     expires_at_ms: expires,

@@ -135,6 +135,7 @@ impl Manager {
         }
         let settings = Settings {
             env: rec.env.clone(),
+            secret_env: rec.secret_env.clone(),
             limits: limits_of(&rec),
             workdir: rec.life.workdir.clone(),
             user: rec.life.user.clone(),

@@ -136,6 +136,7 @@ impl Manager {
             snapshot: top.clone(),
             layers,
             env: settings.env,
+            secret_env: settings.secret_env,
             limits: settings.limits,
             workdir: settings.workdir,
             user: settings.user,

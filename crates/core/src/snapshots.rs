@@ -6,7 +6,7 @@ use crate::error::CoreError;
 use crate::manager::Manager;
 pub use crate::snapshot_store::{SnapshotStore, SnapshotStoreConfig};
 use sandpit_store::{SandboxRecord, SnapshotRecord};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 
 /// Most entries and bytes a restored archive may hold.
@@ -27,6 +27,8 @@ pub fn cache_layer_id(snapshot: &str) -> String {
 #[serde(default)]
 pub(crate) struct Settings {
     pub(crate) env: BTreeMap<String, String>,
+    /// Names of `env` variables whose values are secret.
+    pub(crate) secret_env: BTreeSet<String>,
     pub(crate) limits: sandpit_api::LimitsSpec,
     pub(crate) workdir: Option<String>,
     pub(crate) user: Option<String>,
@@ -100,7 +102,9 @@ impl Manager {
         let top = &chain[0];
         let settings: Settings = serde_json::from_value(top.settings.clone()).unwrap_or_default();
         if req.env.is_empty() {
+            // A template shows its env to anyone who can read it: secret values stay out.
             req.env = settings.env;
+            req.env.retain(|k, _| !settings.secret_env.contains(k));
         }
         req.workdir = req.workdir.or(settings.workdir);
         req.default_user = req.default_user.or(settings.user);
@@ -128,6 +132,8 @@ pub(crate) struct Restore<'a> {
     pub snapshot: SnapshotRecord,
     pub layers: Vec<String>,
     pub env: BTreeMap<String, String>,
+    /// Names of `env` variables whose values are secret.
+    pub secret_env: BTreeSet<String>,
     pub limits: sandpit_api::LimitsSpec,
     pub workdir: Option<String>,
     pub user: Option<String>,

@@ -160,6 +160,7 @@ mod tests {
             disk_bytes: 0,
             max_processes: 0,
             env: Default::default(),
+            secret_env: Default::default(),
             metadata: Default::default(),
             created_at_ms: 0,
             updated_at_ms: 0,

@@ -1,6 +1,6 @@
 //! Plain data types stored and returned by [`crate::Store`].
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::str::FromStr;
 
@@ -120,6 +120,10 @@ pub struct SandboxRecord {
     pub max_processes: i64,
     /// Environment variables given to processes in the sandbox.
     pub env: BTreeMap<String, String>,
+    /// Names of the `env` variables whose values are secret: the API never shows them
+    /// and agent runs mask them in their events.
+    #[serde(default)]
+    pub secret_env: BTreeSet<String>,
     /// Caller-defined labels, filterable in listings.
     pub metadata: BTreeMap<String, String>,
     /// Creation time, unix milliseconds.

@@ -34,6 +34,8 @@ pub struct Claim<'a> {
     pub owner: &'a str,
     /// The caller's environment for the sandbox.
     pub env: &'a BTreeMap<String, String>,
+    /// Names of the `env` variables whose values are secret.
+    pub secret_env: &'a std::collections::BTreeSet<String>,
     /// The caller's metadata.
     pub metadata: &'a BTreeMap<String, String>,
     /// Expiry computed from the caller's timeout, unix milliseconds.
@@ -170,7 +172,7 @@ impl Store {
     ) -> Result<Option<SandboxRecord>, StoreError> {
         let row = sqlx::query(&format!(
             "UPDATE sandboxes SET owner = $1, env = $2, metadata = $3, expires_at_ms = $4, \
-             created_at_ms = $5, updated_at_ms = $5, version = version + 1, life = $9 \
+             created_at_ms = $5, updated_at_ms = $5, version = version + 1, life = $9, secret_env = $10 \
              WHERE id = $6 AND pool = $7 AND owner = '' AND state = $8 RETURNING {}",
             crate::sandboxes::SANDBOX_COLUMNS
         ))
@@ -183,6 +185,7 @@ impl Store {
         .bind(pool)
         .bind(SandboxState::Running.as_str())
         .bind(serde_json::to_string(claim.life)?)
+        .bind(serde_json::to_string(claim.secret_env)?)
         .fetch_optional(&self.writer)
         .await?;
         row.as_ref()

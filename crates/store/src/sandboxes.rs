@@ -9,7 +9,7 @@ use crate::{SandboxFilter, SandboxPage, SandboxRecord, SandboxState, Store, Stor
 
 pub(crate) const SANDBOX_COLUMNS: &str = "id, owner, template, runtime, state, cpu_millis, memory_bytes, \
      disk_bytes, max_processes, env, metadata, created_at_ms, updated_at_ms, expires_at_ms, \
-     runtime_state, error, version, pool, life";
+     runtime_state, error, version, pool, life, secret_env";
 
 const DEFAULT_LIMIT: u32 = 100;
 const MAX_LIMIT: u32 = 1000;
@@ -71,7 +71,9 @@ pub(crate) fn sandbox_from_row(row: &SqliteRow) -> Result<SandboxRecord, StoreEr
     let metadata: String = row.try_get("metadata")?;
     let runtime_state: String = row.try_get("runtime_state")?;
     let life: String = row.try_get("life")?;
+    let secret_env: String = row.try_get("secret_env")?;
     Ok(SandboxRecord {
+        secret_env: decode_json(&id, "secret_env", &secret_env)?,
         life: decode_json(&id, "life", &life)?,
         owner: row.try_get("owner")?,
         template: row.try_get("template")?,
@@ -115,7 +117,7 @@ impl Store {
     pub async fn insert_sandbox(&self, s: &SandboxRecord) -> Result<(), StoreError> {
         sqlx::query(&format!(
             "INSERT INTO sandboxes ({SANDBOX_COLUMNS}) VALUES \
-             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19)"
+             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20)"
         ))
         .bind(&s.id)
         .bind(&s.owner)
@@ -136,6 +138,7 @@ impl Store {
         .bind(s.version)
         .bind(&s.pool)
         .bind(serde_json::to_string(&s.life)?)
+        .bind(serde_json::to_string(&s.secret_env)?)
         .execute(&self.writer)
         .await
         .map_err(|e| match StoreError::from(e) {

@@ -405,10 +405,18 @@ pub(crate) const MIGRATIONS: &[(i64, &[&str])] = &[
             "ALTER TABLE agent_approvals ADD COLUMN reason TEXT",
         ],
     ),
+    (
+        14,
+        &[
+            // Names of the sandbox's env variables whose values are secret (a JSON array):
+            // never shown by the API, masked in its agent runs' events.
+            "ALTER TABLE sandboxes ADD COLUMN secret_env TEXT NOT NULL DEFAULT '[]'",
+        ],
+    ),
 ];
 
 /// Highest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 13;
+pub const SCHEMA_VERSION: i64 = 14;
 
 /// Brings the database up to [`SCHEMA_VERSION`]; a no-op when it is already there.
 pub(crate) async fn apply(pool: &SqlitePool) -> Result<(), StoreError> {

@@ -266,6 +266,7 @@ mod tests {
             disk_bytes: 1,
             max_processes: 1,
             env: Default::default(),
+            secret_env: Default::default(),
             metadata: Default::default(),
             created_at_ms: 0,
             updated_at_ms: 0,

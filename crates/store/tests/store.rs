@@ -20,6 +20,7 @@ fn sandbox(id: &str, owner: &str, created_at_ms: i64) -> SandboxRecord {
         disk_bytes: 1 << 30,
         max_processes: 256,
         env: BTreeMap::new(),
+        secret_env: Default::default(),
         metadata: BTreeMap::new(),
         created_at_ms,
         updated_at_ms: created_at_ms,
@@ -140,6 +141,7 @@ async fn sandbox_roundtrip_keeps_every_field() {
             ("PATH".into(), "/usr/bin:/bin".into()),
             ("QUOTE".into(), "a \"quoted\" value\n".into()),
         ]),
+        secret_env: ["QUOTE".to_string()].into(),
         metadata: BTreeMap::from([("team".into(), "ml".into()), ("ünï".into(), "cödé".into())]),
         created_at_ms: 1_700_000_000_001,
         updated_at_ms: 1_700_000_000_002,
@@ -728,11 +730,13 @@ async fn a_pooled_sandbox_is_claimed_once() {
     assert_eq!(members, ["p1", "p2"]);
 
     let env = BTreeMap::from([("K".to_string(), "v".to_string())]);
+    let secret_env = std::collections::BTreeSet::from(["K".to_string()]);
     let meta = BTreeMap::from([("m".to_string(), "1".to_string())]);
     let life = sandpit_store::Lifecycle::default();
     let claim = |owner| Claim {
         owner,
         env: &env,
+        secret_env: &secret_env,
         metadata: &meta,
         expires_at_ms: 99_000,
         life: &life,
@@ -741,12 +745,14 @@ async fn a_pooled_sandbox_is_claimed_once() {
     let mut tasks = Vec::new();
     for i in 0..16 {
         let store = store.clone();
-        let (env, meta, life) = (env.clone(), meta.clone(), life.clone());
+        let (env, secret_env, meta, life) =
+            (env.clone(), secret_env.clone(), meta.clone(), life.clone());
         tasks.push(tokio::spawn(async move {
             let owner = format!("owner{i}");
             let c = Claim {
                 owner: &owner,
                 env: &env,
+                secret_env: &secret_env,
                 metadata: &meta,
                 expires_at_ms: 99_000,
                 life: &life,
@@ -764,6 +770,7 @@ async fn a_pooled_sandbox_is_claimed_once() {
     let won = &winners[0];
     assert!(won.owner.starts_with("owner"));
     assert_eq!(won.env, env);
+    assert_eq!(won.secret_env, secret_env);
     assert_eq!(won.metadata, meta);
     assert_eq!(won.expires_at_ms, 99_000);
     assert_eq!(won.pool.as_deref(), Some("warm"));

@@ -1,7 +1,8 @@
 //! What a run's stored events may hold, end to end with pi and the scripted model server:
-//! the daemon's `[agents]` event limits (count per run, string length).
+//! the daemon's `[agents]` event limits (count per run, string length) and the masking of
+//! the sandbox's secret env values.
 
-use sandpit_tests::agents::{ModelSim, all_events, api, daemon_with, runtime, wait_final};
+use sandpit_tests::agents::{ModelSim, all_events, api, daemon, daemon_with, runtime, wait_final};
 use sandpit_tests::netfix::Upstream;
 use serde_json::{Value, json};
 use std::time::Duration;
@@ -79,5 +80,67 @@ async fn a_runs_events_are_capped_and_long_strings_cut_at_the_configured_limits(
     assert!(text.contains(&cut_command), "{text}");
     assert!(text.contains(&cut_output), "{text}");
     assert!(!text.contains(&"x".repeat(101)), "{text}");
+    d.shutdown().await;
+}
+
+/// A value of the sandbox's env marked secret, printed by the agent's tool, is stored as
+/// the mask; a plain env value printed beside it is kept (the output did reach the events).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secret_env_value_printed_by_a_tool_is_masked_in_the_stored_events() {
+    const SECRET: &str = "correct-horse-battery-staple-4711";
+    const PLAIN: &str = "plain-value-visible-0815";
+    let up = Upstream::start(&[]);
+    let ip = up.ip(9);
+    let m = ModelSim::start(
+        &up,
+        &ip,
+        8096,
+        json!({"turns": [
+            // Neither name looks like a credential, so only the secret mark masks it.
+            {"tool_calls": [{"name": "bash", "arguments": {
+                "command": "echo \"phrase $DEPLOY_PHRASE and $SHOWN_VALUE\"; echo $DEPLOY_PHRASE > said.txt"}}]},
+            {"text": "done"}
+        ]}),
+    );
+    let d = daemon(&up).await;
+    let (status, sb) = api(
+        &d,
+        reqwest::Method::POST,
+        "/v1/sandboxes",
+        Some(json!({
+            "timeout": 600,
+            "limits": {"memory_bytes": 1u64 << 30},
+            "env": {"DEPLOY_PHRASE": SECRET, "SHOWN_VALUE": PLAIN},
+            "secret_env": ["DEPLOY_PHRASE"],
+            "network": {"mode": "allowlist", "rules": [
+                {"action": "allow", "cidr": format!("{ip}/32"), "ports": [8096]}]},
+        })),
+    )
+    .await;
+    assert_eq!(status, 201, "{sb}");
+    assert!(!sb.to_string().contains(SECRET), "{sb}");
+    let sb = sb["id"].as_str().unwrap().to_string();
+    let rt = runtime(&d, &sb, &m).await;
+    let (id, done) = run_to_end(&d, &rt, "say the phrase").await;
+    let text = raw_events(&d, &id).await;
+    assert_eq!(done["state"], "succeeded", "{done}\n{text}");
+    // The tool did print it: the model was sent the output, and the file holds it.
+    let asked = serde_json::to_string(&m.requests()).unwrap();
+    assert!(
+        asked.contains(SECRET),
+        "the tool's output never reached the model"
+    );
+    let c = d.client();
+    assert_eq!(
+        sandpit_tests::sh(&c, &sb, "cat /home/user/said.txt")
+            .await
+            .stdout,
+        format!("{SECRET}\n")
+    );
+    assert!(!text.contains(SECRET), "the secret is in an event: {text}");
+    assert!(
+        text.contains(&format!("phrase [redacted] and {PLAIN}")),
+        "{text}"
+    );
     d.shutdown().await;
 }

@@ -1005,3 +1005,143 @@ async fn stored_archives_no_record_names_are_swept_at_start_and_deletes_leave_no
     std::fs::remove_dir_all(store.join("snapfresh")).unwrap();
     d.shutdown().await;
 }
+
+/// The raw bodies of every API response about sandbox `id` and its listings (sandpit's and
+/// E2B's), and of the snapshot listing.
+async fn bodies_about(d: &Daemon, id: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for (path, e2b) in [
+        (format!("/v1/sandboxes/{id}"), false),
+        ("/v1/sandboxes".to_string(), false),
+        ("/v1/snapshots".to_string(), false),
+        (format!("/sandboxes/{id}"), true),
+        ("/v2/sandboxes".to_string(), true),
+    ] {
+        let rb = http().get(format!("{}{path}", d.url));
+        let rb = if e2b {
+            rb.header("X-API-Key", d.key.trim())
+        } else {
+            rb.bearer_auth(d.key.trim())
+        };
+        let resp = rb.send().await.unwrap();
+        assert_eq!(resp.status(), 200, "{path}");
+        out.push((path, resp.text().await.unwrap()));
+    }
+    out
+}
+
+/// Sandbox `sb` sees `MY_SECRET` (marked secret) and `PLAIN`, no API response shows the
+/// secret value, and its record keeps the mark.
+async fn assert_secret_env(d: &Daemon, sb: &str, secret: &str, step: &str) {
+    let c = d.client();
+    let r = sh(&c, sb, "echo $MY_SECRET $PLAIN").await;
+    assert_eq!(r.stdout, format!("{secret} plain\n"), "{step}: {r:?}");
+    for (path, body) in bodies_about(d, sb).await {
+        assert!(!body.contains(secret), "{step}: {path} shows it: {body}");
+    }
+    let db = d.store().await;
+    let rec = db.get_sandbox(sb).await.unwrap().unwrap();
+    db.close().await;
+    assert_eq!(
+        rec.secret_env,
+        ["MY_SECRET".to_string()].into(),
+        "{step}: the mark"
+    );
+}
+
+/// Env values marked secret reach the sandbox's commands like any env; the mark (and the
+/// value) survive pause, hibernation, a fork and a snapshot's restore; no API response
+/// shows them; a template built from the snapshot leaves them out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secret_env_values_reach_commands_survive_every_copy_and_are_never_shown() {
+    const SECRET: &str = "s3cr3t-value-of-the-env-42";
+    let d = Daemon::start().await;
+    let c = d.client();
+    // A name that is not a variable of env is refused.
+    let e = c
+        .create_sandbox(&CreateSandboxRequest {
+            env: [("A".to_string(), "1".to_string())].into(),
+            secret_env: vec!["B".into()],
+            limits: small(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.status(), Some(400), "{e}");
+
+    let id = create(
+        &c,
+        CreateSandboxRequest {
+            env: [
+                ("MY_SECRET".to_string(), SECRET.to_string()),
+                ("PLAIN".to_string(), "plain".to_string()),
+            ]
+            .into(),
+            secret_env: vec!["MY_SECRET".into()],
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_secret_env(&d, &id, SECRET, "created").await;
+
+    assert_eq!(c.pause(&id).await.unwrap().state, "paused");
+    assert_eq!(c.resume(&id).await.unwrap().state, "running");
+    assert_secret_env(&d, &id, SECRET, "paused and resumed").await;
+    assert_eq!(c.hibernate(&id).await.unwrap().state, "hibernated");
+    assert_eq!(c.resume(&id).await.unwrap().state, "running");
+    assert_secret_env(&d, &id, SECRET, "hibernated and resumed").await;
+
+    let forks = c.fork(&id, &ForkRequest::default()).await.unwrap();
+    assert_eq!(forks.len(), 1);
+    assert!(!serde_json::to_string(&forks).unwrap().contains(SECRET));
+    assert_secret_env(&d, &forks[0].id, SECRET, "forked").await;
+
+    let snap = c
+        .snapshot(&id, &CreateSnapshotRequest::default())
+        .await
+        .unwrap();
+    let restored = create(
+        &c,
+        CreateSandboxRequest {
+            snapshot: Some(snap.id.clone()),
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_secret_env(&d, &restored, SECRET, "restored from a snapshot").await;
+
+    // A template shows its env to whoever reads it: the secret stays out, the rest is kept.
+    let name = format!("secret-env-{id}");
+    let source = sandpit_api::TemplateSourceSpec::Snapshot {
+        snapshot: snap.id.clone(),
+        base: None,
+    };
+    c.build_template(&template_build(&name, source))
+        .await
+        .unwrap();
+    assert_eq!(built(&c, &name).await, "ready");
+    let t = c.get_template(&name).await.unwrap();
+    assert_eq!(
+        t.settings.env,
+        [("PLAIN".to_string(), "plain".to_string())].into()
+    );
+    for path in [format!("/v1/templates/{name}"), "/v1/templates".to_string()] {
+        let body = http()
+            .get(format!("{}{path}", d.url))
+            .bearer_auth(d.key.trim())
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(!body.contains(SECRET), "{path}: {body}");
+    }
+
+    for sb in [&id, &forks[0].id, &restored] {
+        c.delete_sandbox(sb).await.unwrap();
+    }
+    c.delete_template(&name).await.unwrap();
+    c.delete_snapshot(&snap.id, false).await.unwrap();
+    d.shutdown().await;
+}
