@@ -1,6 +1,7 @@
 //! Approval gates (issue 13, part 6): the daemon's [`ApprovalGate`], which the egress
 //! proxy and the credential broker ask before a risky action of a sandbox whose active run
-//! has an approval policy naming it. The action is held while a pending approval is
+//! has an approval policy naming it, and [`Approvals::ask`], which the agent-run driver
+//! also uses for the harness's own permission requests. The action is held while a pending approval is
 //! stored (the run goes `waiting_approval`); a person's decision through the API, or the
 //! approval's expiry, answers the held action. Approvals belong to the run's owner.
 //!

@@ -247,6 +247,24 @@ size = 1
     }
 
     #[test]
+    fn approvals_section_is_checked() {
+        let cfg = parse("[approvals]\nmax_pending_per_run = 3\n").unwrap();
+        let core = cfg.approvals.resolve().unwrap();
+        assert_eq!(core.max_pending_per_run, 3);
+        assert_eq!(core.timeout_secs, 300);
+        let defaults = parse("").unwrap().approvals.resolve().unwrap();
+        assert_eq!(defaults.max_pending_per_run, 16);
+        for bad in [
+            "max_pending_per_run = 0",
+            "max_pending_per_run = 1001",
+            "timeout_secs = 0",
+        ] {
+            let cfg = parse(&format!("[approvals]\n{bad}\n")).unwrap();
+            assert!(cfg.approvals.resolve().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
     fn proxy_section() {
         let cfg = parse("[proxy]\ndomain = \"sb.example.com\"\nany_domain = false\n").unwrap();
         assert_eq!(cfg.proxy.domain(), "sb.example.com");
