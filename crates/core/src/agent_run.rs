@@ -736,8 +736,8 @@ impl Drive {
             summary,
             detail: serde_json::json!({
                 "harness": self.live.harness.as_str(),
-                "request_id": printable(&req.id, 200),
-                "call_id": req.call_id.as_deref().map(|c| printable(c, 200)),
+                "request_id": printable(&self.redactor.redact_text(&req.id), 200),
+                "call_id": req.call_id.as_deref().map(|c| printable(&self.redactor.redact_text(c), 200)),
             }),
             expires_at_ms: asks.policy.expires_at_ms(sandpit_store::now_ms()),
             gone: "the run's harness stopped before a decision",
