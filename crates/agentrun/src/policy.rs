@@ -16,7 +16,8 @@ pub struct ApprovalPolicy {
     /// Credentials whose injection by the broker waits for a person.
     pub credentials: Vec<CredentialGate>,
     /// The harness's own permission requests (tool use) wait for a person; without this
-    /// the harness runs its tools unasked.
+    /// the harness runs its tools unasked. Only for a harness that can ask
+    /// ([`crate::Harness::can_ask_permission`]).
     pub harness_permissions: bool,
     /// Seconds an approval waits before it expires (and the action is refused).
     pub timeout_secs: u64,

@@ -34,7 +34,9 @@ pub struct CreateAgentRequest {
     /// The model endpoint.
     pub model: AgentModelSpec,
     /// Which actions of its runs wait for a person: `{"egress": true, "credentials":
-    /// [{"name": "github", "methods": ["POST"]}], "timeout_secs": 300}`.
+    /// [{"name": "github", "methods": ["POST"]}], "harness_permissions": true,
+    /// "timeout_secs": 300}`. `harness_permissions` needs a harness that can ask (pi,
+    /// opencode, claude; codex is refused with 400).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
     pub approval_policy: Option<serde_json::Value>,
@@ -190,17 +192,20 @@ pub struct Approval {
     pub method: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
-    /// The credential's name, for a credential approval.
+    /// The credential's name, or for a harness permission the tool the harness asks to use.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
     pub summary: String,
     /// `once` or `run`.
     pub scope: String,
-    /// `pending`, `approved`, `denied` or `expired`.
+    /// `pending`, `approved`, `denied`, `expired` or `abandoned` (what asked went away
+    /// before a decision: a held connection's client closed it, the harness stopped).
     pub state: String,
-    /// Why it was denied.
+    /// Why it was denied (the approver's words) or abandoned.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// The id of the API key that decided (`insecure-no-auth` on a daemon without keys);
+    /// none for an expiry or an abandonment.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decided_by: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

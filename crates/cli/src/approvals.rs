@@ -10,7 +10,7 @@ use crate::util::{print_json, print_table, time_since};
 pub enum ApprovalsCommand {
     /// List approvals (default: the pending ones).
     Ls {
-        /// `pending`, `approved`, `denied`, `expired`, or `all`.
+        /// `pending`, `approved`, `denied`, `expired`, `abandoned`, or `all`.
         #[arg(long, default_value = "pending")]
         state: String,
         /// Only this run's.

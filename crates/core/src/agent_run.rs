@@ -8,6 +8,17 @@
 //! anyone can read it. The outcome the harness reports (or its exit without one) ends the
 //! run with a compare-and-set, so a result arriving after a cancel changes nothing.
 //!
+//! With the runtime's policy holding `harness_permissions`, the harness is launched asking
+//! (opencode's `ask` rules, Claude Code's `--permission-prompt-tool stdio`, pi's extension)
+//! and each permission request it prints is put to a person through
+//! [`crate::approvals`]: capability `harness_permission`, target the tool, summary its
+//! command (redacted, printable). The harness waits; the driver does not: it keeps reading
+//! lines while a task waits for the decision, then sends the adapter's answer (approve, or
+//! deny with the reason; expiry and the run's limit of pending approvals deny too).
+//! Approved "for the run", later asks for the same tool are let through by the standing
+//! grant without a person. The harness itself is always answered "once", so sandpit stays
+//! the one that remembers.
+//!
 //! A harness that serves HTTP + SSE instead (opencode `serve`) runs under a bridge:
 //! `agent_bridge.js`, run by node in the sandbox, starts it, subscribes to its events,
 //! makes the launch's requests and turns it all into the same stdin/stdout lines.
@@ -30,8 +41,9 @@ use crate::manager::{Manager, new_id};
 use base64::Engine;
 use parking_lot::Mutex;
 use sandpit_agentrun::{
-    Control, Harness, HttpCall, Launch, LaunchFile, LaunchSpec, Limits, ModelEndpoint, Outcome,
-    Redactor, Resume, Stdin, StreamSource, adapter, sanitize,
+    Answer, ApprovalPolicy, Control, Harness, HttpCall, Launch, LaunchFile, LaunchSpec, Limits,
+    ModelEndpoint, Outcome, PermissionRequest, Redactor, Resume, Stdin, StreamSource, adapter,
+    sanitize,
 };
 use sandpit_api::{CommandEvent, RunCommandRequest};
 use sandpit_proto::process::Signal;
@@ -134,7 +146,18 @@ struct Drive {
     spec: LaunchSpec,
     redactor: Redactor,
     limits: Limits,
+    /// Where the harness's permission requests go, when the runtime's policy gates them.
+    asks: Option<HarnessAsks>,
 }
+
+/// What putting the harness's permission requests to a person needs.
+struct HarnessAsks {
+    approvals: Arc<crate::approvals::Approvals>,
+    policy: ApprovalPolicy,
+}
+
+/// A permission request answered, for the driver to send to the harness.
+type Answered = (PermissionRequest, Answer);
 
 impl Manager {
     /// Starts a run on the caller's runtime: `(run, created)`, where an idempotency key
@@ -202,6 +225,10 @@ impl Manager {
             Some(name) => crate::broker::rules::placeholder(name),
             None => NO_KEY.to_string(),
         };
+        let policy: ApprovalPolicy =
+            serde_json::from_value(rt.approval_policy.clone()).map_err(|e| {
+                CoreError::internal_from(format!("agent runtime {}: approval policy", rt.id), e)
+            })?;
         let resume = match (run.mode, &run.resume_session_id) {
             (RunMode::Continue, Some(s)) => Some(sandpit_agentrun::Resume::Session(s.clone())),
             (RunMode::Continue, None) => Some(sandpit_agentrun::Resume::Latest),
@@ -219,7 +246,7 @@ impl Manager {
             workdir: WORKDIR.into(),
             state_dir: format!("{STATE_ROOT}/{}", rt.id),
             resume,
-            approvals: false,
+            approvals: policy.harness_permissions,
             program: Some(format!(
                 "{HARNESS_MOUNT}/node_modules/.bin/{}",
                 harness.program()
@@ -258,6 +285,10 @@ impl Manager {
             spec,
             redactor,
             limits,
+            asks: policy.harness_permissions.then(|| HarnessAsks {
+                approvals: self.approvals.clone(),
+                policy,
+            }),
         };
         tokio::spawn(drive.run());
         Ok(())
@@ -509,6 +540,14 @@ impl Drive {
         let launch = adapter
             .launch(&self.spec)
             .map_err(|e| CoreError::invalid(e.to_string()))?;
+        if self.asks.is_some() && !launch.permission_requests {
+            // Fail closed: a policy that gates the harness's tool use must not run a
+            // harness that would use them unasked (a runtime made before the check).
+            return Err(CoreError::invalid(format!(
+                "the approval policy gates harness permissions, but {} cannot ask",
+                self.live.harness
+            )));
+        }
         let bridged = matches!(launch.stream, StreamSource::Sse { .. });
         let launch = if bridged {
             if let Some(Resume::Session(id)) = &self.spec.resume {
@@ -572,18 +611,37 @@ impl Drive {
         let mut stderr: Vec<u8> = Vec::new();
         let mut outcome = None;
         let mut exit = None;
+        let mut asked: Vec<PermissionRequest> = Vec::new();
+        // Each permission request waits for its decision in a task of its own; the
+        // answers come back here to be sent. Dropping the set (the harness ended) drops
+        // the waits, which ends their approvals `abandoned`.
+        let mut asking = tokio::task::JoinSet::new();
+        let (answered_tx, mut answered_rx) = tokio::sync::mpsc::unbounded_channel::<Answered>();
         use futures::StreamExt;
-        while let Some(ev) = events.next().await {
+        loop {
+            let ev = tokio::select! {
+                ev = events.next() => ev,
+                Some((req, answer)) = answered_rx.recv() => {
+                    self.answer(&mut *adapter, bridged, pid, &req, &answer).await;
+                    continue;
+                }
+                // Reaps finished waits so the set does not grow with the run.
+                Some(_) = asking.join_next(), if !asking.is_empty() => continue,
+            };
+            let Some(ev) = ev else { break };
             match ev? {
                 CommandEvent::Stdout { data } => {
                     buf.extend(exec::B64.decode(data).unwrap_or_default());
                     while let Some(nl) = buf.iter().position(|b| *b == b'\n') {
                         let line: Vec<u8> = buf.drain(..=nl).collect();
                         let line = String::from_utf8_lossy(&line[..nl]);
-                        if self
-                            .line(&mut *adapter, bridged, &line, &mut outcome)
-                            .await?
-                        {
+                        let ended = self
+                            .line(&mut *adapter, bridged, &line, &mut outcome, &mut asked)
+                            .await?;
+                        for req in asked.drain(..) {
+                            self.ask(req, &mut asking, &answered_tx);
+                        }
+                        if ended {
                             // Told its outcome: closing stdin lets the RPC harness exit.
                             exec::write_stdin(&conn, pid, Vec::new(), true).await?;
                         }
@@ -604,7 +662,7 @@ impl Drive {
         }
         if !buf.is_empty() {
             let line = String::from_utf8_lossy(&buf).into_owned();
-            self.line(&mut *adapter, bridged, &line, &mut outcome)
+            self.line(&mut *adapter, bridged, &line, &mut outcome, &mut asked)
                 .await?;
         }
         if outcome.is_none() && !self.live.proc.lock().stopping {
@@ -620,13 +678,15 @@ impl Drive {
         Ok(outcome)
     }
 
-    /// Parses, sanitizes and stores one output line; true when it gave the outcome.
+    /// Parses, sanitizes and stores one output line; true when it gave the outcome. A
+    /// permission request on it is added to `asked`.
     async fn line(
         &self,
         adapter: &mut dyn sandpit_agentrun::Adapter,
         bridged: bool,
         line: &str,
         outcome: &mut Option<Outcome>,
+        asked: &mut Vec<PermissionRequest>,
     ) -> Result<bool, CoreError> {
         if bridged && let Some(id) = bridge_session(line) {
             adapter.session_started(&id);
@@ -651,12 +711,109 @@ impl Drive {
         if let Some(session) = parsed.session_id {
             self.store.set_run_session(&self.run.id, &session).await?;
         }
+        asked.extend(parsed.permission);
         let first = outcome.is_none() && parsed.outcome.is_some();
         if first {
             *outcome = parsed.outcome;
         }
         Ok(first)
     }
+
+    /// Puts one of the harness's permission requests to a person in a task of its own;
+    /// its answer comes back on `answered`. Without a policy gating them (the harness
+    /// was not launched asking) the request is let through, as the policy says.
+    fn ask(
+        &self,
+        req: PermissionRequest,
+        asking: &mut tokio::task::JoinSet<()>,
+        answered: &tokio::sync::mpsc::UnboundedSender<Answered>,
+    ) {
+        let Some(asks) = &self.asks else {
+            tracing::debug!(run_id = %self.run.id, tool = %req.tool, "permission request without a policy gating it: allowed");
+            let _ = answered.send((req, Answer::Allow { for_run: false }));
+            return;
+        };
+        let tool = printable(&self.redactor.redact_text(&req.tool), 100);
+        let summary = printable(&self.redactor.redact_text(&req.summary), 300);
+        let ask = crate::approvals::Ask {
+            run_id: self.run.id.clone(),
+            capability: sandpit_store::Capability::HarnessPermission,
+            target: sandpit_store::ApprovalTarget {
+                name: Some(tool),
+                ..Default::default()
+            },
+            summary,
+            detail: serde_json::json!({
+                "harness": self.live.harness.as_str(),
+                "request_id": printable(&self.redactor.redact_text(&req.id), 200),
+                "call_id": req.call_id.as_deref().map(|c| printable(&self.redactor.redact_text(c), 200)),
+            }),
+            expires_at_ms: asks.policy.expires_at_ms(sandpit_store::now_ms()),
+            gone: "the run's harness stopped before a decision",
+        };
+        let approvals = asks.approvals.clone();
+        let answered = answered.clone();
+        asking.spawn(async move {
+            use sandpit_net::approval::GateDecision;
+            let answer = match approvals.ask(ask).await {
+                // The harness is told "once" even for a grant for the run: sandpit's
+                // standing grant answers its later asks, so every use passes sandpit.
+                GateDecision::Approved { .. } | GateDecision::NotGated => {
+                    Answer::Allow { for_run: false }
+                }
+                GateDecision::Refused {
+                    approval_id,
+                    reason,
+                } => Answer::Deny {
+                    message: format!(
+                        "sandpit refused this tool call (approval {}): {reason}",
+                        approval_id.as_deref().unwrap_or("not recorded")
+                    ),
+                },
+            };
+            // The driver is gone when the harness ended: nothing left to answer.
+            let _ = answered.send((req, answer));
+        });
+    }
+
+    /// Sends the harness the adapter's answer to one of its permission requests. A
+    /// harness that has gone away cannot take it; that is only logged.
+    async fn answer(
+        &self,
+        // `&mut` only because a shared `dyn Adapter` would not be `Send` across the write.
+        adapter: &mut dyn sandpit_agentrun::Adapter,
+        bridged: bool,
+        pid: u32,
+        req: &PermissionRequest,
+        answer: &Answer,
+    ) {
+        let line = match adapter.answer(req, answer) {
+            Some(Control::StdinLine(line)) => line,
+            // Bridged: the bridge makes the request (the reply's path names no session).
+            Some(Control::Http(call)) if bridged => bridge_request(&call, None),
+            Some(Control::Http(_)) | None => {
+                tracing::warn!(run_id = %self.run.id, harness = %self.live.harness, "no way to answer the harness's permission request");
+                return;
+            }
+        };
+        tracing::info!(run_id = %self.run.id, tool = %req.tool, allowed = matches!(answer, Answer::Allow { .. }), "answering the harness's permission request");
+        let mut data = line.into_bytes();
+        data.push(b'\n');
+        if let Err(e) = exec::write_stdin(&self.live.conn, pid, data, false).await {
+            tracing::debug!(run_id = %self.run.id, error = %e.chain(), "permission answer not delivered");
+        }
+    }
+}
+
+/// `s` as a person is shown it: no control or bidirectional-override characters (they
+/// could rewrite an approver's terminal or disguise the command), at most `max` of them.
+fn printable(s: &str, max: usize) -> String {
+    s.chars()
+        .filter(|c| {
+            !c.is_control() && !matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+        })
+        .take(max)
+        .collect()
 }
 
 /// The launch that runs `launch` (a harness serving HTTP + SSE) under the bridge: node
@@ -800,6 +957,15 @@ mod tests {
         let mut plain = pi.clone();
         plain.stream = StreamSource::Stdout;
         assert_eq!(bridge(plain.clone(), "/s"), plain);
+    }
+
+    #[test]
+    fn approval_text_is_printable_and_short() {
+        assert_eq!(
+            printable("rm -rf /\u{1b}[2J\nok\u{202e}x", 100),
+            "rm -rf /[2Jokx"
+        );
+        assert_eq!(printable(&"y".repeat(500), 300).len(), 300);
     }
 
     #[test]

@@ -110,6 +110,18 @@ impl Manager {
         let harness = self.check_agent_request(req)?;
         let approval_policy =
             crate::approvals::checked_policy(req.approval_policy.as_ref(), &self.cfg.approvals)?;
+        if approval_policy
+            .get("harness_permissions")
+            .and_then(serde_json::Value::as_bool)
+            == Some(true)
+            && !harness.can_ask_permission()
+        {
+            return Err(CoreError::invalid(format!(
+                "approval_policy: harness_permissions: {harness} cannot put its tool use to \
+                 sandpit when run headless; use pi, opencode or claude, or gate egress and \
+                 credentials instead"
+            )));
+        }
         let sandbox = self.get(owner, sandbox_id).await?;
         if sandbox.template != "host" || sandbox.runtime != "container" {
             return Err(CoreError::invalid(

@@ -1,8 +1,16 @@
 //! Approval gates (issue 13, part 6): the daemon's [`ApprovalGate`], which the egress
 //! proxy and the credential broker ask before a risky action of a sandbox whose active run
-//! has an approval policy naming it. The action is held while a pending approval is
+//! has an approval policy naming it, and [`Approvals::ask`], which the agent-run driver
+//! also uses for the harness's own permission requests. The action is held while a pending approval is
 //! stored (the run goes `waiting_approval`); a person's decision through the API, or the
 //! approval's expiry, answers the held action. Approvals belong to the run's owner.
+//!
+//! The same action asked twice while pending (same capability, target and summary) shares
+//! one record, and one decision answers every holder; a run has at most
+//! `[approvals] max_pending_per_run` pending, and an action beyond that is refused at once
+//! (an `approval_refused` event says why). When every holder of a pending approval goes
+//! away (the held connection's client closed it, the harness stopped), the approval ends
+//! `abandoned` and can no longer be decided.
 //!
 //! Fail closed: when the store cannot record or read an approval, the action is refused;
 //! nothing held goes on without an `approved` record.
@@ -15,7 +23,7 @@ use sandpit_agentrun::ApprovalPolicy;
 use sandpit_net::approval::{ApprovalGate, GateCapability, GateDecision, GateRequest};
 use sandpit_store::{
     AgentRuntimeState, ApprovalRecord, ApprovalScope, ApprovalState, ApprovalTarget, Capability,
-    Decided, Decision, NewApproval, RunRecord, Store, now_ms,
+    Decided, Decision, NewApproval, Requested, RunRecord, Store, now_ms,
 };
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -32,6 +40,8 @@ pub struct ApprovalsConfig {
     pub timeout_secs: u64,
     /// Only API keys with the `approver` role may decide approvals.
     pub require_approver_role: bool,
+    /// Most approvals one run may have pending; an action beyond that is refused at once.
+    pub max_pending_per_run: u32,
 }
 
 impl Default for ApprovalsConfig {
@@ -39,33 +49,90 @@ impl Default for ApprovalsConfig {
         ApprovalsConfig {
             timeout_secs: 300,
             require_approver_role: false,
+            max_pending_per_run: 16,
         }
     }
 }
 
-/// A held action's wake-up.
-#[derive(Default)]
+/// The holders of one pending approval and their wake-up.
 struct Waiter {
-    notify: tokio::sync::Notify,
+    /// Bumped on a decision; each holder watches it.
+    wake: tokio::sync::watch::Sender<()>,
+    /// How many held actions wait on it.
+    holders: usize,
+    /// Why it ends `abandoned` when the last holder goes away undecided.
+    gone: &'static str,
 }
 
 /// The held actions and how to ask about new ones.
 pub struct Approvals {
     store: Store,
-    waiting: Mutex<HashMap<String, Arc<Waiter>>>,
+    max_pending: u32,
+    waiting: Mutex<HashMap<String, Waiter>>,
 }
 
-/// Takes a waiter out of the map however its held action ends.
+/// One holder of a pending approval; dropping it before the answer (the holder gave up:
+/// its client went away) leaves the approval, and when it was the last holder ends the
+/// approval `abandoned`, so nobody can approve an action nothing waits for any more.
 struct Registered<'a> {
     approvals: &'a Approvals,
     id: String,
-    waiter: Arc<Waiter>,
+    wake: tokio::sync::watch::Receiver<()>,
+    answered: bool,
 }
 
 impl Drop for Registered<'_> {
     fn drop(&mut self) {
-        self.approvals.waiting.lock().remove(&self.id);
+        let gone = {
+            let mut waiting = self.approvals.waiting.lock();
+            let Some(w) = waiting.get_mut(&self.id) else {
+                return;
+            };
+            w.holders = w.holders.saturating_sub(1);
+            if w.holders > 0 {
+                return;
+            }
+            let gone = w.gone;
+            waiting.remove(&self.id);
+            gone
+        };
+        if self.answered {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(approval_id = %self.id, "approvals: no runtime to record the abandonment on");
+            return;
+        };
+        let store = self.approvals.store.clone();
+        let id = self.id.clone();
+        rt.spawn(async move {
+            match store.abandon_approval(&id, gone, now_ms()).await {
+                Ok(Some(_)) => tracing::info!(approval_id = %id, reason = gone, "approval abandoned"),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(approval_id = %id, error = %e, "approvals: recording the abandonment failed")
+                }
+            }
+        });
     }
+}
+
+/// One action to put to a person, whatever holds it.
+pub(crate) struct Ask {
+    /// The run that is held.
+    pub run_id: String,
+    /// What kind of action.
+    pub capability: Capability,
+    /// What it is about.
+    pub target: ApprovalTarget,
+    /// One line for the approver, redacted and printable.
+    pub summary: String,
+    /// The holder's own data (redacted), kept with the record.
+    pub detail: serde_json::Value,
+    /// When the approval expires unless decided.
+    pub expires_at_ms: i64,
+    /// Why the approval ends `abandoned` if the holder gives up before a decision.
+    pub gone: &'static str,
 }
 
 /// Whom an action must be asked of.
@@ -87,10 +154,11 @@ fn refused(reason: impl Into<String>) -> GateDecision {
 }
 
 impl Approvals {
-    /// Approvals kept in `store`.
-    pub fn new(store: Store) -> Approvals {
+    /// Approvals kept in `store`, at most `max_pending` pending per run.
+    pub fn new(store: Store, max_pending: u32) -> Approvals {
         Approvals {
             store,
+            max_pending,
             waiting: Mutex::new(HashMap::new()),
         }
     }
@@ -163,9 +231,17 @@ impl Approvals {
                 return refused("sandpit could not check the approval policy");
             }
         };
-        let (capability, name) = match &req.capability {
-            GateCapability::Egress => (Capability::Egress, None),
-            GateCapability::Credential { name } => (Capability::Credential, Some(name.clone())),
+        let (capability, name, gone) = match &req.capability {
+            GateCapability::Egress => (
+                Capability::Egress,
+                None,
+                "the sandbox's client closed the held connection before a decision",
+            ),
+            GateCapability::Credential { name } => (
+                Capability::Credential,
+                Some(name.clone()),
+                "the held request was dropped before a decision (its client went away)",
+            ),
         };
         let target = ApprovalTarget {
             host: Some(format!("{}:{}", req.host, req.port)),
@@ -178,98 +254,151 @@ impl Approvals {
             path: req.path.clone(),
             name,
         };
-        match self
-            .store
-            .standing_grant(&run.id, capability, &target)
-            .await
-        {
-            Ok(Some(grant)) => {
-                tracing::info!(run_id = %run.id, approval_id = %grant.id, "approved for the run already");
-                return GateDecision::Approved {
-                    approval_id: grant.id,
-                };
-            }
-            Ok(None) => {}
-            Err(e) => {
-                tracing::warn!(run_id = %run.id, error = %e, "approvals: standing grants unreadable; the action is refused");
-                return refused("sandpit could not check earlier approvals");
-            }
-        }
         let summary = summary(&req, capability, method.as_deref());
-        let id = format!("apr{}", new_id());
-        let registered = self.register(&id);
-        let new = NewApproval {
-            id: id.clone(),
+        self.ask(Ask {
             run_id: run.id.clone(),
             capability,
             target,
             summary,
             detail: serde_json::json!({}),
             expires_at_ms: policy.expires_at_ms(now_ms()),
-        };
-        let rec = match self.store.request_approval(&new).await {
-            Ok(rec) => rec,
+            gone,
+        })
+        .await
+    }
+
+    /// Puts one held action to a person: a standing grant of the run lets it through, the
+    /// same action already pending is joined, a run at its limit of pending approvals is
+    /// refused at once; otherwise a new approval is waited on until it is decided, expires
+    /// or its run ends.
+    pub(crate) async fn ask(&self, ask: Ask) -> GateDecision {
+        let run_id = ask.run_id.as_str();
+        match self
+            .store
+            .standing_grant(run_id, ask.capability, &ask.target)
+            .await
+        {
+            Ok(Some(grant)) => {
+                tracing::info!(run_id, approval_id = %grant.id, "approved for the run already");
+                return GateDecision::Approved {
+                    approval_id: grant.id,
+                };
+            }
+            Ok(None) => {}
             Err(e) => {
-                tracing::warn!(run_id = %run.id, error = %e, "approvals: could not record; the action is refused");
+                tracing::warn!(run_id, error = %e, "approvals: standing grants unreadable; the action is refused");
+                return refused("sandpit could not check earlier approvals");
+            }
+        }
+        let new = NewApproval {
+            id: format!("apr{}", new_id()),
+            run_id: ask.run_id.clone(),
+            capability: ask.capability,
+            target: ask.target,
+            summary: ask.summary,
+            detail: ask.detail,
+            expires_at_ms: ask.expires_at_ms,
+        };
+        let rec = match self
+            .store
+            .request_or_join_approval(&new, self.max_pending)
+            .await
+        {
+            Ok(Requested::Created(rec)) => {
+                tracing::info!(approval_id = %rec.id, run_id, summary = %rec.summary, "action held for approval");
+                rec
+            }
+            Ok(Requested::Joined(rec)) => {
+                tracing::info!(approval_id = %rec.id, run_id, "the same action is pending already: held on its approval");
+                rec
+            }
+            Ok(Requested::TooMany { pending }) => {
+                tracing::info!(
+                    run_id,
+                    pending,
+                    "too many approvals pending; the action is refused"
+                );
+                return refused(format!(
+                    "refused at once: the run already has {pending} approvals pending, its limit"
+                ));
+            }
+            Err(e) => {
+                tracing::warn!(run_id, error = %e, "approvals: could not record; the action is refused");
                 return refused("sandpit could not record the approval request");
             }
         };
-        tracing::info!(approval_id = %rec.id, run_id = %run.id, summary = %rec.summary, "action held for approval");
-        self.wait(&registered, rec.expires_at_ms).await
+        let mut registered = self.register(&rec.id, ask.gone);
+        let decision = self.wait(&mut registered, rec.expires_at_ms).await;
+        registered.answered = true;
+        decision
     }
 
-    fn register(&self, id: &str) -> Registered<'_> {
-        let waiter = Arc::new(Waiter::default());
-        self.waiting.lock().insert(id.to_string(), waiter.clone());
+    /// Adds a holder to approval `id`.
+    fn register(&self, id: &str, gone: &'static str) -> Registered<'_> {
+        let mut waiting = self.waiting.lock();
+        let w = waiting.entry(id.to_string()).or_insert_with(|| Waiter {
+            wake: tokio::sync::watch::channel(()).0,
+            holders: 0,
+            gone,
+        });
+        w.holders += 1;
         Registered {
             approvals: self,
             id: id.to_string(),
-            waiter,
+            wake: w.wake.subscribe(),
+            answered: false,
         }
     }
 
-    /// Waits until approval `r.id` is final; an expired one is written expired.
-    async fn wait(&self, r: &Registered<'_>, expires_at_ms: i64) -> GateDecision {
+    /// Waits until approval `r.id` is final; an expired one is written expired. The
+    /// record is read before each wait, so a decision made before the holder registered
+    /// is seen too.
+    async fn wait(&self, r: &mut Registered<'_>, expires_at_ms: i64) -> GateDecision {
         loop {
-            let left = u64::try_from(expires_at_ms.saturating_sub(now_ms())).unwrap_or(0);
-            let nap = RECHECK.min(Duration::from_millis(left));
-            tokio::select! {
-                _ = r.waiter.notify.notified() => {}
-                _ = tokio::time::sleep(nap) => {}
-            }
             let now = now_ms();
-            let rec = match self.store.get_approval(&r.id, now).await {
-                Ok(Some(rec)) => rec,
+            match self.store.get_approval(&r.id, now).await {
+                Ok(Some(rec)) => match rec.state {
+                    ApprovalState::Pending => {}
+                    ApprovalState::Approved => {
+                        return GateDecision::Approved {
+                            approval_id: rec.id,
+                        };
+                    }
+                    ApprovalState::Denied => {
+                        let reason = match rec.reason {
+                            Some(why) => format!("denied: {why}"),
+                            None => "denied".to_string(),
+                        };
+                        return self.refusal(&rec.id, &reason);
+                    }
+                    ApprovalState::Expired => {
+                        // Read as expired but maybe not written yet: write it (with its event).
+                        if let Err(e) = self.store.expire_approvals(now).await {
+                            tracing::warn!(approval_id = %rec.id, error = %e, "approvals: writing the expiry failed");
+                        }
+                        return self.refusal(&rec.id, "expired: nobody decided in time");
+                    }
+                    ApprovalState::Abandoned => {
+                        return self.refusal(&rec.id, "abandoned: its first asker went away");
+                    }
+                },
                 Ok(None) => return refused("the approval record is gone"),
                 Err(e) => {
                     tracing::warn!(approval_id = %r.id, error = %e, "approvals: unreadable");
                     if now >= expires_at_ms {
                         return self.refusal(&r.id, "expired: sandpit could not read the approval");
                     }
-                    continue;
                 }
-            };
-            match rec.state {
-                ApprovalState::Pending => {}
-                ApprovalState::Approved => {
-                    return GateDecision::Approved {
-                        approval_id: rec.id,
-                    };
-                }
-                ApprovalState::Denied => {
-                    let reason = match rec.reason {
-                        Some(why) => format!("denied: {why}"),
-                        None => "denied".to_string(),
-                    };
-                    return self.refusal(&rec.id, &reason);
-                }
-                ApprovalState::Expired => {
-                    // Read as expired but maybe not written yet: write it (with its event).
-                    if let Err(e) = self.store.expire_approvals(now).await {
-                        tracing::warn!(approval_id = %rec.id, error = %e, "approvals: writing the expiry failed");
+            }
+            let left = u64::try_from(expires_at_ms.saturating_sub(now_ms())).unwrap_or(0);
+            let nap = RECHECK.min(Duration::from_millis(left));
+            tokio::select! {
+                changed = r.wake.changed() => {
+                    if changed.is_err() {
+                        tokio::time::sleep(nap).await;
                     }
-                    return self.refusal(&rec.id, "expired: nobody decided in time");
                 }
+                _ = tokio::time::sleep(nap) => {}
             }
         }
     }
@@ -282,30 +411,40 @@ impl Approvals {
         }
     }
 
-    /// Wakes the held action of approval `id`, if this daemon holds one.
+    /// Wakes every held action of approval `id`, if this daemon holds any.
     fn wake(&self, id: &str) {
         if let Some(w) = self.waiting.lock().get(id) {
-            w.notify.notify_one();
+            w.wake.send_replace(());
         }
     }
 }
 
 /// The one line an approver reads.
 fn summary(req: &GateRequest, capability: Capability, method: Option<&str>) -> String {
-    let request = match (method, &req.path) {
-        (Some(m), Some(p)) => format!(" ({m} {p})"),
-        (Some(m), None) => format!(" ({m})"),
-        _ => String::new(),
-    };
     match &req.capability {
-        GateCapability::Credential { name } => format!(
-            "inject credential {name:?} into a request to {}:{}{request}",
-            req.host, req.port
-        ),
+        GateCapability::Credential { name } => {
+            let request = match (method, &req.path) {
+                (Some(m), Some(p)) => format!(" ({m} {p})"),
+                (Some(m), None) => format!(" ({m})"),
+                _ => String::new(),
+            };
+            format!(
+                "inject credential {name:?} into a request to {}:{}{request}",
+                req.host, req.port
+            )
+        }
+        // One approval lets the whole connection through (the proxy sees only what
+        // comes before its decision): say so, rather than let the first request stand
+        // for all of them.
         GateCapability::Egress => {
             debug_assert_eq!(capability, Capability::Egress);
+            let first = match (method, &req.path) {
+                (Some(m), Some(p)) => format!("first request: {m} {p}"),
+                _ => "its requests are not visible (TLS or not HTTP)".to_string(),
+            };
             format!(
-                "connect to {}:{} outside the egress allow-list{request}",
+                "connection to {}:{} outside the egress allow-list; approving lets the whole \
+                 connection through, every request on it; {first}",
                 req.host, req.port
             )
         }
@@ -394,7 +533,9 @@ impl Manager {
         let state: Option<ApprovalState> = state
             .map(|s| {
                 s.parse().map_err(|_| {
-                    CoreError::invalid("state must be pending, approved, denied or expired")
+                    CoreError::invalid(
+                        "state must be pending, approved, denied, expired or abandoned",
+                    )
                 })
             })
             .transpose()?;
@@ -412,8 +553,9 @@ impl Manager {
             .collect())
     }
 
-    /// Decides the caller's pending approval `id` as `by`: approve (for this action, or
-    /// the run) or deny with a reason. One already decided, or expired, is a conflict.
+    /// Decides the caller's pending approval `id` as `by` (the deciding API key's id):
+    /// approve (for this action, or the run) or deny with a reason. One already decided,
+    /// expired or abandoned is a conflict.
     pub async fn decide_approval(
         &self,
         owner: &str,

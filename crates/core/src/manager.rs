@@ -233,7 +233,10 @@ impl Manager {
         cfg: ManagerConfig,
         snapshot_store: crate::snapshots::SnapshotStore,
     ) -> Arc<Self> {
-        let approvals = Arc::new(crate::approvals::Approvals::new(store.clone()));
+        let approvals = Arc::new(crate::approvals::Approvals::new(
+            store.clone(),
+            cfg.approvals.max_pending_per_run,
+        ));
         Arc::new(Self {
             templates: crate::templates::Templates::new(&cfg.data_dir),
             store,

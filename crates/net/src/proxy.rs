@@ -8,7 +8,11 @@
 //!
 //! A connection the policy refuses (a blocked range never) is first put to the approval
 //! gate when one is installed: it is held, nothing sent upstream, until the gate answers;
-//! only an approval lets it on, and then only to an address its name resolves to.
+//! only an approval lets it on, and then only to an address its name resolves to. While it
+//! is held the proxy keeps reading what the client sends (kept, up to [`MAX_HELD`] bytes,
+//! to go on if approved): a client that closes the connection ends the wait, and the gate
+//! is told by the drop of its future (the daemon then ends the approval `abandoned`). One
+//! approval lets the whole connection through; the proxy does not hold each request.
 //!
 //! The interceptor (the credential broker) is told whether the destination is an address
 //! its name resolves to, whatever the policy said: a policy that allows the address alone
@@ -167,7 +171,7 @@ async fn handle(net: Arc<Net>, mut client: TcpStream, peer: SocketAddr) {
                 claimed.is_some(),
                 ip,
                 port,
-                &first,
+                (&mut client, &mut first),
                 rule,
             )
             .await
@@ -179,7 +183,7 @@ async fn handle(net: Arc<Net>, mut client: TcpStream, peer: SocketAddr) {
         Err(refused) => {
             let rule = refused.to_string();
             net.audit.record(attempt, false, &rule);
-            if matches!(sniffed, Sniffed::Http(_)) {
+            if matches!(sniffed, Sniffed::Http(_)) && !matches!(refused, Refused::ClientGone) {
                 let body = match &refused {
                     Refused::Approval { .. } => {
                         format!("sandpit: this connection was refused: {rule}\n")
@@ -280,6 +284,9 @@ enum Refused {
     /// A person refused it, or nobody decided in time.
     #[error("approval {}: {reason}", id.as_deref().unwrap_or("(not recorded)"))]
     Approval { id: Option<String>, reason: String },
+    /// The client closed the connection while it was held for approval.
+    #[error("the client closed the connection while it was held for approval")]
+    ClientGone,
     /// The claimed name could not be looked up.
     #[error("{name} could not be resolved: {source}")]
     Unresolved {
@@ -318,9 +325,34 @@ async fn resolves_to(net: &Net, sandbox: &str, name: &str, ip: Ipv4Addr) -> Resu
     }
 }
 
+/// Most bytes a held client may send that are kept for upstream; past them the proxy stops
+/// reading (and so stops noticing a close) and the approval's expiry bounds the wait.
+const MAX_HELD: usize = 64 * 1024;
+
+/// Reads what a held client sends, appending it to `kept` (up to [`MAX_HELD`] bytes) to
+/// go upstream if the connection is approved; returns when the client has closed the
+/// connection (or it failed). A client that only shuts down its sending side counts as
+/// gone too: nothing it could still be sent would be asked for.
+async fn client_gone(client: &mut TcpStream, kept: &mut Vec<u8>) {
+    let mut chunk = [0u8; 4096];
+    loop {
+        let room = MAX_HELD.saturating_sub(kept.len()).min(chunk.len());
+        if room == 0 {
+            return std::future::pending().await;
+        }
+        // `read` is cancel-safe: when the gate answers first, nothing read is lost.
+        match client.read(&mut chunk[..room]).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => kept.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
 /// Asks the approval gate about a connection the policy refused by `rule`; with no gate,
 /// or none that asks a person about it, the refusal stands. The connection is held (its
-/// client waits, nothing is sent upstream) until the gate answers.
+/// client waits, nothing is sent upstream) until the gate answers or the client goes
+/// away ([`Refused::ClientGone`]; dropping the gate's future tells it). What the client
+/// sends meanwhile is added to `first`.
 #[allow(clippy::too_many_arguments)]
 async fn ask_gate(
     net: &Net,
@@ -329,7 +361,7 @@ async fn ask_gate(
     claimed: bool,
     ip: Ipv4Addr,
     port: u16,
-    first: &[u8],
+    (client, first): (&mut TcpStream, &mut Vec<u8>),
     rule: String,
 ) -> Result<Allowed, Refused> {
     let Some(gate) = net.approval_gate() else {
@@ -344,7 +376,14 @@ async fn ask_gate(
         method,
         path,
     };
-    match gate.decide(req).await {
+    let decision = tokio::select! {
+        d = gate.decide(req) => d,
+        () = client_gone(client, first) => {
+            tracing::info!(sandbox, %ip, port, "a held connection's client went away before a decision");
+            return Err(Refused::ClientGone);
+        }
+    };
+    match decision {
         GateDecision::NotGated => Err(Refused::Policy(rule)),
         GateDecision::Refused {
             approval_id,

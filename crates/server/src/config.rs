@@ -93,6 +93,9 @@ pub struct ApprovalsFileConfig {
     pub timeout_secs: u64,
     /// Only API keys with the `approver` role may approve or deny.
     pub require_approver_role: bool,
+    /// Most approvals one run may have pending (default 16, 1 to 1000); an action beyond
+    /// that is refused at once.
+    pub max_pending_per_run: u32,
 }
 
 impl Default for ApprovalsFileConfig {
@@ -101,6 +104,7 @@ impl Default for ApprovalsFileConfig {
         ApprovalsFileConfig {
             timeout_secs: core.timeout_secs,
             require_approver_role: core.require_approver_role,
+            max_pending_per_run: core.max_pending_per_run,
         }
     }
 }
@@ -116,9 +120,17 @@ impl ApprovalsFileConfig {
                 max: DAY,
             });
         }
+        if !(1..=1000).contains(&self.max_pending_per_run) {
+            return Err(ConfigError::OutOfRange {
+                name: "approvals.max_pending_per_run",
+                min: 1,
+                max: 1000,
+            });
+        }
         Ok(sandpit_core::approvals::ApprovalsConfig {
             timeout_secs: self.timeout_secs,
             require_approver_role: self.require_approver_role,
+            max_pending_per_run: self.max_pending_per_run,
         })
     }
 }
@@ -291,6 +303,24 @@ size = 1
         assert_eq!(cfg.pools[0].limits.cpu_millis, Some(500));
         assert_eq!(cfg.pools[0].limits.memory_bytes, Some(256 << 20));
         assert_eq!(cfg.pools[1].template, None);
+    }
+
+    #[test]
+    fn approvals_section_is_checked() {
+        let cfg = parse("[approvals]\nmax_pending_per_run = 3\n").unwrap();
+        let core = cfg.approvals.resolve().unwrap();
+        assert_eq!(core.max_pending_per_run, 3);
+        assert_eq!(core.timeout_secs, 300);
+        let defaults = parse("").unwrap().approvals.resolve().unwrap();
+        assert_eq!(defaults.max_pending_per_run, 16);
+        for bad in [
+            "max_pending_per_run = 0",
+            "max_pending_per_run = 1001",
+            "timeout_secs = 0",
+        ] {
+            let cfg = parse(&format!("[approvals]\n{bad}\n")).unwrap();
+            assert!(cfg.approvals.resolve().is_err(), "{bad}");
+        }
     }
 
     #[test]

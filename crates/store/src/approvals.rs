@@ -15,7 +15,9 @@ use serde::{Deserialize, Serialize};
 use sqlx::sqlite::SqliteRow;
 use sqlx::{Row, SqliteConnection};
 
-use crate::run_events::{EVENT_APPROVAL_DECIDED, EVENT_APPROVAL_REQUESTED, Gate, push_event};
+use crate::run_events::{
+    EVENT_APPROVAL_DECIDED, EVENT_APPROVAL_REFUSED, EVENT_APPROVAL_REQUESTED, Gate, push_event,
+};
 use crate::runs::{RunState, get_run_in};
 use crate::{Store, StoreError, now_ms};
 
@@ -56,6 +58,9 @@ stored_enum! {
         Denied = "denied",
         /// Nobody decided in time, or its run ended first; refused.
         Expired = "expired",
+        /// What asked went away before a decision (a held connection's client closed it,
+        /// the harness stopped); nothing was let through, and it can no longer be decided.
+        Abandoned = "abandoned",
     }
 }
 
@@ -158,6 +163,22 @@ pub enum Decision {
     Approve(ApprovalScope),
     /// Refuse.
     Deny,
+}
+
+/// What [`Store::request_or_join_approval`] did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Requested {
+    /// A new pending approval was recorded.
+    Created(ApprovalRecord),
+    /// The same action (capability, target and summary) was pending already: this one
+    /// waits on that record, and its decision answers both.
+    Joined(ApprovalRecord),
+    /// The run already had `pending` approvals waiting, its limit: nothing recorded, the
+    /// action is to be refused at once (an `approval_refused` event says why).
+    TooMany {
+        /// How many were pending.
+        pending: u32,
+    },
 }
 
 /// What [`Store::decide_approval`] did.
@@ -272,6 +293,81 @@ pub(crate) async fn expire_run_approvals_in(
     Ok(())
 }
 
+/// Run `run_id` if it is live: unknown is [`StoreError::NotFound`], finished
+/// [`StoreError::Conflict`].
+async fn live_run_in(
+    conn: &mut SqliteConnection,
+    run_id: &str,
+) -> Result<crate::runs::RunRecord, StoreError> {
+    let Some(run) = get_run_in(conn, run_id).await? else {
+        return Err(StoreError::NotFound(format!("run {run_id}")));
+    };
+    if run.state.is_terminal() {
+        return Err(StoreError::Conflict(format!(
+            "run {} has ended ({})",
+            run.id, run.state
+        )));
+    }
+    Ok(run)
+}
+
+/// Inserts a pending approval of live run `run`, moves the run to `waiting_approval`
+/// and appends the `approval_requested` event, inside the caller's transaction.
+async fn insert_approval_in(
+    conn: &mut SqliteConnection,
+    run: &crate::runs::RunRecord,
+    new: &NewApproval,
+) -> Result<ApprovalRecord, StoreError> {
+    let target = new.target.normalized();
+    let row = sqlx::query(&format!(
+        "INSERT INTO agent_approvals ({APPROVAL_COLUMNS}) VALUES \
+         ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, NULL, NULL, $15, $16, NULL) \
+         RETURNING {APPROVAL_COLUMNS}"
+    ))
+    .bind(&new.id)
+    .bind(&run.id)
+    .bind(&run.runtime_id)
+    .bind(&run.sandbox_id)
+    .bind(&run.owner)
+    .bind(new.capability.as_str())
+    .bind(&target.host)
+    .bind(&target.method)
+    .bind(&target.path)
+    .bind(&target.name)
+    .bind(&new.summary)
+    .bind(serde_json::to_string(&new.detail)?)
+    .bind(ApprovalScope::Once.as_str())
+    .bind(ApprovalState::Pending.as_str())
+    .bind(new.expires_at_ms)
+    .bind(now_ms())
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(|e| match StoreError::from(e) {
+        StoreError::Conflict(_) => StoreError::Conflict(format!("approval {} exists", new.id)),
+        other => other,
+    })?;
+    let approval = approval_from_row(&row)?;
+    sqlx::query(
+        "UPDATE agent_runs SET state = $1, updated_at_ms = $2 WHERE id = $3 AND state = $4",
+    )
+    .bind(RunState::WaitingApproval.as_str())
+    .bind(approval.created_at_ms)
+    .bind(&run.id)
+    .bind(RunState::Running.as_str())
+    .execute(&mut *conn)
+    .await?;
+    push_event(
+        conn,
+        &run.id,
+        EVENT_APPROVAL_REQUESTED,
+        &serde_json::to_value(&approval)?,
+        Gate::EVENT,
+    )
+    .await?;
+    tracing::debug!(approval_id = %approval.id, run_id = %approval.run_id, capability = %approval.capability, "approval requested");
+    Ok(approval)
+}
+
 impl Store {
     /// Records a pending approval for a live run, moves the run from `running` to
     /// `waiting_approval`, and appends the `approval_requested` event, in one transaction.
@@ -279,64 +375,117 @@ impl Store {
     /// an existing id [`StoreError::Conflict`].
     pub async fn request_approval(&self, new: &NewApproval) -> Result<ApprovalRecord, StoreError> {
         let mut tx = self.writer.begin_with("BEGIN IMMEDIATE").await?;
-        let Some(run) = get_run_in(&mut tx, &new.run_id).await? else {
-            return Err(StoreError::NotFound(format!("run {}", new.run_id)));
-        };
-        if run.state.is_terminal() {
-            return Err(StoreError::Conflict(format!(
-                "run {} has ended ({})",
-                run.id, run.state
-            )));
-        }
+        let run = live_run_in(&mut tx, &new.run_id).await?;
+        let approval = insert_approval_in(&mut tx, &run, new).await?;
+        tx.commit().await?;
+        Ok(approval)
+    }
+
+    /// As [`Store::request_approval`], in one transaction with two checks first: the
+    /// same action (capability, target with its path, and summary) already pending and
+    /// live for the run is joined instead of asked twice, and a run with `max_pending`
+    /// live pending approvals gets no more ([`Requested::TooMany`], with an
+    /// `approval_refused` event naming the action and the reason).
+    pub async fn request_or_join_approval(
+        &self,
+        new: &NewApproval,
+        max_pending: u32,
+    ) -> Result<Requested, StoreError> {
+        let now = now_ms();
         let target = new.target.normalized();
-        let row = sqlx::query(&format!(
-            "INSERT INTO agent_approvals ({APPROVAL_COLUMNS}) VALUES \
-             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, NULL, NULL, $15, $16, NULL) \
-             RETURNING {APPROVAL_COLUMNS}"
+        let mut tx = self.writer.begin_with("BEGIN IMMEDIATE").await?;
+        let run = live_run_in(&mut tx, &new.run_id).await?;
+        let run_id = run.id.clone();
+        let same = sqlx::query(&format!(
+            "SELECT {APPROVAL_COLUMNS} FROM agent_approvals \
+             WHERE run_id = $1 AND capability = $2 AND state = $3 AND expires_at_ms > $4 \
+             AND COALESCE(host, '') = COALESCE($5, '') \
+             AND COALESCE(method, '') = COALESCE($6, '') \
+             AND COALESCE(path, '') = COALESCE($7, '') \
+             AND COALESCE(target_name, '') = COALESCE($8, '') \
+             AND summary = $9 ORDER BY created_at_ms, id LIMIT 1"
         ))
-        .bind(&new.id)
-        .bind(&run.id)
-        .bind(&run.runtime_id)
-        .bind(&run.sandbox_id)
-        .bind(&run.owner)
+        .bind(&run_id)
         .bind(new.capability.as_str())
+        .bind(ApprovalState::Pending.as_str())
+        .bind(now)
         .bind(&target.host)
         .bind(&target.method)
         .bind(&target.path)
         .bind(&target.name)
         .bind(&new.summary)
-        .bind(serde_json::to_string(&new.detail)?)
-        .bind(ApprovalScope::Once.as_str())
+        .fetch_optional(&mut *tx)
+        .await?;
+        if let Some(row) = same {
+            let a = approval_from_row(&row)?;
+            tx.commit().await?;
+            return Ok(Requested::Joined(a));
+        }
+        let (pending,): (i64,) = sqlx::query_as(
+            "SELECT COUNT(*) FROM agent_approvals WHERE run_id = $1 AND state = $2 \
+             AND expires_at_ms > $3",
+        )
+        .bind(&run_id)
         .bind(ApprovalState::Pending.as_str())
-        .bind(new.expires_at_ms)
-        .bind(now_ms())
+        .bind(now)
         .fetch_one(&mut *tx)
-        .await
-        .map_err(|e| match StoreError::from(e) {
-            StoreError::Conflict(_) => StoreError::Conflict(format!("approval {} exists", new.id)),
-            other => other,
-        })?;
-        let approval = approval_from_row(&row)?;
-        sqlx::query(
-            "UPDATE agent_runs SET state = $1, updated_at_ms = $2 WHERE id = $3 AND state = $4",
-        )
-        .bind(RunState::WaitingApproval.as_str())
-        .bind(approval.created_at_ms)
-        .bind(&run.id)
-        .bind(RunState::Running.as_str())
-        .execute(&mut *tx)
         .await?;
-        push_event(
-            &mut tx,
-            &run.id,
-            EVENT_APPROVAL_REQUESTED,
-            &serde_json::to_value(&approval)?,
-            Gate::EVENT,
-        )
-        .await?;
+        let pending = u32::try_from(pending).unwrap_or(u32::MAX);
+        if pending >= max_pending {
+            let reason = format!(
+                "refused at once: the run already has {pending} approvals pending, its limit"
+            );
+            push_event(
+                &mut tx,
+                &run_id,
+                EVENT_APPROVAL_REFUSED,
+                &serde_json::json!({
+                    "capability": new.capability.as_str(),
+                    "target": target,
+                    "summary": new.summary,
+                    "reason": reason,
+                    "pending": pending,
+                }),
+                Gate::EVENT,
+            )
+            .await?;
+            tx.commit().await?;
+            return Ok(Requested::TooMany { pending });
+        }
+        let approval = insert_approval_in(&mut tx, &run, new).await?;
         tx.commit().await?;
-        tracing::debug!(approval_id = %approval.id, run_id = %approval.run_id, capability = %approval.capability, "approval requested");
-        Ok(approval)
+        Ok(Requested::Created(approval))
+    }
+
+    /// Ends a pending approval whose requester went away (state `abandoned`, with
+    /// `reason`), appending its `approval_decided` event and resuming the run when nothing
+    /// else holds it. `None` when it was no longer pending (decided, expired, unknown).
+    pub async fn abandon_approval(
+        &self,
+        id: &str,
+        reason: &str,
+        now_ms: i64,
+    ) -> Result<Option<ApprovalRecord>, StoreError> {
+        let mut tx = self.writer.begin_with("BEGIN IMMEDIATE").await?;
+        let row = sqlx::query(&format!(
+            "UPDATE agent_approvals SET state = $1, decided_at_ms = $2, reason = $3 \
+             WHERE id = $4 AND state = $5 RETURNING {APPROVAL_COLUMNS}"
+        ))
+        .bind(ApprovalState::Abandoned.as_str())
+        .bind(now_ms)
+        .bind(reason)
+        .bind(id)
+        .bind(ApprovalState::Pending.as_str())
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(a) = row.as_ref().map(approval_from_row).transpose()? else {
+            return Ok(None);
+        };
+        decided_event(&mut tx, &a, Gate::EVENT).await?;
+        resume_if_clear(&mut tx, &a.run_id, now_ms).await?;
+        tx.commit().await?;
+        tracing::debug!(approval_id = id, reason, "approval abandoned");
+        Ok(Some(a))
     }
 
     /// The approval with this id as of `now_ms` (a pending one past its expiry reads as

@@ -39,7 +39,7 @@ pub use access::SandboxAccess;
 pub use agents::{AgentRuntimeRecord, AgentRuntimeState, EndedAgents, NewAgentRuntime};
 pub use approvals::{
     ApprovalRecord, ApprovalScope, ApprovalState, ApprovalTarget, Capability, Decided, Decision,
-    NewApproval,
+    NewApproval, Requested,
 };
 pub use error::StoreError;
 pub use leases::{LeaseRecord, LeaseStatus};
@@ -50,8 +50,8 @@ pub use model::{
 pub use network::{AuditFilter, AuditRecord, AuditWrite};
 pub use pools::Claim;
 pub use run_events::{
-    Appended, EVENT_APPROVAL_DECIDED, EVENT_APPROVAL_REQUESTED, EVENT_END, EVENT_TRUNCATED,
-    NewEvent, RunEvent,
+    Appended, EVENT_APPROVAL_DECIDED, EVENT_APPROVAL_REFUSED, EVENT_APPROVAL_REQUESTED, EVENT_END,
+    EVENT_TRUNCATED, NewEvent, RunEvent,
 };
 pub use runs::{NewRun, RunMode, RunRecord, RunStart, RunState, RunUpdate};
 pub use schema::SCHEMA_VERSION;

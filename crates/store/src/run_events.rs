@@ -31,6 +31,9 @@ pub const EVENT_END: &str = "end";
 pub const EVENT_APPROVAL_REQUESTED: &str = "approval_requested";
 /// Kind of the event recorded with an approval's decision or expiry; payload as above.
 pub const EVENT_APPROVAL_DECIDED: &str = "approval_decided";
+/// Kind of the event recorded when an action is refused without asking, because its run
+/// has as many approvals pending as it may: `{capability, target, summary, reason, pending}`.
+pub const EVENT_APPROVAL_REFUSED: &str = "approval_refused";
 
 const DEFAULT_PAGE: u32 = 100;
 const MAX_PAGE: u32 = 1000;

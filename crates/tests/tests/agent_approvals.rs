@@ -88,6 +88,7 @@ async fn egress_outside_the_allow_list_waits_for_a_person() {
         ("other.test", "@3"),
         ("third.test", "@4"),
         ("fourth.test", "@5"),
+        ("fifth.test", "@6"),
     ]);
     let ip = up.ip(10);
     // The harness's tool sleeps: the run stays running while the sandbox fetches.
@@ -163,6 +164,11 @@ async fn egress_outside_the_allow_list_waits_for_a_person() {
     assert_eq!(a["capability"], "egress", "{a}");
     assert_eq!(a["host"], "other.test:80", "{a}");
     assert_eq!(a["path"], "/one", "{a}");
+    let summary = a["summary"].as_str().unwrap();
+    assert!(
+        summary.contains("whole connection") && summary.contains("first request: GET /one"),
+        "the approver is told what approving covers: {a}"
+    );
     assert_eq!(a["run_id"], run.as_str(), "{a}");
     assert!(a["expires_at_ms"].as_i64().unwrap() > a["created_at_ms"].as_i64().unwrap());
     assert_eq!(run_state(&d, &run).await, "waiting_approval");
@@ -189,6 +195,11 @@ async fn egress_outside_the_allow_list_waits_for_a_person() {
     assert_eq!(
         (body["state"].as_str(), body["scope"].as_str()),
         (Some("approved"), Some("run"))
+    );
+    assert_eq!(
+        body["decided_by"],
+        approver_rec.id.as_str(),
+        "the deciding key is recorded, not the owner: {body}"
     );
     let out = first.await.unwrap();
     assert!(out.ends_with("HTTP 200"), "{out}");
@@ -237,6 +248,49 @@ async fn egress_outside_the_allow_list_waits_for_a_person() {
     assert_eq!(served(&up, "/three"), 0);
     let (status, _) = decide(&d, &approver, &denied, "approve", json!({})).await;
     assert_eq!(status, 409);
+
+    // 3b. The held client gives up: the approval ends abandoned, and approving it is a
+    // conflict; nothing is sent.
+    let c = d.client();
+    let script = format!(
+        "curl -s --max-time 3 --resolve fifth.test:80:{} http://fifth.test/gone; echo rc=$?",
+        up.ip(6)
+    );
+    let quitter = sh(&c, &sb, &script);
+    let (out, a) = tokio::join!(quitter, pending(&d, &d.key, &run));
+    assert!(
+        out.stdout.contains("rc=28"),
+        "curl timed out: {}",
+        out.stdout
+    );
+    let gone = a["id"].as_str().unwrap().to_string();
+    let start = Instant::now();
+    let abandoned = loop {
+        let (_, one) = api(
+            &d,
+            reqwest::Method::GET,
+            &format!("/v1/approvals/{gone}"),
+            None,
+        )
+        .await;
+        if one["state"] != "pending" {
+            break one;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "still pending: {one}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(abandoned["state"], "abandoned", "{abandoned}");
+    assert!(
+        abandoned["reason"].as_str().unwrap().contains("closed"),
+        "{abandoned}"
+    );
+    let (status, body) = decide(&d, &approver, &gone, "approve", json!({})).await;
+    assert_eq!(status, 409, "{body}");
+    assert_eq!(served(&up, "/gone"), 0);
+    assert_eq!(run_state(&d, &run).await, "running");
 
     // 4. Nobody decides: expired, refused.
     let started = Instant::now();
@@ -294,7 +348,7 @@ async fn egress_outside_the_allow_list_waits_for_a_person() {
     ]);
     assert!(ok, "{err}");
     let listed: Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(listed.as_array().unwrap().len(), 3, "{listed}");
+    assert_eq!(listed.as_array().unwrap().len(), 4, "{listed}");
     let (ok, _, err) = d.cli(&[
         "--api-key",
         &cli_key,
@@ -314,12 +368,12 @@ async fn egress_outside_the_allow_list_waits_for_a_person() {
     let kinds: Vec<&str> = events.iter().filter_map(|e| e["kind"].as_str()).collect();
     assert_eq!(
         kinds.iter().filter(|k| **k == "approval_requested").count(),
-        3,
+        4,
         "{kinds:?}"
     );
     assert_eq!(
         kinds.iter().filter(|k| **k == "approval_decided").count(),
-        3,
+        4,
         "{kinds:?}"
     );
     assert_eq!(run_state(&d, &run).await, "running");
@@ -344,7 +398,7 @@ async fn egress_outside_the_allow_list_waits_for_a_person() {
         None,
     )
     .await;
-    assert_eq!(all.as_array().unwrap().len(), 3, "{all}");
+    assert_eq!(all.as_array().unwrap().len(), 4, "{all}");
     d.shutdown().await;
 }
 

@@ -81,6 +81,16 @@ impl Harness {
         }
     }
 
+    /// Whether the harness, run headless as sandpit runs it, can put its tool use to sandpit
+    /// for approval (a launch with [`LaunchSpec::approvals`] then sets
+    /// [`Launch::permission_requests`]). Codex `exec` cannot: only its `app-server` asks.
+    pub fn can_ask_permission(self) -> bool {
+        match self {
+            Harness::Pi | Harness::OpenCode | Harness::Claude => true,
+            Harness::Codex => false,
+        }
+    }
+
     /// Whether the harness can talk to a model endpoint speaking `api` (the launch of an
     /// adapter refuses the others with [`LaunchError::UnsupportedApi`]).
     pub fn speaks(self, api: WireApi) -> bool {
@@ -614,6 +624,30 @@ mod tests {
         assert_eq!(Harness::Claude.default_api(), WireApi::AnthropicMessages);
         assert_eq!(Harness::Codex.default_api(), WireApi::Responses);
         assert_eq!(Harness::Pi.default_api(), WireApi::ChatCompletions);
+    }
+
+    #[test]
+    fn a_harness_that_can_ask_launches_asking_and_codex_cannot() {
+        for h in Harness::ALL {
+            let spec = LaunchSpec {
+                task: "t".into(),
+                model: ModelEndpoint {
+                    provider: "p".into(),
+                    api: h.default_api(),
+                    base_url: "http://m.example/v1".into(),
+                    model: "m".into(),
+                    api_key: "k".into(),
+                },
+                workdir: "/w".into(),
+                state_dir: "/home/user/s".into(),
+                resume: None,
+                approvals: true,
+                program: None,
+            };
+            let launch = adapter(h).launch(&spec).unwrap();
+            assert_eq!(launch.permission_requests, h.can_ask_permission(), "{h}");
+        }
+        assert!(!Harness::Codex.can_ask_permission());
     }
 
     #[test]

@@ -30,7 +30,7 @@ pub fn routes() -> Router<AppState> {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ListQuery {
-    /// `pending`, `approved`, `denied` or `expired`.
+    /// `pending`, `approved`, `denied`, `expired` or `abandoned`.
     pub state: Option<String>,
     /// Only this run's.
     pub run: Option<String>,
@@ -38,7 +38,7 @@ pub struct ListQuery {
 
 /// The caller's approvals, oldest first.
 #[utoipa::path(get, path = "/v1/approvals",
-    params(("state" = Option<String>, Query, description = "pending, approved, denied or expired"),
+    params(("state" = Option<String>, Query, description = "pending, approved, denied, expired or abandoned"),
            ("run" = Option<String>, Query, description = "only this run's")),
     responses((status = 200, body = Vec<Approval>), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
 pub async fn list(
@@ -82,7 +82,13 @@ pub async fn approve(
     check_approver(&state, &owner, key.as_deref(), &id).await?;
     let rec = state
         .manager
-        .decide_approval(&owner.0, &id, Decision::Approve(scope), None, &owner.0)
+        .decide_approval(
+            &owner.0,
+            &id,
+            Decision::Approve(scope),
+            None,
+            decider(key.as_deref()),
+        )
         .await?;
     Ok(Json(approvals::to_api(&rec)))
 }
@@ -112,10 +118,25 @@ pub async fn deny(
     check_approver(&state, &owner, key.as_deref(), &id).await?;
     let rec = state
         .manager
-        .decide_approval(&owner.0, &id, Decision::Deny, reason, &owner.0)
+        .decide_approval(
+            &owner.0,
+            &id,
+            Decision::Deny,
+            reason,
+            decider(key.as_deref()),
+        )
         .await?;
     Ok(Json(approvals::to_api(&rec)))
 }
+
+/// Who a decision is recorded as made by: the deciding API key's id (the record keeps the
+/// owner besides). Only a loopback `--insecure-no-auth` daemon has no key.
+fn decider(key: Option<&super::ApiKeyId>) -> &str {
+    key.map_or(NO_AUTH_DECIDER, |k| k.0.as_str())
+}
+
+/// `decided_by` of a decision made on a daemon without API keys.
+pub const NO_AUTH_DECIDER: &str = "insecure-no-auth";
 
 /// A JSON body that may be left out (its defaults then apply).
 fn optional_body<T: serde::de::DeserializeOwned + Default>(body: &[u8]) -> Result<T, ApiError> {
