@@ -328,6 +328,19 @@ impl ProcessTable {
             .is_some_and(|p| Arc::ptr_eq(p, proc))
     }
 
+    /// Drops `proc`'s entry (if it is still the one under its pid): a command whose exit
+    /// its starter collected itself, as `sudo` does, needs no keeping for a reattach.
+    pub(crate) fn forget(&self, proc: &Arc<Proc>) {
+        let mut reg = self.reg.lock();
+        if reg
+            .procs
+            .get(&proc.pid)
+            .is_some_and(|p| Arc::ptr_eq(p, proc))
+        {
+            reg.procs.remove(&proc.pid);
+        }
+    }
+
     /// Takes the unclaimed exit recorded under `pid`, if any.
     fn take_unclaimed(&self, pid: u32) -> Option<ExitStatus> {
         self.reg.lock().unclaimed.remove(&pid)

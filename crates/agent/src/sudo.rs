@@ -37,6 +37,9 @@ pub const MAX_ITEMS: usize = 4096;
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most `sudo` commands running at once; more are refused.
 pub const MAX_SESSIONS: usize = 256;
+/// Most requests being read at once (each may hold up to [`MAX_REQUEST`] bytes); more
+/// wait their turn, each within its own [`REQUEST_TIMEOUT`].
+pub const MAX_READING: usize = 16;
 /// `PATH` of a command run without `-E`, as Debian's sudoers `secure_path`.
 pub const SECURE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 /// Variables a request may not set: the agent sets them for the target user.
@@ -228,6 +231,7 @@ pub async fn serve(cfg: Arc<AgentConfig>, table: Arc<ProcessTable>) {
         }
     };
     let sessions = Arc::new(tokio::sync::Semaphore::new(MAX_SESSIONS));
+    let reading = Arc::new(tokio::sync::Semaphore::new(MAX_READING));
     loop {
         let stream = match listener.accept().await {
             Ok((s, _)) => s,
@@ -239,11 +243,11 @@ pub async fn serve(cfg: Arc<AgentConfig>, table: Arc<ProcessTable>) {
             }
         };
         let permit = sessions.clone().try_acquire_owned().ok();
-        let (cfg, table) = (cfg.clone(), table.clone());
+        let (cfg, table, reading) = (cfg.clone(), table.clone(), reading.clone());
         tokio::spawn(async move {
             let mut stream = stream;
             let outcome = match permit {
-                Some(_permit) => session(&cfg, &table, &mut stream).await,
+                Some(_permit) => session(&cfg, &table, &reading, &mut stream).await,
                 None => Ok(Some(Reply::Error("too many sudo commands running".into()))),
             };
             let reply = match outcome {
@@ -341,6 +345,7 @@ async fn read_small(stream: &mut UnixStream) -> Result<Option<Vec<u8>>, SudoErro
 async fn session(
     cfg: &Arc<AgentConfig>,
     table: &Arc<ProcessTable>,
+    reading: &tokio::sync::Semaphore,
     stream: &mut UnixStream,
 ) -> Result<Option<Reply>, SudoError> {
     let cred = stream.peer_cred()?;
@@ -353,9 +358,16 @@ async fn session(
     if caller != crate::users::ROOT_UID && caller != crate::users::USER_UID {
         return Err(SudoError::Peer(format!("uid {caller} may not use sudo")));
     }
-    let (req, stdio) = tokio::time::timeout(REQUEST_TIMEOUT, read_request(stream))
-        .await
-        .map_err(|_| SudoError::Timeout(REQUEST_TIMEOUT))??;
+    // The whole request, the wait for a reading slot included, within the timeout.
+    let (req, stdio) = tokio::time::timeout(REQUEST_TIMEOUT, async {
+        let _slot = reading
+            .acquire()
+            .await
+            .map_err(|_| SudoError::Invalid("the agent is stopping".into()))?;
+        read_request(stream).await
+    })
+    .await
+    .map_err(|_| SudoError::Timeout(REQUEST_TIMEOUT))??;
     let Some(user) = crate::users::resolve(cfg, Some(&req.user)) else {
         return Err(SudoError::Invalid(format!("unknown user {}", req.user)));
     };
@@ -393,16 +405,29 @@ async fn session(
     };
     let pid = proc.pid();
     tracing::info!(pid, caller, user = %req.user, "sudo command started");
-    let exit = crate::process::exit_status(table, &proc);
+    let reply = relay(table, &proc, stream).await;
+    table.forget(&proc);
+    Ok(reply)
+}
+
+/// Waits for the command's exit while relaying the client's signals; ends the command
+/// when the client goes away (`None`).
+async fn relay(
+    table: &Arc<ProcessTable>,
+    proc: &Arc<crate::process::Proc>,
+    stream: &mut UnixStream,
+) -> Option<Reply> {
+    let pid = proc.pid();
+    let exit = crate::process::exit_status(table, proc);
     tokio::pin!(exit);
     loop {
         tokio::select! {
             status = &mut exit => {
-                return Ok(Some(match status {
+                return Some(match status {
                     Some((code, None)) => Reply::Exit(code),
                     Some((_, Some(sig))) => Reply::Exit(128 + sig),
                     None => Reply::Error("the command's exit status was lost".into()),
-                }));
+                });
             }
             frame = read_small(stream) => {
                 let control = match frame {
@@ -424,7 +449,9 @@ async fn session(
                         // it, as it would were it the client's own child.
                         tracing::debug!(pid, error = %e, "sudo client gone; ending its command");
                         kill_tree(pid, nix::sys::signal::Signal::SIGKILL);
-                        return Ok(None);
+                        // Its exit reaches the table entry before the entry is forgotten.
+                        let _ = tokio::time::timeout(REQUEST_TIMEOUT, &mut exit).await;
+                        return None;
                     }
                 }
             }

@@ -46,6 +46,21 @@ async fn sudo_and_python_work_in_an_e2b_sandbox() {
     assert_eq!(out.exit_code, 7, "{}", out.stderr);
     let out = sh(&c, &id, "sudo sh -c 'kill -TERM $$'; echo $?").await;
     assert_eq!(out.stdout, "143\n", "{}", out.stderr);
+    // Signals sent to sudo reach the command; a sudo killed outright takes it along.
+    let out = sh(
+        &c,
+        &id,
+        "sudo sh -c 'trap \"echo got-term; exit 3\" TERM; while :; do sleep 0.1; done' & p=$!; sleep 1; kill -TERM $p; wait $p; echo $?",
+    )
+    .await;
+    assert_eq!(out.stdout, "got-term\n3\n", "{}", out.stderr);
+    let out = sh(
+        &c,
+        &id,
+        "sudo sh -c 'echo $$ > /tmp/root-pid; exec sleep 100' & p=$!; sleep 1; kill -KILL $p; sleep 1; test -d /proc/$(cat /tmp/root-pid) && echo alive || echo gone",
+    )
+    .await;
+    assert_eq!(out.stdout, "gone\n", "{}", out.stderr);
     // stdin, stdout and stderr are the caller's own.
     let out = sh(&c, &id, "echo hi | sudo cat; sudo sh -c 'echo err >&2'").await;
     assert_eq!(out.stdout, "hi\n", "{}", out.stderr);
@@ -249,5 +264,60 @@ async fn the_operator_switch_leaves_sudo_out_and_v1_asks_for_it() {
         .expect("create");
     let out = sh(&c, &asked.id, "sudo id -u; python -c 'print(2)'").await;
     assert_eq!(out.stdout, "0\n2\n", "{}", out.stderr);
+    d.shutdown().await;
+}
+
+/// A template of its own (its `/usr` is not the host's): the shims go into its writable
+/// layer's `/usr/local/bin`, `python` names its `python3`, and its own files stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_custom_template_gets_the_shims_in_its_own_usr_local_bin() {
+    let d = Daemon::start().await;
+    let c = d.client();
+    let src = tempfile::tempdir().expect("tempdir");
+    sandpit_tests::rootfs_with_programs(
+        src.path(),
+        &[
+            ("/bin/dash", "usr/bin/sh"),
+            ("/usr/bin/id", "usr/bin/id"),
+            ("/usr/bin/readlink", "usr/bin/readlink"),
+            ("/bin/dash", "usr/bin/python3"),
+        ],
+    );
+    std::fs::create_dir_all(src.path().join("usr/local/bin")).expect("usr/local/bin");
+    std::fs::create_dir_all(src.path().join("etc")).expect("etc");
+    sandpit_tests::build_ready(&c, &sandpit_tests::dir_build("own", src.path())).await;
+    let sb = c
+        .create_sandbox(&CreateSandboxRequest {
+            template: Some("own".into()),
+            sudo: Some(true),
+            ..Default::default()
+        })
+        .await
+        .expect("create");
+    let run = |script: &str| sandpit_api::RunCommandRequest {
+        argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
+        ..Default::default()
+    };
+    let out = c
+        .run(
+            &sb.id,
+            &run("id -u; sudo id -u; readlink /usr/local/bin/sudo /usr/local/bin/python"),
+        )
+        .await
+        .expect("run");
+    assert_eq!(
+        out.stdout, "1000\n0\n/.sandpit/agent\n/usr/bin/python3\n",
+        "{}",
+        out.stderr
+    );
+    // The user cannot take the shim's place either.
+    let out = c
+        .run(
+            &sb.id,
+            &run("rm -f /usr/local/bin/sudo 2>/dev/null; readlink /usr/local/bin/sudo"),
+        )
+        .await
+        .expect("run");
+    assert_eq!(out.stdout, "/.sandpit/agent\n", "{}", out.stderr);
     d.shutdown().await;
 }
