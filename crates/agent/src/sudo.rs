@@ -351,7 +351,7 @@ async fn session(
     let cred = stream.peer_cred()?;
     // A peer outside the sandbox's pid namespace shows no pid; outside its user
     // namespace, an unmapped uid.
-    if !cred.pid().is_some_and(|p| p > 0) {
+    if cred.pid().is_none_or(|p| p <= 0) {
         return Err(SudoError::Peer("not a process of this sandbox".into()));
     }
     let caller = cred.uid();

@@ -264,6 +264,19 @@ async fn the_operator_switch_leaves_sudo_out_and_v1_asks_for_it() {
         .expect("create");
     let out = sh(&c, &asked.id, "sudo id -u; python -c 'print(2)'").await;
     assert_eq!(out.stdout, "0\n2\n", "{}", out.stderr);
+    // Kept with the sandbox: a wake from hibernation and a fork boot with it again.
+    c.hibernate(&asked.id).await.expect("hibernate");
+    c.resume(&asked.id).await.expect("resume");
+    let out = sh(&c, &asked.id, "sudo id -u").await;
+    assert_eq!(out.stdout, "0\n", "after a wake: {}", out.stderr);
+    let forks = c
+        .fork(&asked.id, &sandpit_api::ForkRequest::default())
+        .await
+        .expect("fork");
+    let out = sh(&c, &forks[0].id, "sudo id -u").await;
+    assert_eq!(out.stdout, "0\n", "in a fork: {}", out.stderr);
+    let out = sh(&c, &plain.id, "test -e /usr/local/bin/sudo || echo none").await;
+    assert_eq!(out.stdout, "none\n");
     d.shutdown().await;
 }
 
