@@ -46,7 +46,8 @@ fn main() -> std::process::ExitCode {
         .file_name()
         .is_some_and(|n| n == sandpit_agent::sudo::ARGV0)
     {
-        return ExitCode::from(sandpit_agent::sudo::client_main().clamp(0, 255) as u8);
+        // A code no process can exit with is a failure, never a success.
+        return ExitCode::from(u8::try_from(sandpit_agent::sudo::client_main()).unwrap_or(1));
     }
     if std::env::args_os()
         .nth(1)

@@ -342,7 +342,16 @@ fn run(req: &Request) -> Result<i32, ClientError> {
             Err(e) => return Err(ClientError::Send(e)),
         };
     }
-    stream.write_all(&framed[sent..])?;
+    match stream.write_all(&framed[sent..]) {
+        Ok(()) => {}
+        // The agent refused after the first bytes and hung up: its answer says why.
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+            ) => {}
+        Err(e) => return Err(e.into()),
+    }
     drop(keep);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
