@@ -183,3 +183,26 @@ fn sudo_command_is_bounded_on_a_char_boundary() {
     assert!(c.len() <= 4096);
     assert!(c.chars().all(|ch| ch == 'é'));
 }
+
+/// The process runtime's root is the daemon's own account on the host: an agent there
+/// never listens for sudo, even when its config asks.
+#[tokio::test]
+async fn a_process_sandbox_never_serves_sudo() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = Arc::new(AgentConfig {
+        mode: IsolationMode::Process,
+        root: dir.path().into(),
+        workdir: "/".into(),
+        env: Default::default(),
+        listen_fd: None,
+        listen_path: None,
+        sudo: true,
+        live: Default::default(),
+    });
+    let existed = std::path::Path::new(SOCKET_PATH).exists();
+    let table = ProcessTable::new(cfg.clone());
+    tokio::time::timeout(Duration::from_secs(5), serve(cfg, table))
+        .await
+        .expect("serve returns at once outside a container");
+    assert_eq!(std::path::Path::new(SOCKET_PATH).exists(), existed);
+}
