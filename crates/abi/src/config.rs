@@ -38,6 +38,10 @@ pub struct AgentConfig {
     /// A path to bind a unix socket on, when no socket is inherited.
     #[serde(default)]
     pub listen_path: Option<PathBuf>,
+    /// Whether the agent serves the sandbox's `sudo` (container sandboxes only; see the
+    /// agent's `sudo` module).
+    #[serde(default)]
+    pub sudo: bool,
     /// Settings applied after start by the agent's `POST /init` (shared by clones of this
     /// config); never on the wire, so the daemon leaves it at its default.
     #[serde(skip)]
@@ -108,6 +112,7 @@ mod tests {
             env: BTreeMap::from([("A".into(), "1".into())]),
             listen_fd: Some(3),
             listen_path: None,
+            sudo: false,
             live: Default::default(),
         };
         cfg.update_live(BTreeMap::new(), Some("/work".into()), None);
@@ -121,6 +126,7 @@ mod tests {
                 "env": {"A": "1"},
                 "listen_fd": 3,
                 "listen_path": null,
+                "sudo": false,
             })
         );
         // Optional fields may be left out; a fresh config has no live settings.
@@ -128,6 +134,7 @@ mod tests {
             serde_json::from_str(r#"{"mode":"process","root":"/r","workdir":"/w"}"#).unwrap();
         assert_eq!(back.mode, IsolationMode::Process);
         assert!(back.env.is_empty() && back.listen_fd.is_none() && back.listen_path.is_none());
+        assert!(!back.sudo, "sudo is off unless the daemon turns it on");
         assert_eq!(back.workdir(), "/w");
         assert_eq!(back.default_user(), None);
     }

@@ -75,6 +75,7 @@ mod tests {
             env: BTreeMap::from([("A".into(), "start".into()), ("B".into(), "kept".into())]),
             listen_fd: None,
             listen_path: None,
+            sudo: false,
             live: Default::default(),
         }
     }

@@ -819,6 +819,7 @@ mod tests {
             env: Default::default(),
             listen_fd: None,
             listen_path: None,
+            sudo: false,
             live: Default::default(),
         };
         FsRoot::open(Arc::new(cfg)).unwrap()
@@ -833,6 +834,7 @@ mod tests {
                 env: Default::default(),
                 listen_fd: None,
                 listen_path: None,
+                sudo: false,
                 live: Default::default(),
             },
             None,

@@ -12,6 +12,7 @@ pub mod interp;
 pub mod process;
 pub mod rusage;
 pub mod server;
+pub mod sudo;
 mod users;
 pub mod watch;
 

@@ -207,7 +207,7 @@ impl Proc {
 }
 
 /// An exit status, as `(code, signal)`.
-type ExitStatus = (i32, Option<i32>);
+pub(crate) type ExitStatus = (i32, Option<i32>);
 
 /// The commands and the exits nobody claimed yet, behind one lock so that an exit is
 /// either seen by `spawn` when it registers the pid or delivered to the entry afterwards.
@@ -240,6 +240,10 @@ pub struct SpawnSpec {
     pub tag: Option<String>,
     pub pty: Option<(u16, u16)>,
     pub stdin: bool,
+    /// Descriptors to run the command on (stdin, stdout, stderr) instead of pipes or a
+    /// pty: the sandbox's `sudo` hands over its own. Such a command's output never
+    /// reaches the table.
+    pub stdio: Option<[OwnedFd; 3]>,
 }
 
 impl SpawnSpec {
@@ -252,6 +256,7 @@ impl SpawnSpec {
             tag: None,
             pty: None,
             stdin: false,
+            stdio: None,
         })
     }
 }
@@ -321,6 +326,19 @@ impl ProcessTable {
             .procs
             .get(&proc.pid)
             .is_some_and(|p| Arc::ptr_eq(p, proc))
+    }
+
+    /// Drops `proc`'s entry (if it is still the one under its pid): a command whose exit
+    /// its starter collected itself, as `sudo` does, needs no keeping for a reattach.
+    pub(crate) fn forget(&self, proc: &Arc<Proc>) {
+        let mut reg = self.reg.lock();
+        if reg
+            .procs
+            .get(&proc.pid)
+            .is_some_and(|p| Arc::ptr_eq(p, proc))
+        {
+            reg.procs.remove(&proc.pid);
+        }
     }
 
     /// Takes the unclaimed exit recorded under `pid`, if any.
@@ -427,6 +445,20 @@ impl ProcessTable {
                         return Err(std::io::Error::last_os_error());
                     }
                     if libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    reset_child(container);
+                    Ok(())
+                });
+            }
+        } else if let Some([i, o, e]) = spec.stdio {
+            cmd.stdin(Stdio::from(i))
+                .stdout(Stdio::from(o))
+                .stderr(Stdio::from(e));
+            // SAFETY: only async-signal-safe calls between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::setsid() < 0 {
                         return Err(std::io::Error::last_os_error());
                     }
                     reset_child(container);
@@ -636,6 +668,11 @@ async fn wait_exit(table: &Arc<ProcessTable>, proc: &Arc<Proc>) -> Option<ExitSt
     }
 }
 
+/// Waits for `proc`'s exit status as the reaper reports it (`None`: it was lost).
+pub(crate) async fn exit_status(table: &Arc<ProcessTable>, proc: &Arc<Proc>) -> Option<ExitStatus> {
+    wait_exit(table, proc).await
+}
+
 /// Waits for the exit, lets the readers drain, then publishes the end event.
 async fn finish(
     table: Arc<ProcessTable>,
@@ -840,6 +877,7 @@ impl Process for ProcessService {
             tag: req.tag.clone(),
             pty,
             stdin: req.stdin.unwrap_or(true),
+            stdio: None,
         };
         let (proc, missed, rx) = self.table.spawn(spec)?;
         let wrap = |ev: ProcessEvent| StartResponse {

@@ -128,6 +128,9 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
         }
         (None, None) => return Err(AgentError::Config("no listen_fd or listen_path".into())),
     };
+    if cfg.sudo {
+        tokio::spawn(crate::sudo::serve(cfg.clone(), table.clone()));
+    }
     let app = router(cfg.clone(), table.clone())?;
     tracing::info!("agent serving");
     let server = axum::serve(listener, app);

@@ -26,6 +26,7 @@ fn config(root: &std::path::Path) -> Arc<AgentConfig> {
         env: Default::default(),
         listen_fd: None,
         listen_path: None,
+        sudo: false,
         live: Default::default(),
     })
 }

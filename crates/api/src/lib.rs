@@ -111,6 +111,11 @@ pub struct CreateSandboxRequest {
     /// snapshot's policy when starting from one).
     #[serde(default)]
     pub network: Option<NetworkPolicy>,
+    /// Give the sandbox a `sudo` that runs a command as its root through the agent, and
+    /// a `python` alias of `python3` (default false; container runtime only; E2B's
+    /// create sets it as the daemon's `[e2b] sudo` says).
+    #[serde(default)]
+    pub sudo: Option<bool>,
 }
 
 /// Lifecycle settings and state of a sandbox.

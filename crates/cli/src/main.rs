@@ -40,6 +40,15 @@ fn main() -> std::process::ExitCode {
             }
         };
     }
+    // Inside a sandbox that has it, `/usr/local/bin/sudo` leads here: a client that asks
+    // the agent, with no privilege of its own.
+    if std::path::Path::new(&argv0)
+        .file_name()
+        .is_some_and(|n| n == sandpit_agent::sudo::ARGV0)
+    {
+        // A code no process can exit with is a failure, never a success.
+        return ExitCode::from(u8::try_from(sandpit_agent::sudo::client_main()).unwrap_or(1));
+    }
     if std::env::args_os()
         .nth(1)
         .is_some_and(|a| a == "__sandbox-init")

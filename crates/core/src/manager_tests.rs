@@ -451,6 +451,7 @@ fn spec(id: &str) -> sandpit_runtime::SandboxSpec {
         layers: Vec::new(),
         extra_ca_pem: None,
         net: None,
+        sudo: false,
     }
 }
 

@@ -108,6 +108,9 @@ pub struct PoolKey {
     pub template: String,
     pub runtime: String,
     pub limits: Limits,
+    /// Whether its sandboxes have `sudo` (pool members never do: a create that asks for
+    /// it starts cold).
+    pub sudo: bool,
 }
 
 impl PoolKey {
@@ -122,6 +125,7 @@ impl PoolKey {
                 disk_bytes: r.disk_bytes as u64,
                 max_processes: r.max_processes as u64,
             },
+            sudo: r.life.sudo,
         }
     }
 
@@ -136,6 +140,7 @@ impl PoolKey {
                 disk_bytes: p.disk_bytes as u64,
                 max_processes: p.max_processes as u64,
             },
+            sudo: false,
         }
     }
 }

@@ -39,6 +39,7 @@ impl Manager {
                 template: template_name,
                 runtime: runtime_name,
                 limits,
+                sudo: false,
             },
             template,
             volumes: Vec::new(),
@@ -93,6 +94,8 @@ impl Manager {
         let req = crate::templates::with_defaults(req, &plan.defaults);
         crate::volumes::check_mounts(&req.volumes)?;
         plan.volumes = req.volumes.clone();
+        // A pool's members were started without sudo; one who asks for it starts cold.
+        plan.key.sudo = req.sudo.unwrap_or(false);
         plan.network =
             crate::net::plan_policy(self.net.get(), &plan.key.runtime, req.network.as_ref())?;
         let timeout = self.timeout(req.timeout)?;
@@ -144,6 +147,7 @@ impl Manager {
             workdir: (workdir != DEFAULT_WORKDIR).then(|| workdir.clone()),
             user: req.user.clone(),
             timeout_secs: timeout,
+            sudo: req.sudo.unwrap_or(false),
         };
         let expires_at_ms = now_ms() + (timeout as i64) * 1000;
         let (secure, public) = (req.secure, req.public);
@@ -293,6 +297,7 @@ impl Manager {
             layers: self.start_layers(&rec, &plan.defaults)?,
             extra_ca_pem: ca.await,
             net: None,
+            sudo: rec.life.sudo,
         };
         self.boot(&rec, plan.runtime, spec, Failed::Delete).await
     }

@@ -87,6 +87,7 @@ impl Manager {
             workdir: rec.life.workdir.clone(),
             user: rec.life.user.clone(),
             timeout_secs: timeout,
+            sudo: rec.life.sudo,
         };
         let workdir = rec
             .life

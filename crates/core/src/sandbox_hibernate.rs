@@ -190,6 +190,7 @@ impl Manager {
             volumes,
             extra_ca_pem: self.broker.ca_pem(&rec.id),
             net: None,
+            sudo: rec.life.sudo,
         };
         let running = self
             .boot(

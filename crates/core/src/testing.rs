@@ -434,6 +434,7 @@ impl Runtime for FakeRuntime {
             env: spec.env.clone(),
             listen_fd: None,
             listen_path: None,
+            sudo: false,
             live: Default::default(),
         });
         let table = sandpit_agent::process::ProcessTable::new(cfg.clone());

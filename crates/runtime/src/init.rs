@@ -70,7 +70,22 @@ pub struct InitConfig {
     /// Contents of `/etc/resolv.conf` (empty without networking).
     #[serde(default)]
     pub resolv_conf: Option<String>,
+    /// Give the sandbox `sudo` (the agent under that name, which asks the agent) and a
+    /// `python` alias where it has only `python3`, in `/usr/local/bin`, and the root-only
+    /// directory of the agent's sudo socket.
+    #[serde(default)]
+    pub sudo: bool,
 }
+
+/// Where `sudo` and the `python` alias appear (on every PATH Debian's profile sets).
+pub const SHIM_DIR: &str = "usr/local/bin";
+/// The directory of the agent's sudo socket, inside the sandbox (the agent checks it
+/// again before it listens).
+pub const SUDO_DIR: &str = "run/sandpit";
+/// Where the `python` alias may point, first found wins.
+const PYTHON3: &[&str] = &["/usr/local/bin/python3", "/usr/bin/python3"];
+/// Where an existing `python` makes the alias unnecessary.
+const PYTHON: &[&str] = &["/usr/local/bin/python", "/usr/bin/python", "/bin/python"];
 
 /// Where the writable layer's tmpfs appears inside a container sandbox, for the daemon
 /// only: its root is the host's root's, mode 0700, so nobody in the sandbox can enter.
@@ -679,6 +694,9 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
         }
         bind_ro(src, &target, MsFlags::MS_NOSUID | MsFlags::MS_NODEV)?;
     }
+    if cfg.sudo && cfg.host_template {
+        shim_overlay(&root)?;
+    }
     mark("c_binds");
 
     // Until pivot_root the host is visible and this process is the host's root, so only
@@ -758,6 +776,9 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
     let root = Path::new("/");
     if !cfg.host_template {
         ensure_user_account(root, cfg.uid_base)?;
+        if cfg.sudo {
+            install_shims(root, cfg.uid_base)?;
+        }
     }
     if let Some(ca) = &cfg.extra_ca {
         crate::trust::fill_bundle(root, ca)?;
@@ -808,6 +829,13 @@ fn populate_upper(cfg: &InitConfig, upper: &Path) -> R<()> {
             .copied()
             .filter(|_| cfg.host_template)
             .map(|(d, mode)| (d, mode, uroot)),
+    )
+    // The sudo socket's directory and its parent: the sandbox root's, closed to `user`,
+    // so the socket cannot be replaced by anyone the sudo is meant to lift.
+    .chain(
+        [("run", 0o755, uroot), (SUDO_DIR, 0o755, uroot)]
+            .into_iter()
+            .filter(|_| cfg.sudo),
     ) {
         let p = upper.join(d);
         ctx(std::fs::create_dir(&p), || format!("mkdir {}", p.display()))?;
@@ -840,6 +868,73 @@ fn populate_upper(cfg: &InitConfig, upper: &Path) -> R<()> {
     }
     if let Some(ca) = &cfg.extra_ca {
         crate::trust::prepare(upper, ca)?;
+    }
+    Ok(())
+}
+
+/// The `python` alias's target in the tree under `root`, when the tree has `python3` but
+/// no `python`.
+fn python_target(root: &Path) -> Option<&'static str> {
+    let exists = |p: &str| std::fs::symlink_metadata(root.join(p.trim_start_matches('/'))).is_ok();
+    if PYTHON.iter().any(|p| exists(p)) {
+        return None;
+    }
+    PYTHON3.iter().copied().find(|p| exists(p))
+}
+
+/// The host template's `/usr` is the host's, read-only: `sudo` and `python` are laid over
+/// its `/usr/local/bin` with a read-only overlay whose top layer is a directory of two
+/// symlinks in the sandbox's own directory (named relative to it, like the root overlay,
+/// so the mount table shows no host path).
+fn shim_overlay(root: &Path) -> R<()> {
+    let target = root.join(SHIM_DIR);
+    if !std::fs::symlink_metadata(&target).is_ok_and(|m| m.is_dir()) {
+        // A host without /usr/local/bin: nothing to lay the shims over.
+        return Ok(());
+    }
+    let shims = Path::new("shims");
+    ctx(std::fs::create_dir(shims), || "mkdir shims".into())?;
+    ctx(
+        std::os::unix::fs::symlink(AGENT_PATH, shims.join("sudo")),
+        || "link shims/sudo".into(),
+    )?;
+    if let Some(py) = python_target(root) {
+        ctx(std::os::unix::fs::symlink(py, shims.join("python")), || {
+            "link shims/python".into()
+        })?;
+    }
+    let rel = Path::new("rootfs").join(SHIM_DIR);
+    let opts = format!("lowerdir=shims:{}", rel.display());
+    mnt(
+        Some("overlay"),
+        &target,
+        Some("overlay"),
+        MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some(&opts),
+    )
+}
+
+/// A custom template's `/usr` is its own: `sudo` and `python` become symlinks in its
+/// `/usr/local/bin` (the writable layer), unless the template has these names already.
+/// Runs after pivot_root, so the template's symlinks resolve inside the sandbox.
+fn install_shims(root: &Path, uroot: u32) -> R<()> {
+    let dir = root.join(SHIM_DIR);
+    if !std::fs::symlink_metadata(&dir).is_ok_and(|m| m.is_dir()) {
+        return Ok(());
+    }
+    let mut links = vec![("sudo", AGENT_PATH)];
+    if let Some(py) = python_target(root) {
+        links.push(("python", py));
+    }
+    for (name, to) in links {
+        let link = dir.join(name);
+        if std::fs::symlink_metadata(&link).is_ok() {
+            continue;
+        }
+        ctx(std::os::unix::fs::symlink(to, &link), || {
+            format!("link {}", link.display())
+        })?;
+        chown_nofollow(&link, uroot)?;
     }
     Ok(())
 }

@@ -148,6 +148,9 @@ pub struct SandboxSpec {
     /// A prepared network namespace to join instead of a new empty one (container
     /// runtime only), with the sandbox's `/etc/resolv.conf`.
     pub net: Option<SandboxNet>,
+    /// Give the sandbox `sudo` through its agent and a `python` alias (container runtime
+    /// only: the process runtime's root would be the daemon's account on the host).
+    pub sudo: bool,
 }
 
 /// A network namespace made ready for a sandbox by the daemon.

@@ -97,6 +97,7 @@ impl ProcessRuntime {
             env,
             listen_fd: Some(crate::container::LISTEN_FD),
             listen_path: None,
+            sudo: false,
             live: Default::default(),
         };
         let cfg = serde_json::to_string(&agent).map_err(|source| RuntimeError::Encode {

@@ -185,6 +185,9 @@ pub struct Lifecycle {
     pub user: Option<String>,
     /// Its lifetime in seconds, given again when a resume follows a timeout pause.
     pub timeout_secs: u64,
+    /// Whether it has `sudo` through its agent and the `python` alias (kept for every
+    /// later boot: wake, fork).
+    pub sudo: bool,
 }
 
 /// A warm pool: how many idle sandboxes of one kind to keep started.

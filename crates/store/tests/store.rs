@@ -161,6 +161,7 @@ async fn sandbox_roundtrip_keeps_every_field() {
             workdir: Some("/work".into()),
             user: Some("root".into()),
             timeout_secs: 600,
+            sudo: true,
         },
     };
     store.insert_sandbox(&record).await.unwrap();

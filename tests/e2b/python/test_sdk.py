@@ -87,6 +87,16 @@ def test_cwd_envs_and_user(sbx):
     assert sbx.commands.run("id -u", user="root").stdout == "0\n"
 
 
+def test_sudo_and_python_as_in_e2b_base_image(sbx):
+    # E2B's base image has passwordless sudo and `python`; scripts written for E2B use both.
+    assert sbx.commands.run("sudo id -u; id -u").stdout == "0\n1000\n"
+    assert sbx.commands.run("echo hi | sudo tee /etc/by-sudo >/dev/null; cat /etc/by-sudo").stdout == "hi\n"
+    with pytest.raises(CommandExitException) as e:
+        sbx.commands.run("sudo sh -c 'exit 7'")
+    assert e.value.exit_code == 7
+    assert sbx.commands.run("python -c 'print(6*7)'").stdout == "42\n"
+
+
 def test_timeout_raises_the_sdk_timeout_error(sbx):
     started = time.monotonic()
     with pytest.raises(TimeoutException):

@@ -150,6 +150,7 @@ impl ContainerRuntime {
             env,
             listen_fd: Some(LISTEN_FD),
             listen_path: None,
+            sudo: spec.sudo,
             live: Default::default(),
         };
         let init = InitConfig {
@@ -181,6 +182,7 @@ impl ContainerRuntime {
             extra_ca: spec.extra_ca_pem.clone(),
             netns: spec.net.is_some(),
             resolv_conf: spec.net.as_ref().map(|n| n.resolv_conf.clone()),
+            sudo: spec.sudo,
         };
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()
             .map_err(|e| RuntimeError::io("config socket", e))?;

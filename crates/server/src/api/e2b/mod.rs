@@ -41,6 +41,11 @@ pub struct E2bConfig {
     /// E2B. `false` leaves such sandboxes on the daemon's `[network] default_mode`.
     #[serde(default = "yes")]
     pub internet_by_default: bool,
+    /// Whether E2B-created sandboxes get a `sudo` that runs commands as their root through
+    /// the agent, and a `python` alias of `python3`, as E2B's base image has both
+    /// (container runtime only). `false` leaves both out: `sudo` is then not found.
+    #[serde(default = "yes")]
+    pub sudo: bool,
 }
 
 fn yes() -> bool {
@@ -60,6 +65,7 @@ impl Default for E2bConfig {
             templates: default_aliases(),
             idle_timeout_secs: 0,
             internet_by_default: true,
+            sudo: true,
         }
     }
 }

@@ -110,6 +110,7 @@ pub async fn create(
         idle_timeout: Some(state.e2b.idle_timeout_secs),
         on_timeout,
         auto_resume: req.auto_resume.map(|a| a.enabled),
+        sudo: Some(state.e2b.sudo),
         ..Default::default()
     };
     let create = crate::api::e2b::apply_access(create, req.secure, network);
