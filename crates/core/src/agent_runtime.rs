@@ -194,7 +194,10 @@ impl Manager {
             self.check_host_harnesses()?;
             return Ok(None);
         }
-        let program = format!("{TEMPLATE_HARNESSES}/node_modules/.bin/{}", harness.program());
+        let program = format!(
+            "{TEMPLATE_HARNESSES}/node_modules/.bin/{}",
+            harness.program()
+        );
         let (_, conn) = self.agent(owner, &sandbox.id).await?;
         // Asked inside the sandbox, so the template's symlinks (`.bin/pi` is one) resolve
         // there and never on the host; the program runs as the sandbox's user anyway.

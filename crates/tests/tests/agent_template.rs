@@ -91,7 +91,8 @@ async fn a_template_built_with_the_harnesses_runs_pi_without_the_host_bind() {
     let base = temp_dir("sandpit-agent-base-");
     base_rootfs(base.path());
 
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/build-agent-template.sh");
+    let script =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/build-agent-template.sh");
     let out = tokio::process::Command::new(&script)
         .args(["agents-test", "--harnesses", "pi", "--from"])
         .arg(harness_dir())
@@ -138,10 +139,14 @@ async fn a_template_built_with_the_harnesses_runs_pi_without_the_host_bind() {
     );
     // pi ran from the template's own tree, not from a host mount.
     assert!(
-        sh(&c, &sb, "test -d /opt/sandpit/harnesses/node_modules || echo none")
-            .await
-            .stdout
-            .contains("none")
+        sh(
+            &c,
+            &sb,
+            "test -d /opt/sandpit/harnesses/node_modules || echo none"
+        )
+        .await
+        .stdout
+        .contains("none")
     );
     assert!(m.requests().len() >= 3, "{:#?}", m.requests());
 
@@ -156,10 +161,7 @@ async fn a_template_built_with_the_harnesses_runs_pi_without_the_host_bind() {
     )
     .await;
     assert_eq!(status, 400, "{body}");
-    assert!(
-        body.to_string().contains("build-agent-template"),
-        "{body}"
-    );
+    assert!(body.to_string().contains("build-agent-template"), "{body}");
 
     for s in [&sb, &plain] {
         let (status, _) = api(
