@@ -136,7 +136,8 @@ pub struct AgentRunEventPage {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateWorkspaceRequest {
-    /// Template name (default `host`; agent runtimes need `host` today).
+    /// Template name (default `host`; another template must carry the harness, as one built
+    /// by `scripts/build-agent-template.sh` does).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub template: Option<String>,
     /// Seconds until the sandbox expires (default 300).

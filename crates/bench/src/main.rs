@@ -14,6 +14,7 @@
 //! agent, carries none of its code (nor the plotting library).
 #![forbid(unsafe_code)]
 
+mod agents;
 mod baselines;
 mod chart;
 mod e2b;
@@ -67,10 +68,13 @@ pub enum Phase {
     /// Create with and without an open network, namespace preparation, the egress proxy
     /// against a direct connection.
     Network,
+    /// Agent runs (pi against the scripted model server): run start -> first event,
+    /// fan-out to many followers, events stored per second.
+    Agents,
 }
 
 impl Phase {
-    const ALL: [Phase; 12] = [
+    const ALL: [Phase; 13] = [
         Phase::Baselines,
         Phase::Cold,
         Phase::Pool,
@@ -83,6 +87,7 @@ impl Phase {
         Phase::E2b,
         Phase::Proxy,
         Phase::Network,
+        Phase::Agents,
     ];
 
     fn name(self) -> &'static str {
@@ -99,6 +104,7 @@ impl Phase {
             Phase::E2b => "e2b",
             Phase::Proxy => "proxy",
             Phase::Network => "network",
+            Phase::Agents => "agents",
         }
     }
 }
@@ -129,13 +135,24 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 8)]
     pub pool_size: u32,
     /// Run only these phases (comma-separated): baselines, cold, pool, exec, concurrent,
-    /// sustained, memory, files, lifecycle, network, proxy, e2b. Default: all.
+    /// sustained, memory, files, lifecycle, network, proxy, e2b, agents. Default: all.
     #[arg(long, value_delimiter = ',', value_enum)]
     pub only: Vec<Phase>,
     /// Python with the `e2b` package, for the e2b phase (default: the test virtualenv
     /// `target/test-venv/bin/python` when it exists, else `python3`).
     #[arg(long)]
     pub e2b_python: Option<PathBuf>,
+    /// Timed agent runs of the agents phase (run start -> first event).
+    #[arg(long, default_value_t = 10)]
+    pub agent_runs: u32,
+    /// Concurrent followers of one run in the agents phase.
+    #[arg(long, default_value_t = 100)]
+    pub followers: u32,
+    /// The harness installs (`scripts/setup.sh --harnesses`) for the agents phase's
+    /// host baseline and its check that pi is there (default: the build tree's
+    /// `.deps/harnesses`); the daemon binds its own `[agents] harness_dir`.
+    #[arg(long)]
+    pub harness_dir: Option<PathBuf>,
     /// Directory for results.json, results.txt and latency.png
     /// (default ./bench-results/<UTC time>).
     #[arg(long)]
@@ -278,6 +295,12 @@ async fn run(ctx: &Target, args: BenchArgs) -> anyhow::Result<()> {
         pool_size: args.pool_size.max(1),
         pool_name: format!("sandpit-bench-{run_id}"),
         pool_created: AtomicBool::new(false),
+        agent_runs: args.agent_runs as usize,
+        followers: args.followers as usize,
+        harness_dir: args
+            .harness_dir
+            .clone()
+            .unwrap_or_else(agents::default_harness_dir),
         e2b: ctx.key.clone().map(|key| E2bSdk {
             url: ctx.url.clone(),
             key,
@@ -691,6 +714,12 @@ struct Bench {
     pool_name: String,
     /// Whether the pool may exist on the daemon (and so must be deleted).
     pool_created: AtomicBool,
+    /// Timed runs of the agents phase.
+    agent_runs: usize,
+    /// Followers of one run in the agents phase.
+    followers: usize,
+    /// The host's harness installs (for the agents phase).
+    harness_dir: PathBuf,
     /// How the e2b phase reaches the daemon through E2B's SDK.
     e2b: Option<E2bSdk>,
 }
@@ -818,6 +847,10 @@ impl Bench {
             let r = self.e2b(&mut report).await;
             phase(&mut report, "e2b_sdk_create_first_exec", r)?;
         }
+        if on(Phase::Agents) {
+            let r = self.agents(&mut report).await;
+            phase(&mut report, "agent_first_event", r)?;
+        }
 
         for &n in &self.idle {
             if report
@@ -896,6 +929,26 @@ impl Bench {
                 "exec_vs_fork_exec",
                 "exec_rtt.p50_ms",
                 "baseline.fork_exec.p50_ms",
+            ),
+            (
+                "agent_first_event_vs_pi_exec",
+                "agent_first_event.p50_ms",
+                "baseline.pi_version_exec.p50_ms",
+            ),
+            (
+                "agent_first_event_vs_pi_fork_exec",
+                "agent_first_event.p50_ms",
+                "baseline.pi_version_fork_exec.p50_ms",
+            ),
+            (
+                "agent_fanout_vs_single",
+                "agent_fanout.wall_ms",
+                "agent_single.wall_ms",
+            ),
+            (
+                "agent_fanout_lag_vs_single",
+                "agent_fanout_lag.p95_ms",
+                "agent_single_lag.p95_ms",
             ),
         ] {
             if report.figures.contains_key(a) {

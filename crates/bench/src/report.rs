@@ -778,6 +778,52 @@ impl Report {
                 ),
             );
         }
+        if self.figures.contains_key("agent_first_event.p50_ms") {
+            t.blank();
+            dist_row(
+                &mut t,
+                "agent run -> first stored event",
+                "agent_first_event",
+                (
+                    "pi --version (exec)",
+                    "baseline.pi_version_exec.p50_ms",
+                    "ratio.agent_first_event_vs_pi_exec",
+                ),
+            );
+            base_row(
+                &mut t,
+                "pi --version fork+exec",
+                "baseline.pi_version_fork_exec.p50_ms",
+                "ratio.agent_first_event_vs_pi_fork_exec",
+            );
+            dist_row(
+                &mut t,
+                "  -> first event to a follower",
+                "agent_first_event_follower",
+                none,
+            );
+            value_row(
+                &mut t,
+                "fan-out: all followers read all, ms",
+                "agent_fanout.wall_ms",
+                (
+                    "one follower",
+                    "agent_single.wall_ms",
+                    "ratio.agent_fanout_vs_single",
+                ),
+            );
+            dist_row(
+                &mut t,
+                "  delivery lag, fan-out",
+                "agent_fanout_lag",
+                (
+                    "one follower p95",
+                    "agent_single_lag.p95_ms",
+                    "ratio.agent_fanout_lag_vs_single",
+                ),
+            );
+            value_row(&mut t, "events stored / s", "agent_events.per_s", none);
+        }
         let baselines = self.figures.keys().any(|k| k.starts_with("baseline."));
         if baselines {
             t.blank();
@@ -794,6 +840,11 @@ impl Report {
             ("netns + veth via netlink", "baseline.netns_prepare"),
             ("  unshare netns alone", "baseline.unshare_netns"),
             ("direct connect (no proxy)", "baseline.direct_connect"),
+            ("pi --version via the exec API", "baseline.pi_version_exec"),
+            (
+                "pi --version fork+exec (host)",
+                "baseline.pi_version_fork_exec",
+            ),
         ] {
             let p50 = format!("{prefix}.p50_ms");
             // The wrapper row exists only where the cgroup layout needs the wrapper.

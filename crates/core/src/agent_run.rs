@@ -34,7 +34,7 @@
 //! as a cancel does; its events are kept.
 
 use crate::agent_conn::AgentConn;
-use crate::agent_runtime::{HARNESS_MOUNT, NO_KEY, model_of, wire_api};
+use crate::agent_runtime::{NO_KEY, model_of, wire_api};
 use crate::error::CoreError;
 use crate::exec;
 use crate::manager::{Manager, new_id};
@@ -247,10 +247,7 @@ impl Manager {
             state_dir: format!("{STATE_ROOT}/{}", rt.id),
             resume,
             approvals: policy.harness_permissions,
-            program: Some(format!(
-                "{HARNESS_MOUNT}/node_modules/.bin/{}",
-                harness.program()
-            )),
+            program: Some(crate::agent_runtime::harness_program(rt, harness)),
         };
         let (sandbox, conn) = self.agent(&rt.owner, &rt.sandbox_id).await?;
         // The key the harness holds is a placeholder, but it must not show in events

@@ -1,7 +1,9 @@
 //! Agent runtimes: a coding-agent harness set up in one sandbox of the caller's, which
 //! runs are started on ([`crate::agent_run`]). Owner-scoped: another owner's runtime is
-//! not found. The harness packages come from the host, bound read-only into `host`
-//! sandboxes at [`HARNESS_MOUNT`] (see [`AgentsConfig`]).
+//! not found. A sandbox whose template carries the harness at [`TEMPLATE_HARNESSES`]
+//! (`scripts/build-agent-template.sh` builds such a template) runs that one; otherwise the
+//! harness packages come from the host, bound read-only into `host` sandboxes at
+//! [`HARNESS_MOUNT`] (see [`AgentsConfig`]).
 
 use crate::error::CoreError;
 use crate::manager::{Manager, new_id};
@@ -16,6 +18,9 @@ pub use sandpit_agentrun::Limits as EventLimits;
 
 /// Where the harness directory appears inside a `host` sandbox.
 pub const HARNESS_MOUNT: &str = "/opt/sandpit/harnesses";
+/// Where a template carries its own harness installs (`node_modules/.bin/pi`, ...): a
+/// sandbox of such a template needs no host bind (and no `[agents] harness_dir`).
+pub const TEMPLATE_HARNESSES: &str = "/opt/sandpit/template-harnesses";
 /// Key given to a harness whose runtime names no secret (the model server needs none).
 pub const NO_KEY: &str = "sandpit-no-key";
 
@@ -84,6 +89,18 @@ pub(crate) fn model_of(rec: &AgentRuntimeRecord) -> Result<AgentModelSpec, CoreE
         .map_err(|e| CoreError::internal_from(format!("agent runtime {}: model", rec.id), e))
 }
 
+/// The program a run of runtime `rt` starts: the template's own install when the
+/// runtime was created on a template carrying it (`harness_template` is set), else the
+/// host's, mounted at [`HARNESS_MOUNT`].
+pub(crate) fn harness_program(rt: &AgentRuntimeRecord, harness: Harness) -> String {
+    let root = if rt.harness_template.is_some() {
+        TEMPLATE_HARNESSES
+    } else {
+        HARNESS_MOUNT
+    };
+    format!("{root}/node_modules/.bin/{}", harness.program())
+}
+
 /// The API view of a runtime.
 pub fn to_api(rec: &AgentRuntimeRecord) -> Result<sandpit_api::AgentRuntime, CoreError> {
     Ok(sandpit_api::AgentRuntime {
@@ -123,11 +140,7 @@ impl Manager {
             )));
         }
         let sandbox = self.get(owner, sandbox_id).await?;
-        if sandbox.template != "host" || sandbox.runtime != "container" {
-            return Err(CoreError::invalid(
-                "agent runtimes need a container sandbox of the host template (the harnesses are bound there)",
-            ));
-        }
+        let harness_template = self.harness_source(owner, &sandbox, harness).await?;
         if let Some(secret) = &req.model.api_key_secret {
             self.broker
                 .check_names(owner, std::slice::from_ref(secret))
@@ -141,7 +154,7 @@ impl Manager {
                 owner: owner.to_string(),
                 harness: harness.as_str().into(),
                 harness_version: None,
-                harness_template: None,
+                harness_template,
                 approval_policy,
                 model: serde_json::to_value(&req.model)
                     .map_err(|e| CoreError::internal_from("model spec", e))?,
@@ -176,12 +189,73 @@ impl Manager {
                 "model.base_url and model.model are required",
             ));
         }
+        Ok(harness)
+    }
+
+    /// Where runs of `harness` in `sandbox` find it: `Some(template)` when the sandbox's
+    /// template carries it at [`TEMPLATE_HARNESSES`] (preferred: it needs no host bind),
+    /// `None` for the host's install bound into `host` sandboxes. Refused when neither
+    /// is there.
+    async fn harness_source(
+        &self,
+        owner: &str,
+        sandbox: &SandboxRecord,
+        harness: Harness,
+    ) -> Result<Option<String>, CoreError> {
+        if sandbox.runtime != "container" {
+            return Err(CoreError::invalid(
+                "agent runtimes need a container sandbox",
+            ));
+        }
+        if sandbox.template == "host" {
+            // The host template's files are the host's: it carries no harness of its own.
+            self.check_host_harnesses()?;
+            return Ok(None);
+        }
+        let program = format!(
+            "{TEMPLATE_HARNESSES}/node_modules/.bin/{}",
+            harness.program()
+        );
+        let (_, conn) = self.agent(owner, &sandbox.id).await?;
+        // Asked inside the sandbox, so the template's symlinks (`.bin/pi` is one) resolve
+        // there and never on the host; the program runs as the sandbox's user anyway.
+        let req = sandpit_api::RunCommandRequest {
+            argv: vec![
+                "sh".into(),
+                "-c".into(),
+                "test -x \"$1\"".into(),
+                "sh".into(),
+                program.clone(),
+            ],
+            timeout_ms: Some(10_000),
+            ..Default::default()
+        };
+        let found = match crate::exec::run_to_end(&conn, &req).await {
+            Ok(out) => out.exit_code == 0,
+            Err(e) => {
+                tracing::debug!(sandbox_id = %sandbox.id, error = %e.chain(),
+                    "looking for the template's harness failed");
+                false
+            }
+        };
+        if found {
+            return Ok(Some(sandbox.template.clone()));
+        }
+        Err(CoreError::invalid(format!(
+            "template {} carries no {harness} at {program} and only host-template sandboxes \
+             get the host's harnesses (build one with scripts/build-agent-template.sh)",
+            sandbox.template
+        )))
+    }
+
+    /// The host's harness directory is configured (it is bound into `host` sandboxes).
+    fn check_host_harnesses(&self) -> Result<(), CoreError> {
         if self.cfg.agents.harness_dir.is_none() {
             return Err(CoreError::unavailable(
                 "no harness directory is configured ([agents] harness_dir)",
             ));
         }
-        Ok(harness)
+        Ok(())
     }
 
     /// Creates a sandbox and a runtime in it (a workspace). A request the runtime would
@@ -199,6 +273,11 @@ impl Manager {
             approval_policy: req.approval_policy.clone(),
         };
         self.check_agent_request(&agent)?;
+        // A workspace on the host template is refused before its sandbox is made; one
+        // on another template is checked once the sandbox runs (the harness is in it).
+        if req.template.as_deref().unwrap_or("host") == "host" {
+            self.check_host_harnesses()?;
+        }
         crate::approvals::checked_policy(agent.approval_policy.as_ref(), &self.cfg.approvals)?;
         let sandbox_req = sandpit_api::CreateSandboxRequest {
             template: req.template.clone(),
