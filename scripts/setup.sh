@@ -13,6 +13,8 @@
 # With --test it also installs, into target/test-venv, the tools only the tests use:
 #   moto[server]:      an S3-compatible server on loopback for the snapshot storage tests
 #   e2b, e2b-code-interpreter, pytest: the E2B Python SDK scenarios (tests/e2b/python)
+# into target/openapi-venv, schemathesis, the fuzzer of the OpenAPI conformance test
+# (tests/openapi: its own virtualenv, as it needs a newer pytest than the E2B SDK's pin),
 # and, into target/test-node, the E2B JavaScript SDK for tests/e2b/js (nodejs and npm
 # come from apt when node is missing).
 # With --harnesses it installs the coding-agent harnesses the agent-run tests drive, pinned,
@@ -62,14 +64,17 @@ need_node() {
   fi
 }
 if $for_tests; then
-  venv=target/test-venv
-  reqs=tests/e2b/requirements.txt
-  [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"
   # A stamp of the requirements keeps a second run from asking pip again.
-  if ! cmp -s "$reqs" "$venv/.requirements"; then
-    "$venv/bin/pip" install -q --disable-pip-version-check -r "$reqs"
-    cp "$reqs" "$venv/.requirements"
-  fi
+  python_tools() {
+    local venv=$1 reqs=$2
+    [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"
+    if ! cmp -s "$reqs" "$venv/.requirements"; then
+      "$venv/bin/pip" install -q --disable-pip-version-check -r "$reqs"
+      cp "$reqs" "$venv/.requirements"
+    fi
+  }
+  python_tools target/test-venv tests/e2b/requirements.txt
+  python_tools target/openapi-venv tests/openapi/requirements.txt
   need_node
   node_dir=target/test-node
   if ! cmp -s tests/e2b/js/package.json "$node_dir/package.json"; then

@@ -105,7 +105,7 @@ pub enum BrokerError {
          SANDPIT_BROKER_KEY in its environment (secrets are never stored unencrypted)"
     )]
     Disabled,
-    /// The request is not valid (a name, a rule, an unknown secret).
+    /// The request is not valid (a name, a rule).
     #[error("{0}")]
     Invalid(String),
     #[error("{0}")]
@@ -487,7 +487,7 @@ impl Broker {
         for n in names {
             rules::check_name(n).map_err(|e| BrokerError::Invalid(e.into()))?;
             if self.inner.store.get_secret(owner, n).await?.is_none() {
-                return Err(BrokerError::Invalid(format!("unknown secret {n}")));
+                return Err(BrokerError::NotFound(format!("secret {n:?} not found")));
             }
         }
         Ok(())

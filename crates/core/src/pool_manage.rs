@@ -61,13 +61,7 @@ impl Manager {
         spec: &PoolSpec,
         source: &str,
     ) -> Result<PoolRecord, CoreError> {
-        let name_ok = !spec.name.is_empty()
-            && spec.name.len() <= 64
-            && spec
-                .name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-        if !name_ok {
+        if !pool_name_ok(&spec.name) {
             return Err(CoreError::invalid(
                 "pool name must be 1 to 64 characters of [a-zA-Z0-9_-]",
             ));
@@ -341,4 +335,13 @@ impl Manager {
         self.pool_wake.notify_one();
         wait_for_zero(&self.refilling, max).await;
     }
+}
+
+/// Pool names: 1 to 64 characters of `[a-zA-Z0-9_-]`.
+pub fn pool_name_ok(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
 }

@@ -36,7 +36,8 @@ pub(crate) struct Settings {
     pub(crate) network: Option<sandpit_api::NetworkPolicy>,
 }
 
-pub(crate) fn snapshot_name_ok(n: &str) -> bool {
+/// Snapshot names: 1 to 128 of `[A-Za-z0-9._-]`, not starting with `.`.
+pub fn snapshot_name_ok(n: &str) -> bool {
     !n.is_empty()
         && n.len() <= 128
         && !n.starts_with('.')

@@ -507,7 +507,7 @@ impl Templates {
         // begun sees the count (see `delete`).
         let hold = Hold::new(&self.held, name);
         let Some(t) = store.get_template(name).await? else {
-            return Err(CoreError::invalid(format!("unknown template {name:?}")));
+            return Err(CoreError::not_found(format!("template {name:?} not found")));
         };
         match t.state {
             TemplateState::Ready => {}

@@ -212,7 +212,7 @@ async fn the_secrets_api_never_shows_a_value_and_refuses_bad_input() {
     assert_eq!(bobs[0].owner, "bob");
     // Bob cannot attach the admin's secret by name, only his own.
     let err = bob.create_sandbox(&small(&["gh"])).await.unwrap_err();
-    assert_eq!(err.status(), Some(400), "{err}");
+    assert_eq!(err.status(), Some(404), "{err}");
     c.delete_secret("gh", None).await.unwrap();
     assert_eq!(
         c.get_secret("gh", None).await.unwrap_err().status(),
@@ -386,7 +386,7 @@ async fn attachments_are_checked_and_kept_across_hibernation_and_forks() {
         .len();
     // An unknown name: refused, and no sandbox is left behind.
     let err = c.create_sandbox(&small(&["gh", "nope"])).await.unwrap_err();
-    assert_eq!(err.status(), Some(400), "{err}");
+    assert_eq!(err.status(), Some(404), "{err}");
     assert!(err.to_string().contains("nope"), "{err}");
     let err = c.create_sandbox(&small(&["bad name"])).await.unwrap_err();
     assert_eq!(err.status(), Some(400), "{err}");
@@ -414,7 +414,7 @@ async fn attachments_are_checked_and_kept_across_hibernation_and_forks() {
             .await
             .unwrap_err()
             .status(),
-        Some(400)
+        Some(404)
     );
     assert_eq!(c.sandbox_secrets(&id).await.unwrap(), ["gh", "npm"]);
     // Another owner can neither see nor change this sandbox's secrets.

@@ -399,7 +399,7 @@ async fn bad_users_and_bodies_are_refused_and_leave_nothing_behind() {
         ..small_request()
     };
     let err = c.acquire("ok", &bad).await.unwrap_err();
-    assert_eq!(err.status(), Some(400), "{err:?}");
+    assert_eq!(err.status(), Some(404), "{err:?}");
     let lease = c.get_lease("ok").await.unwrap();
     assert_eq!((lease.status.as_str(), lease.sandbox_id), ("ready", None));
     assert!(sandboxes(&c).await.is_empty());

@@ -296,7 +296,7 @@ async fn pool_requests_are_checked() {
         template: Some("nope".into()),
         ..pool("t", 1)
     };
-    assert_eq!(error_status(c.create_pool(&bad_template).await), Some(400));
+    assert_eq!(error_status(c.create_pool(&bad_template).await), Some(404));
     let bad_limits = PoolSpec {
         limits: LimitsSpec {
             memory_bytes: Some(1),

@@ -4,10 +4,11 @@
 //! a sandbox and a runtime in it, made in one call.
 
 use super::{ApiJson, ApiQuery, AppState, Owner};
+use crate::api::Path;
 use crate::error::ApiError;
 use axum::Json;
 use axum::Router;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -180,6 +181,7 @@ pub async fn cancel(
 
 /// Query of the event routes.
 #[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct EventsQuery {
     /// Only events with a sequence number above this (0: from the start).

@@ -4,10 +4,11 @@
 //! decide. These routes are on the daemon's API listener, never on a sandbox's egress path.
 
 use super::{ApiQuery, AppState, Owner};
+use crate::api::Path;
 use crate::error::ApiError;
 use axum::Json;
 use axum::Router;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::routing::{get, post};
 use sandpit_api::{Approval, ApproveRequest, DenyRequest, ErrorBody};
 use sandpit_core::approvals;

@@ -3,11 +3,12 @@
 
 use super::{ApiJson, AppState, Owner};
 use crate::agent_conn::AgentConn;
+use crate::api::Path;
 use crate::error::ApiError;
 use crate::listener::StreamSlot;
 use crate::usage::ExecMeter;
+use axum::extract::State;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
-use axum::extract::{Path, State};
 use axum::response::Response;
 use axum::{Extension, Json};
 use base64::Engine;

@@ -3,10 +3,11 @@
 
 use super::{ApiJson, ApiQuery, AppState, Owner};
 use crate::agent_conn::AGENT_BASE;
+use crate::api::Path;
 use crate::error::ApiError;
 use axum::Json;
 use axum::body::Body;
-use axum::extract::{Path, Request, State};
+use axum::extract::{Request, State};
 use axum::response::Response;
 use http::StatusCode;
 use sandpit_api::*;
@@ -16,6 +17,7 @@ use serde::Deserialize;
 
 /// `?path=...` (and optional `user`, `depth`).
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct PathQuery {
     pub path: String,
     /// `user` (default) or `root`.

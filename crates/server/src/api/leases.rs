@@ -2,10 +2,11 @@
 //! and release.
 
 use super::{ApiQuery, AppState, Owner};
+use crate::api::Path;
 use crate::error::ApiError;
 use crate::leases::{check_user, lease_not_found};
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use http::StatusCode;
 use sandpit_api::leases::{Acquired, Lease, LeaseList};
 use sandpit_api::{CreateSandboxRequest, ErrorBody};
@@ -53,12 +54,7 @@ pub async fn acquire(
     body: axum::body::Bytes,
 ) -> Result<Json<Acquired>, ApiError> {
     check_user(&user)?;
-    let req: CreateSandboxRequest = if body.iter().all(u8::is_ascii_whitespace) {
-        CreateSandboxRequest::default()
-    } else {
-        serde_json::from_slice(&body)
-            .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?
-    };
+    let req: CreateSandboxRequest = super::json_or_default(&body)?;
     let got = state
         .leases
         .acquire(&state.manager, &owner.0, &user, req)
@@ -103,6 +99,7 @@ pub async fn get(
 
 /// Query of a release.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ReleaseQuery {
     /// Keep the sandbox running (it becomes an ordinary sandbox of the owner).

@@ -3,6 +3,7 @@
 pub mod agents;
 pub mod approvals;
 pub mod commands;
+pub mod constraints;
 pub mod e2b;
 pub mod files;
 pub mod leases;
@@ -93,24 +94,100 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequest<S> for ApiJson<
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
         use axum::extract::rejection::JsonRejection;
-        match axum::Json::<T>::from_request(req, state).await {
-            Ok(axum::Json(v)) => Ok(ApiJson(v)),
+        let value = match axum::Json::<serde_json::Value>::from_request(req, state).await {
+            Ok(axum::Json(v)) => v,
             Err(JsonRejection::BytesRejection(e))
                 if e.status() == http::StatusCode::PAYLOAD_TOO_LARGE =>
             {
-                Err(ApiError::new(
+                return Err(ApiError::new(
                     http::StatusCode::PAYLOAD_TOO_LARGE,
                     "payload_too_large",
                     format!("request body exceeds {JSON_LIMIT} bytes"),
-                ))
+                ));
             }
-            Err(JsonRejection::MissingJsonContentType(_)) => Err(ApiError::new(
-                http::StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported_media_type",
-                "expected Content-Type: application/json",
-            )),
+            Err(JsonRejection::MissingJsonContentType(_)) => {
+                return Err(ApiError::new(
+                    http::StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    "unsupported_media_type",
+                    "expected Content-Type: application/json",
+                ));
+            }
+            Err(e) => {
+                return Err(ApiError::bad_request(format!(
+                    "invalid JSON body: {}",
+                    e.body_text()
+                )));
+            }
+        };
+        from_json_value(value).map(ApiJson)
+    }
+}
+
+/// Reads a body a handler took as bytes, as [`ApiJson`] would; blank means `T::default()`.
+pub(crate) fn json_or_default<T: serde::de::DeserializeOwned + Default>(
+    body: &[u8],
+) -> Result<T, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    let value: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?;
+    if value.is_null() {
+        return Ok(T::default());
+    }
+    from_json_value(value)
+}
+
+fn from_json_value<T: serde::de::DeserializeOwned>(
+    mut value: serde_json::Value,
+) -> Result<T, ApiError> {
+    integral_floats_as_integers(&mut value);
+    serde_path_to_error::deserialize(value)
+        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+}
+
+/// JSON has one number type: `5.0` is the integer 5 (and a schema's `integer` admits it),
+/// but serde refuses a float for an integer field. Integral values that fit exactly are
+/// rewritten as integers before the body is read.
+fn integral_floats_as_integers(v: &mut serde_json::Value) {
+    use serde_json::Value;
+    // 2^53: beyond it an f64 no longer names one integer.
+    const EXACT: f64 = 9_007_199_254_740_992.0;
+    match v {
+        Value::Number(n) => {
+            if let Some(f) = n.as_f64().filter(|_| n.is_f64())
+                && f.fract() == 0.0
+                && f.abs() <= EXACT
+            {
+                *n = if f >= 0.0 {
+                    serde_json::Number::from(f as u64)
+                } else {
+                    serde_json::Number::from(f as i64)
+                };
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(integral_floats_as_integers),
+        Value::Object(members) => members.values_mut().for_each(integral_floats_as_integers),
+        _ => {}
+    }
+}
+
+/// Path parameters whose rejections are answered in the API's error format (axum's own
+/// extractor answers in plain text).
+pub struct Path<T>(pub T);
+
+impl<S: Send + Sync, T: serde::de::DeserializeOwned + Send> FromRequestParts<S> for Path<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(v)) => Ok(Path(v)),
+            Err(e) if e.status().is_server_error() => Err(ApiError::internal(e.body_text())),
             Err(e) => Err(ApiError::bad_request(format!(
-                "invalid JSON body: {}",
+                "invalid path parameter: {}",
                 e.body_text()
             ))),
         }
@@ -263,7 +340,20 @@ pub fn router(state: AppState) -> Router {
 
 /// The REST API alone.
 fn api_router(state: AppState) -> Router {
-    let doc = openapi();
+    let doc = Arc::new(constraints::document(
+        &openapi(),
+        &constraints::DocConfig {
+            max_timeout_secs: state.manager.config().max_timeout_secs,
+            max_pool_size: state.manager.config().pool_limits.max_size,
+            runtimes: state
+                .manager
+                .runtimes()
+                .map(|(n, _)| n.to_string())
+                // Offered only when the operator allows it (`--allow-process-runtime`).
+                .filter(|n| n != "process" || state.manager.config().allow_process_runtime)
+                .collect(),
+        },
+    ));
     let authed = Router::new()
         .merge(network::routes())
         .merge(agents::routes())
@@ -370,7 +460,7 @@ fn api_router(state: AppState) -> Router {
         )
         .route(
             "/v1/openapi.json",
-            get(move || async move { axum::Json(doc.clone()) }),
+            get(move || async move { axum::Json(serde_json::Value::clone(&doc)) }),
         )
         .merge(authed)
         .merge(e2b::router(state.clone()))

@@ -3,11 +3,12 @@
 //! entries; the admin sees every entry.
 
 use super::{ApiJson, ApiQuery, AppState, Owner};
+use crate::api::Path;
 use crate::error::ApiError;
 use crate::net::policy::Policy;
 use axum::Json;
 use axum::Router;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::routing::get;
 use sandpit_api::ErrorBody;
@@ -98,6 +99,7 @@ pub async fn set_policy(
 
 /// Query of the audit list.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct AuditQuery {
     /// Only this sandbox's entries.
@@ -167,6 +169,7 @@ pub async fn audit(
 
 /// Query of the live audit stream.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct StreamQuery {
     /// Only this sandbox's entries.

@@ -3,9 +3,10 @@
 
 use super::{AppState, Owner};
 use crate::agent_conn::AGENT_BASE;
+use crate::api::Path;
 use crate::error::ApiError;
 use axum::body::Body;
-use axum::extract::{Path, Request, State};
+use axum::extract::{Request, State};
 use axum::response::Response;
 
 /// Forward one request to the sandbox's agent and stream the answer back.

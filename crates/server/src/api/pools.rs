@@ -2,10 +2,11 @@
 //! is for the admin key, since pools spend the whole daemon's memory.
 
 use super::{ApiJson, AppState, Owner};
+use crate::api::Path;
 use crate::error::ApiError;
 use crate::pools::PoolView;
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use http::StatusCode;
 use sandpit_api::{ErrorBody, Limits, Pool, PoolList, PoolSpec, ResizePoolRequest};
 

@@ -1,9 +1,10 @@
 //! Sandbox lifecycle routes.
 
 use super::{ApiJson, AppState, Owner};
+use crate::api::Path;
 use crate::error::ApiError;
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use http::StatusCode;
 use sandpit_api::*;
 use sandpit_store::{SandboxFilter, SandboxRecord, SandboxState};
@@ -87,6 +88,7 @@ pub async fn create(
 
 /// Query of the sandbox list.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ListQuery {
     /// Comma-separated states.
     pub state: Option<String>,
@@ -222,12 +224,7 @@ pub async fn pause(
     Path(id): Path<String>,
     body: axum::body::Bytes,
 ) -> Result<Json<Sandbox>, ApiError> {
-    let req: PauseRequest = if body.iter().all(u8::is_ascii_whitespace) {
-        PauseRequest::default()
-    } else {
-        serde_json::from_slice(&body)
-            .map_err(|e| ApiError::bad_request(format!("invalid pause request: {e}")))?
-    };
+    let req: PauseRequest = super::json_or_default(&body)?;
     let rec = state.manager.get(&owner.0, &id).await?;
     let rec = state
         .manager

@@ -3,10 +3,11 @@
 //! (`/v1/sandboxes/{id}/secrets`). No route ever answers with a secret's value.
 
 use super::{ApiJson, ApiQuery, AppState, Owner};
+use crate::api::Path;
 use crate::error::ApiError;
 use axum::Json;
 use axum::Router;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::routing::get;
 use http::StatusCode;
 use sandpit_api::ErrorBody;
@@ -15,6 +16,7 @@ use serde::Deserialize;
 
 /// `?owner=`: whose secrets (the admin only, for another owner).
 #[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct OwnerQuery {
     pub owner: Option<String>,

@@ -1,10 +1,11 @@
 //! Snapshot routes: take, list, inspect, verify and delete snapshots of sandboxes' files.
 
 use super::{ApiJson, ApiQuery, AppState, Owner};
+use crate::api::Path;
 use crate::error::ApiError;
 use crate::snapshots::to_api;
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use http::StatusCode;
 use sandpit_api::*;
 use serde::Deserialize;
@@ -53,6 +54,7 @@ pub async fn get(
 
 /// Query of a snapshot delete.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct DeleteQuery {
     /// Also delete the snapshots that build on this one.

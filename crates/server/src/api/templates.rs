@@ -2,10 +2,11 @@
 //! templates is for the admin key, since a build reads host paths and runs debootstrap.
 
 use super::{ApiJson, ApiQuery, AppState, Owner};
+use crate::api::Path;
 use crate::error::ApiError;
 use crate::templates::{host_template, to_api};
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use http::StatusCode;
 use sandpit_api::{BuildTemplateRequest, ErrorBody, Template, TemplateBuild};
 use std::time::Duration;
@@ -66,6 +67,7 @@ pub async fn build(
 
 /// Where a build's log is read from.
 #[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ProgressQuery {
     /// First line wanted (`next_offset` of the previous answer).
     #[serde(default)]

@@ -1,10 +1,11 @@
 //! Usage metering routes: per owner and period, per sandbox, and execution records.
 
 use super::{ApiQuery, AppState, Owner};
+use crate::api::Path;
 use crate::error::ApiError;
 use crate::manager::now_ms;
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use http::StatusCode;
 use sandpit_api::ErrorBody;
 use sandpit_api::usage::*;
@@ -17,6 +18,7 @@ const FLUSH_WAIT: Duration = Duration::from_secs(5);
 
 /// Query of `GET /v1/usage`.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct UsageQuery {
     /// Start of the period, unix milliseconds (default: the beginning).
@@ -50,9 +52,10 @@ pub async fn summary(
         _ => owner.0,
     };
     let from = q.from.unwrap_or(0);
-    if from < 0 || q.to.is_some_and(|to| to < from) {
+    // A period that ends before it begins is empty (answered as such below).
+    if from < 0 || q.to.is_some_and(|to| to < 0) {
         return Err(ApiError::bad_request(
-            "from and to are unix milliseconds with 0 <= from <= to",
+            "from and to are unix milliseconds, not negative",
         ));
     }
     let m = &state.manager;
@@ -152,6 +155,7 @@ pub async fn sandbox(
 
 /// Query of the executions list.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ExecutionsQuery {
     /// Page size (default 100, at most 1000).

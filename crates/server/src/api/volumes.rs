@@ -2,9 +2,10 @@
 //! sandboxes at create (`CreateSandboxRequest.volumes`).
 
 use super::{ApiJson, AppState, Owner};
+use crate::api::Path;
 use crate::error::ApiError;
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use http::StatusCode;
 use sandpit_api::{CreateVolumeRequest, ErrorBody, Volume, VolumeList};
 

@@ -2,10 +2,11 @@
 //! ports, rotate its traffic token, and mint signed URLs for one port.
 
 use super::auth;
+use crate::api::Path;
 use crate::api::{ApiJson, AppState, Owner};
 use crate::error::ApiError;
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use sandpit_api::{PortUrl, PortUrlRequest, SandboxAccess, UpdateAccessRequest};
 
 /// Validity of a signed port URL when the request names none.
@@ -74,12 +75,7 @@ pub async fn port_url(
     Path((id, port)): Path<(String, String)>,
     body: axum::body::Bytes,
 ) -> Result<Json<PortUrl>, ApiError> {
-    let req: PortUrlRequest = if body.iter().all(u8::is_ascii_whitespace) {
-        PortUrlRequest::default()
-    } else {
-        serde_json::from_slice(&body)
-            .map_err(|e| ApiError::bad_request(format!("invalid port URL request: {e}")))?
-    };
+    let req: PortUrlRequest = crate::api::json_or_default(&body)?;
     let port: u16 = port
         .parse()
         .ok()

@@ -530,7 +530,7 @@ pub async fn update_network(
         let _applied = crate::api::network::set_policy(
             State(state.clone()),
             owner,
-            Path(id),
+            crate::api::Path(id),
             crate::api::ApiJson(policy),
         )
         .await?;

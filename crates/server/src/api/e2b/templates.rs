@@ -172,7 +172,7 @@ pub async fn get(
     Path(id): Path<String>,
 ) -> Result<Json<types::Template>, E2bError> {
     let name = target(&state, &id).to_string();
-    let t = crate::api::templates::get(State(state.clone()), owner, Path(name)).await?;
+    let t = crate::api::templates::get(State(state.clone()), owner, crate::api::Path(name)).await?;
     Ok(Json(to_e2b(&state, &t.0, true)))
 }
 
@@ -183,7 +183,7 @@ pub async fn alias(
     Path(alias): Path<String>,
 ) -> Result<Json<types::TemplateAlias>, E2bError> {
     let name = target(&state, &alias).to_string();
-    let t = crate::api::templates::get(State(state.clone()), owner, Path(name)).await?;
+    let t = crate::api::templates::get(State(state.clone()), owner, crate::api::Path(name)).await?;
     Ok(Json(types::TemplateAlias {
         template_id: t.0.name,
         public: true,
@@ -209,5 +209,5 @@ pub async fn delete(
             "{id} is an alias in the daemon's [e2b] config, not a template to delete"
         )));
     }
-    Ok(crate::api::templates::delete(State(state.clone()), owner, Path(id)).await?)
+    Ok(crate::api::templates::delete(State(state.clone()), owner, crate::api::Path(id)).await?)
 }
