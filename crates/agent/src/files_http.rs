@@ -71,10 +71,7 @@ pub async fn download(
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let disposition = format!(
-        "attachment; filename=\"{}\"",
-        name.replace(['"', '\\', '\r', '\n'], "_")
-    );
+    let disposition = content_disposition(&name);
     Ok(Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "application/octet-stream")
@@ -82,6 +79,30 @@ pub async fn download(
         .header(header::CONTENT_DISPOSITION, disposition)
         .body(Body::from_stream(stream))
         .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "response build failed")))
+}
+
+/// `attachment` with the file's name (RFC 6266): an ASCII `filename` for old clients, with
+/// anything a header cannot carry (controls, quotes, non-ASCII) as `_`, and the exact
+/// name percent-encoded in `filename*`. A sandbox names its files freely, so the header
+/// must be valid whatever the name.
+fn content_disposition(name: &str) -> String {
+    let ascii: String = name
+        .chars()
+        .map(|c| match c {
+            ' ' | '!' | '#'..='[' | ']'..='~' => c,
+            _ => '_',
+        })
+        .collect();
+    let mut exact = String::with_capacity(name.len());
+    for b in name.bytes() {
+        // RFC 5987 attr-char: ALPHA / DIGIT / "!#$&+-.^_`|~"
+        if b.is_ascii_alphanumeric() || b"!#$&+-.^_`|~".contains(&b) {
+            exact.push(char::from(b));
+        } else {
+            exact.push_str(&format!("%{b:02X}"));
+        }
+    }
+    format!("attachment; filename=\"{ascii}\"; filename*=UTF-8''{exact}")
 }
 
 async fn write_stream<S, E>(
@@ -220,4 +241,19 @@ pub async fn upload(
         written.push(write_stream(&root, &path, &user, body).await?);
     }
     Ok((StatusCode::OK, axum::Json(written)).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn any_file_name_makes_a_valid_content_disposition() {
+        for name in ["plain.txt", "a \"q\" b", "ctl\u{1}\u{7f}\r\n", "é😍", "back\\slash", ""] {
+            let v = super::content_disposition(name);
+            assert!(http::HeaderValue::from_str(&v).is_ok(), "{name:?}: {v}");
+        }
+        assert_eq!(
+            super::content_disposition("é a.txt"),
+            "attachment; filename=\"_ a.txt\"; filename*=UTF-8''%C3%A9%20a.txt"
+        );
+    }
 }
