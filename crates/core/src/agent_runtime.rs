@@ -19,6 +19,12 @@ pub const NO_KEY: &str = "sandpit-no-key";
 /// Default hard cap on a run's wall-clock time (`[agents] max_run_secs`): 7 days.
 pub const DEFAULT_MAX_RUN: std::time::Duration = std::time::Duration::from_secs(7 * 24 * 3600);
 
+/// Default grace period between the SIGTERM and the SIGKILL of a cancelled or timed-out
+/// run's processes (`[agents] cancel_grace_secs`).
+pub const DEFAULT_CANCEL_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+/// The longest grace period allowed: a cancel request waits for it.
+pub const MAX_CANCEL_GRACE: std::time::Duration = sandpit_abi::MAX_SUPERVISE_GRACE;
+
 /// Daemon settings for agent runs (`[agents]`).
 #[derive(Debug, Clone)]
 pub struct AgentsConfig {
@@ -28,6 +34,8 @@ pub struct AgentsConfig {
     pub harness_dir: Option<PathBuf>,
     /// Longest a run may take, whatever its own `timeout_secs`; past it, `timed_out`.
     pub max_run: std::time::Duration,
+    /// How long a cancelled or timed-out run's processes get between SIGTERM and SIGKILL.
+    pub cancel_grace: std::time::Duration,
 }
 
 impl Default for AgentsConfig {
@@ -35,6 +43,7 @@ impl Default for AgentsConfig {
         Self {
             harness_dir: None,
             max_run: DEFAULT_MAX_RUN,
+            cancel_grace: DEFAULT_CANCEL_GRACE,
         }
     }
 }

@@ -136,6 +136,10 @@ pub struct AgentsFileConfig {
     /// it (or past its own `timeout_secs`) ends `timed_out`.
     #[serde(default)]
     pub max_run_secs: Option<u64>,
+    /// Seconds a cancelled or timed-out run's processes get between SIGTERM and SIGKILL
+    /// (default 5, at most 300: a cancel request waits for them; 0 kills at once).
+    #[serde(default)]
+    pub cancel_grace_secs: Option<u64>,
 }
 
 impl AgentsFileConfig {
@@ -147,6 +151,20 @@ impl AgentsFileConfig {
                 name: "[agents] max_run_secs",
             }),
             Some(s) => Ok(std::time::Duration::from_secs(s)),
+        }
+    }
+
+    /// The grace period between a cancelled or timed-out run's SIGTERM and SIGKILL.
+    pub fn cancel_grace(&self) -> Result<std::time::Duration, ConfigError> {
+        let max = sandpit_core::agent_runtime::MAX_CANCEL_GRACE;
+        match self.cancel_grace_secs {
+            None => Ok(sandpit_core::agent_runtime::DEFAULT_CANCEL_GRACE),
+            Some(s) if s <= max.as_secs() => Ok(std::time::Duration::from_secs(s)),
+            Some(_) => Err(ConfigError::OutOfRange {
+                name: "[agents] cancel_grace_secs",
+                min: 0,
+                max: max.as_secs(),
+            }),
         }
     }
 
@@ -189,6 +207,7 @@ impl FileConfig {
         cfg.proxy.check()?;
         cfg.http.check()?;
         cfg.agents.max_run()?;
+        cfg.agents.cancel_grace()?;
         let mut names = std::collections::BTreeSet::new();
         for p in &cfg.pools {
             if !names.insert(p.name.as_str()) {
@@ -342,6 +361,7 @@ size = 1
         let missing = AgentsFileConfig {
             harness_dir: Some(dir.path().join("none")),
             max_run_secs: None,
+            cancel_grace_secs: None,
         }
         .resolve()
         .unwrap_err();
@@ -369,5 +389,26 @@ size = 1
             AgentsFileConfig::default().max_run().unwrap(),
             sandpit_core::agent_runtime::DEFAULT_MAX_RUN
         );
+        // The cancel's grace: 5 s by default, 0 allowed (straight to SIGKILL), no more
+        // than a cancel request may wait.
+        assert_eq!(
+            AgentsFileConfig::default().cancel_grace().unwrap(),
+            std::time::Duration::from_secs(5)
+        );
+        for (secs, want) in [(0, Some(0)), (300, Some(300)), (301, None)] {
+            std::fs::write(&path, format!("[agents]\ncancel_grace_secs = {secs}\n")).unwrap();
+            match (FileConfig::load(&path, true), want) {
+                (Ok(c), Some(w)) => assert_eq!(
+                    c.agents.cancel_grace().unwrap(),
+                    std::time::Duration::from_secs(w)
+                ),
+                (Err(e), None) => assert!(
+                    e.to_string()
+                        .contains("cancel_grace_secs must be between 0 and 300"),
+                    "{e}"
+                ),
+                (got, want) => panic!("{secs}: {got:?}, wanted {want:?}"),
+            }
+        }
     }
 }

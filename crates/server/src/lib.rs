@@ -211,6 +211,7 @@ pub async fn prepare(
             agents: sandpit_core::agent_runtime::AgentsConfig {
                 harness_dir,
                 max_run: file.agents.max_run()?,
+                cancel_grace: file.agents.cancel_grace()?,
             },
             pool_limits: file.pool_limits.clone(),
             approvals,
