@@ -283,13 +283,11 @@ fn kill_all(me: u32, harness: u32, exit: &mut Option<i32>) {
     loop {
         reap(harness, exit);
         // Everything that had ended was just collected: a child still there is alive.
-        let children_left = matches!(
-            waitid(
-                Id::All,
-                WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT
-            ),
-            Ok(_)
-        );
+        let children_left = waitid(
+            Id::All,
+            WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT,
+        )
+        .is_ok();
         if !children_left || Instant::now() >= until {
             return;
         }
