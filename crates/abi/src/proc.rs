@@ -1,6 +1,7 @@
 //! Processes as `/proc` shows them: one parser of `/proc/PID/stat`, and killing a whole
 //! process tree. The agent kills a command's tree; the daemon kills an unisolated
-//! sandbox's agent with everything below it.
+//! sandbox's agent with everything below it; the run supervisor signals everything below
+//! itself.
 
 use nix::errno::Errno;
 use nix::sys::signal::{Signal, kill, killpg};
@@ -66,6 +67,29 @@ pub fn kill_tree(pid: u32, sig: Signal) {
             Err(e) => tracing::debug!(pid = v, error = %e, "kill failed"),
         }
     }
+}
+
+/// Pids below `root` in the parent tree that have not exited (zombies left out: no
+/// signal reaches them, and their parent collects them).
+pub fn live_descendants(root: u32) -> Vec<u32> {
+    descendants(root)
+        .into_iter()
+        .filter(|p| Stat::of(*p).is_some_and(|s| s.state != 'Z' && s.state != 'X'))
+        .collect()
+}
+
+/// Sends `sig` to each of `pids`; a process that is gone already is not an error. The
+/// number of processes the signal reached.
+pub fn signal_each(pids: &[u32], sig: Signal) -> usize {
+    let mut reached = 0;
+    for p in pids {
+        match kill(Pid::from_raw(*p as i32), sig) {
+            Ok(()) => reached += 1,
+            Err(Errno::ESRCH) => {}
+            Err(e) => tracing::debug!(pid = p, error = %e, "kill failed"),
+        }
+    }
+    reached
 }
 
 /// Pids below `root` in the parent tree, read from /proc.
@@ -135,6 +159,42 @@ mod tests {
     /// Whether `pid` is gone or a zombie (its parent may not have reaped it yet).
     fn ended(pid: u32) -> bool {
         Stat::of(pid).is_none_or(|s| s.state == 'Z')
+    }
+
+    #[test]
+    fn live_descendants_leave_out_zombies_and_signal_each_skips_the_gone() {
+        // The shell becomes a sleep that never collects its children: `true` stays a
+        // zombie below it, the background sleep lives.
+        let mut sh = std::process::Command::new("sh")
+            .args(["-c", "sleep 30 & true & exec sleep 30"])
+            .spawn()
+            .unwrap();
+        let pid = sh.id();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let (zombie, live) = loop {
+            let below = descendants(pid);
+            let zombies: Vec<u32> = below
+                .iter()
+                .copied()
+                .filter(|p| Stat::of(*p).is_some_and(|s| s.state == 'Z'))
+                .collect();
+            if below.len() == 2 && zombies.len() == 1 {
+                let live: Vec<u32> = below.into_iter().filter(|p| *p != zombies[0]).collect();
+                break (zombies[0], live);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "children never settled: {below:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert_eq!(live_descendants(pid), live);
+        assert!(!live_descendants(pid).contains(&zombie));
+        assert_eq!(signal_each(&live, Signal::SIGKILL), 1);
+        assert_eq!(signal_each(&[pid], Signal::SIGKILL), 1);
+        sh.wait().unwrap();
+        // Gone and collected: no signal reaches it, and that is no error.
+        assert_eq!(signal_each(&[pid], Signal::SIGKILL), 0);
     }
 
     #[test]

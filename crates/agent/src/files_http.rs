@@ -247,7 +247,14 @@ pub async fn upload(
 mod tests {
     #[test]
     fn any_file_name_makes_a_valid_content_disposition() {
-        for name in ["plain.txt", "a \"q\" b", "ctl\u{1}\u{7f}\r\n", "é😍", "back\\slash", ""] {
+        for name in [
+            "plain.txt",
+            "a \"q\" b",
+            "ctl\u{1}\u{7f}\r\n",
+            "é😍",
+            "back\\slash",
+            "",
+        ] {
             let v = super::content_disposition(name);
             assert!(http::HeaderValue::from_str(&v).is_ok(), "{name:?}: {v}");
         }

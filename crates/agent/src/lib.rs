@@ -2,6 +2,8 @@
 //! the daemon for the unisolated `process` runtime), reaps orphans, forwards termination
 //! to its children, and serves `process.Process`, `filesystem.Filesystem` and HTTP
 //! `/files` to the daemon over an inherited unix socket, and the code interpreter under `/code`.
+//! Run as `sandpit-supervisor` ([`supervise`]), the same binary supervises one command
+//! (an agent run's harness) and every process it leaves behind.
 
 #![allow(refining_impl_trait)]
 
@@ -13,6 +15,7 @@ pub mod process;
 pub mod rusage;
 pub mod server;
 pub mod sudo;
+pub mod supervise;
 mod users;
 pub mod watch;
 

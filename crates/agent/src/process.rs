@@ -244,6 +244,9 @@ pub struct SpawnSpec {
     /// pty: the sandbox's `sudo` hands over its own. Such a command's output never
     /// reaches the table.
     pub stdio: Option<[OwnedFd; 3]>,
+    /// Run the command under the supervisor ([`crate::supervise`]) with this grace
+    /// period: everything it leaves behind stays in its tree, and a SIGTERM ends all of it.
+    pub supervise: Option<Duration>,
 }
 
 impl SpawnSpec {
@@ -257,6 +260,7 @@ impl SpawnSpec {
             pty: None,
             stdin: false,
             stdio: None,
+            supervise: None,
         })
     }
 }
@@ -373,7 +377,19 @@ impl ProcessTable {
                 "cmd and args must not contain NUL bytes",
             ));
         }
-        let mut cmd = std::process::Command::new(&c.cmd);
+        let mut cmd = match spec.supervise {
+            None => std::process::Command::new(&c.cmd),
+            Some(grace) => {
+                // The agent's own binary, whichever path it was started from (the sandbox's
+                // `/.sandpit/agent`, or the daemon's binary for the `process` runtime).
+                let mut cmd = std::process::Command::new(SELF_EXE);
+                cmd.arg0(sandpit_abi::SUPERVISOR_ARGV0)
+                    .arg(grace.as_millis().to_string())
+                    .arg("--")
+                    .arg(&c.cmd);
+                cmd
+            }
+        };
         cmd.args(&c.args);
         cmd.env_clear();
         let home = users::host_path(cfg, spec.user.home);
@@ -725,6 +741,24 @@ async fn finish(
 /// all output for a later Connect.
 pub const DETACH_HEADER: &str = "sandpit-detach";
 
+/// The agent's executable as the kernel knows it: exec'd as the supervisor, it is the
+/// very file the agent runs from, even when the path it was started by changed since.
+const SELF_EXE: &str = "/proc/self/exe";
+
+/// The supervision a start asks for with [`sandpit_abi::SUPERVISE_HEADER`] (its grace
+/// period in milliseconds); `None` without the header.
+pub fn supervise_grace(ctx: &RequestContext) -> Result<Option<Duration>, ConnectError> {
+    let Some(v) = ctx.header(sandpit_abi::SUPERVISE_HEADER) else {
+        return Ok(None);
+    };
+    let text = v.to_str().map_err(|_| {
+        ConnectError::invalid_argument(format!("{} is not text", sandpit_abi::SUPERVISE_HEADER))
+    })?;
+    crate::supervise::parse_grace(text.trim())
+        .map(Some)
+        .map_err(|e| ConnectError::invalid_argument(e.to_string()))
+}
+
 /// The interval for keepalive events, from E2B's `Keepalive-Ping-Interval` header (seconds).
 pub fn keepalive_interval(ctx: &RequestContext) -> Duration {
     let secs = ctx
@@ -866,6 +900,7 @@ impl Process for ProcessService {
     ) -> ServiceResult<ServiceStream<StartResponse>> {
         let req = request.to_owned_message();
         let user = self.user(&ctx)?;
+        let supervise = supervise_grace(&ctx)?;
         let pty = req.pty.as_option().map(|p| {
             let cols = p.size.cols.clamp(1, u16::MAX as u32) as u16;
             let rows = p.size.rows.clamp(1, u16::MAX as u32) as u16;
@@ -878,6 +913,7 @@ impl Process for ProcessService {
             pty,
             stdin: req.stdin.unwrap_or(true),
             stdio: None,
+            supervise,
         };
         let (proc, missed, rx) = self.table.spawn(spec)?;
         let wrap = |ev: ProcessEvent| StartResponse {

@@ -398,6 +398,7 @@ async fn session(
         pty: None,
         stdin: false,
         stdio: Some(stdio),
+        supervise: None,
     };
     let proc = match table.spawn(spec) {
         Ok((proc, _, _)) => proc,

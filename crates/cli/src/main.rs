@@ -26,12 +26,17 @@ use sandpit_client::{Client, ClientError};
 use crate::util::{parse_duration, parse_key_value, parse_size};
 
 fn main() -> std::process::ExitCode {
-    // The same binary is the in-sandbox agent and the sandbox init helper.
+    // The same binary is the in-sandbox agent, the supervisor of an agent run's harness
+    // and the sandbox init helper.
     let argv0 = std::env::args_os().next().unwrap_or_default();
-    if std::path::Path::new(&argv0)
-        .file_name()
-        .is_some_and(|n| n == sandpit_abi::AGENT_ARGV0)
-    {
+    let name = std::path::Path::new(&argv0).file_name();
+    if name.is_some_and(|n| n == sandpit_abi::SUPERVISOR_ARGV0) {
+        // Before anything else: no runtime, no threads, no config read. It runs as the
+        // command's user and holds nothing the caller does not.
+        let code = sandpit_agent::supervise::main(std::env::args_os().skip(1));
+        return ExitCode::from(u8::try_from(code).unwrap_or(u8::MAX));
+    }
+    if name.is_some_and(|n| n == sandpit_abi::AGENT_ARGV0) {
         return match sandpit_agent::run_from_env() {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {

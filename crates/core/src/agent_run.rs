@@ -23,15 +23,27 @@
 //! `agent_bridge.js`, run by node in the sandbox, starts it, subscribes to its events,
 //! makes the launch's requests and turns it all into the same stdin/stdout lines.
 //!
-//! Cancel sends the harness's own abort, then SIGKILL through the agent (which kills the
-//! process's whole tree: every harness orphans its tools' children), then marks the run
-//! cancelled. Nothing else cancels a run: readers of its events come and go freely.
+//! The harness runs under the agent's supervisor (`sandpit-supervisor`, a child
+//! subreaper): every process its tools leave behind, even one that double-forks or
+//! `setsid`s away, is re-parented to the supervisor rather than to the agent, so it stays
+//! in the run's tree. A run that ends normally leaves such processes running (a dev
+//! server it started, say), as any command does: only cancel and time-out end them.
+//!
+//! Cancel sends the harness's own abort (and, while stopping, the driver no longer closes
+//! the harness's stdin on its outcome, so it does not exit and take the supervisor
+//! along), then SIGTERM to the supervisor, which passes it to the whole tree and SIGKILLs
+//! what is left after `[agents] cancel_grace_secs` (5 s by default); if the supervisor's
+//! end is not seen a little after that, the daemon SIGKILLs the tree through the agent.
+//! Then it marks the run cancelled. The cancel request returns once the tree is gone: at
+//! once for processes that end on SIGTERM, after at most the grace (and a margin) for any
+//! that ignore it. Nothing else cancels a run: readers of its events come and go freely.
 //!
 //! Each run has a wall-clock deadline: its `timeout_secs`, capped by `[agents]
 //! max_run_secs` (7 days by default). The manager's tick calls
 //! [`Manager::time_out_agent_runs`], which ends a run past it as `timed_out` (a
-//! compare-and-set, so a result arriving later changes nothing) and kills its harness
-//! as a cancel does; its events are kept.
+//! compare-and-set, so a result arriving later changes nothing) and terminates its
+//! process tree as a cancel does (in a task of its own, the tick does not wait for the
+//! grace); its events are kept.
 
 use crate::agent_conn::AgentConn;
 use crate::agent_runtime::{NO_KEY, model_of, wire_api};
@@ -56,8 +68,11 @@ use std::time::Duration;
 const STATE_ROOT: &str = "/home/user/.sandpit-agents";
 /// The directory the harness works in.
 const WORKDIR: &str = "/home/user";
-/// How long the harness's own abort gets before the process tree is killed.
+/// How long the harness's own abort gets before the process tree is terminated.
 const ABORT_GRACE: Duration = Duration::from_millis(300);
+/// Beyond the grace period, how long a termination waits for the supervisor's end to be
+/// seen before the daemon SIGKILLs the tree itself.
+const TERM_MARGIN: Duration = Duration::from_secs(2);
 /// How long a cancel waits for the killed harness's end to be seen.
 const KILL_WAIT: Duration = Duration::from_secs(5);
 /// Bytes of the harness's stderr kept for the failure reason.
@@ -88,6 +103,9 @@ struct LiveRun {
     deadline: std::time::Instant,
     /// That limit, for the reason given when it ends the run.
     limit: Duration,
+    /// Between the SIGTERM and the SIGKILL of the run's process tree (`[agents]
+    /// cancel_grace_secs`).
+    grace: Duration,
 }
 
 /// The runs this daemon is driving, by run id.
@@ -269,6 +287,7 @@ impl Manager {
             finished: Default::default(),
             deadline: std::time::Instant::now() + limit,
             limit,
+            grace: self.cfg.agents.cancel_grace,
         });
         self.agent_runs
             .runs
@@ -312,8 +331,11 @@ impl Manager {
         Ok((run, events))
     }
 
-    /// Cancels the caller's run: the harness's abort, then its process tree killed, then
-    /// `cancelled` by compare-and-set (a finished run is returned unchanged).
+    /// Cancels the caller's run: the harness's abort, then its process tree terminated
+    /// ([`terminate`]: SIGTERM, SIGKILL after the grace period), then `cancelled` by
+    /// compare-and-set (a finished run is returned unchanged). It returns once the tree is
+    /// gone: at once for processes that end on SIGTERM, after at most `[agents]
+    /// cancel_grace_secs` (and a margin) for any that do not.
     pub async fn cancel_agent_run(&self, owner: &str, id: &str) -> Result<RunRecord, CoreError> {
         let run = self.agent_run(owner, id).await?;
         if run.state.is_terminal() {
@@ -342,13 +364,7 @@ impl Manager {
                     }
                     tokio::time::sleep(ABORT_GRACE).await;
                 }
-                if let Err(e) = exec::send_signal(&live.conn, pid, Signal::SIGNAL_SIGKILL).await {
-                    tracing::debug!(run_id = %run.id, error = %e.chain(), "kill after abort");
-                }
-                let done = live.done.notified();
-                if !live.finished.load(std::sync::atomic::Ordering::Acquire) {
-                    let _ = tokio::time::timeout(KILL_WAIT, done).await;
-                }
+                terminate(&live, pid, &run.id).await;
             }
         }
         let now = self
@@ -369,8 +385,9 @@ impl Manager {
         }
     }
 
-    /// Ends every driven run past its deadline as `timed_out` and kills its harness;
-    /// called from the manager's tick.
+    /// Ends every driven run past its deadline as `timed_out` and terminates its process
+    /// tree as a cancel does (in a task of its own: the tick does not wait for the grace
+    /// period); called from the manager's tick.
     pub async fn time_out_agent_runs(&self) {
         let now = std::time::Instant::now();
         let due: Vec<(String, Arc<LiveRun>)> = self
@@ -408,7 +425,7 @@ impl Manager {
             // Without a pid the driver has not started the harness yet: it sees `stopping`
             // (or the final state) and kills or skips it itself.
             if let Some(pid) = pid {
-                exec::kill(&live.conn, pid).await;
+                tokio::spawn(async move { terminate(&live, pid, &run_id).await });
             }
         }
     }
@@ -457,6 +474,37 @@ impl Manager {
             Err(e) => tracing::warn!(sandbox_id, error = %e, "ending the sandbox's agent runs"),
         }
     }
+}
+
+/// Ends a live run's process tree: SIGTERM to its supervisor, which passes it to every
+/// process below (whatever group or session each is in) and SIGKILLs what is left after
+/// the run's grace period; if the end is still not seen a little later (the supervisor
+/// itself was stopped or killed), SIGKILL to the tree through the agent.
+async fn terminate(live: &LiveRun, pid: u32, run_id: &str) {
+    use std::sync::atomic::Ordering;
+    // Made before the signal: the driver's notify only wakes futures that exist.
+    let done = live.done.notified();
+    tokio::pin!(done);
+    if live.finished.load(Ordering::Acquire) {
+        return;
+    }
+    if let Err(e) = exec::send_signal(&live.conn, pid, Signal::SIGNAL_SIGTERM).await {
+        // It may have ended between the check and the signal; the wait below tells.
+        tracing::debug!(run_id, error = %e.chain(), "SIGTERM to the run's tree");
+    }
+    if tokio::time::timeout(live.grace + TERM_MARGIN, &mut done)
+        .await
+        .is_ok()
+        || live.finished.load(Ordering::Acquire)
+    {
+        return;
+    }
+    tracing::warn!(
+        run_id,
+        "the run's processes outlived the grace period; killing them"
+    );
+    exec::kill(&live.conn, pid).await;
+    let _ = tokio::time::timeout(KILL_WAIT, done).await;
 }
 
 /// The process tag a run's harness is started with.
@@ -580,7 +628,9 @@ impl Drive {
             tag: Some(run_tag(&self.run.id)),
             ..Default::default()
         };
-        let (pid, stream) = exec::start(&conn, &req, true).await?;
+        // Under the supervisor: what the harness's tools leave behind stays in its tree,
+        // where a cancel's SIGTERM finds it.
+        let (pid, stream) = exec::start_with(&conn, &req, true, Some(self.live.grace)).await?;
         let stopping = {
             let mut p = self.live.proc.lock();
             p.pid = Some(pid);
@@ -638,8 +688,11 @@ impl Drive {
                         for req in asked.drain(..) {
                             self.ask(req, &mut asking, &answered_tx);
                         }
-                        if ended {
-                            // Told its outcome: closing stdin lets the RPC harness exit.
+                        if ended && !self.live.proc.lock().stopping {
+                            // Told its outcome: closing stdin lets the RPC harness exit. Not
+                            // when stopping: the outcome is then the abort's, and a harness
+                            // that exited now would take its supervisor along and leave the
+                            // tools' orphans out of the termination's reach.
                             exec::write_stdin(&conn, pid, Vec::new(), true).await?;
                         }
                     }

@@ -27,6 +27,12 @@ pub const NO_KEY: &str = "sandpit-no-key";
 /// Default hard cap on a run's wall-clock time (`[agents] max_run_secs`): 7 days.
 pub const DEFAULT_MAX_RUN: std::time::Duration = std::time::Duration::from_secs(7 * 24 * 3600);
 
+/// Default grace period between the SIGTERM and the SIGKILL of a cancelled or timed-out
+/// run's processes (`[agents] cancel_grace_secs`).
+pub const DEFAULT_CANCEL_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+/// The longest grace period allowed: a cancel request waits for it.
+pub const MAX_CANCEL_GRACE: std::time::Duration = sandpit_abi::MAX_SUPERVISE_GRACE;
+
 /// Daemon settings for agent runs (`[agents]`).
 #[derive(Debug, Clone)]
 pub struct AgentsConfig {
@@ -38,6 +44,8 @@ pub struct AgentsConfig {
     pub max_run: std::time::Duration,
     /// Bounds on each run's events (count per run, string length, nesting, size).
     pub event_limits: EventLimits,
+    /// How long a cancelled or timed-out run's processes get between SIGTERM and SIGKILL.
+    pub cancel_grace: std::time::Duration,
 }
 
 impl Default for AgentsConfig {
@@ -46,6 +54,7 @@ impl Default for AgentsConfig {
             harness_dir: None,
             max_run: DEFAULT_MAX_RUN,
             event_limits: EventLimits::default(),
+            cancel_grace: DEFAULT_CANCEL_GRACE,
         }
     }
 }

@@ -136,10 +136,28 @@ pub async fn start(
     req: &RunCommandRequest,
     keep_stdin: bool,
 ) -> Result<(u32, StartStream), CoreError> {
+    start_with(conn, req, keep_stdin, None).await
+}
+
+/// [`start`], with the command run under the agent's supervisor when `supervise` gives
+/// its grace period: the pid is the supervisor's, everything the command leaves behind
+/// stays below it, and a SIGTERM to it ends the whole tree (SIGKILL after the grace).
+pub async fn start_with(
+    conn: &AgentConn,
+    req: &RunCommandRequest,
+    keep_stdin: bool,
+    supervise: Option<Duration>,
+) -> Result<(u32, StartStream), CoreError> {
     let mut opts = as_user(req.user.as_deref())?;
     if req.background {
         opts = opts
             .try_with_header("sandpit-detach", "1")
+            .map_err(|e| CoreError::internal_from("a call header", e))?;
+    }
+    if let Some(grace) = supervise {
+        let grace = grace.min(sandpit_abi::MAX_SUPERVISE_GRACE);
+        opts = opts
+            .try_with_header(sandpit_abi::SUPERVISE_HEADER, grace.as_millis().to_string())
             .map_err(|e| CoreError::internal_from("a call header", e))?;
     }
     let mut stream = conn

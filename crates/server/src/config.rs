@@ -165,6 +165,10 @@ pub struct AgentsFileConfig {
     /// replaced by a preview.
     #[serde(default)]
     pub max_event_payload_bytes: Option<u64>,
+    /// Seconds a cancelled or timed-out run's processes get between SIGTERM and SIGKILL
+    /// (default 5, at most 300: a cancel request waits for them; 0 kills at once).
+    #[serde(default)]
+    pub cancel_grace_secs: Option<u64>,
 }
 
 /// Bounds of the `[agents]` event limits: (name, min, max). The minimums leave room for
@@ -220,6 +224,20 @@ impl AgentsFileConfig {
         Ok(limits)
     }
 
+    /// The grace period between a cancelled or timed-out run's SIGTERM and SIGKILL.
+    pub fn cancel_grace(&self) -> Result<std::time::Duration, ConfigError> {
+        let max = sandpit_core::agent_runtime::MAX_CANCEL_GRACE;
+        match self.cancel_grace_secs {
+            None => Ok(sandpit_core::agent_runtime::DEFAULT_CANCEL_GRACE),
+            Some(s) if s <= max.as_secs() => Ok(std::time::Duration::from_secs(s)),
+            Some(_) => Err(ConfigError::OutOfRange {
+                name: "[agents] cancel_grace_secs",
+                min: 0,
+                max: max.as_secs(),
+            }),
+        }
+    }
+
     /// The harness directory to bind: the configured one, else the build tree's if
     /// present; `None` when there is none (agent runtimes are then refused).
     pub fn resolve(&self) -> Result<Option<std::path::PathBuf>, ServerError> {
@@ -260,6 +278,7 @@ impl FileConfig {
         cfg.http.check()?;
         cfg.agents.max_run()?;
         cfg.agents.event_limits()?;
+        cfg.agents.cancel_grace()?;
         let mut names = std::collections::BTreeSet::new();
         for p in &cfg.pools {
             if !names.insert(p.name.as_str()) {
@@ -549,5 +568,26 @@ size = 1
             AgentsFileConfig::default().max_run().unwrap(),
             sandpit_core::agent_runtime::DEFAULT_MAX_RUN
         );
+        // The cancel's grace: 5 s by default, 0 allowed (straight to SIGKILL), no more
+        // than a cancel request may wait.
+        assert_eq!(
+            AgentsFileConfig::default().cancel_grace().unwrap(),
+            std::time::Duration::from_secs(5)
+        );
+        for (secs, want) in [(0, Some(0)), (300, Some(300)), (301, None)] {
+            std::fs::write(&path, format!("[agents]\ncancel_grace_secs = {secs}\n")).unwrap();
+            match (FileConfig::load(&path, true), want) {
+                (Ok(c), Some(w)) => assert_eq!(
+                    c.agents.cancel_grace().unwrap(),
+                    std::time::Duration::from_secs(w)
+                ),
+                (Err(e), None) => assert!(
+                    e.to_string()
+                        .contains("cancel_grace_secs must be between 0 and 300"),
+                    "{e}"
+                ),
+                (got, want) => panic!("{secs}: {got:?}, wanted {want:?}"),
+            }
+        }
     }
 }

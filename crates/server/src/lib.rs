@@ -212,6 +212,7 @@ pub async fn prepare(
                 harness_dir,
                 max_run: file.agents.max_run()?,
                 event_limits: file.agents.event_limits()?,
+                cancel_grace: file.agents.cancel_grace()?,
             },
             pool_limits: file.pool_limits.clone(),
             approvals,

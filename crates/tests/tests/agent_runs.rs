@@ -527,3 +527,153 @@ async fn assert_timed_out_for_good(d: &Daemon, sb: &str, id: &str) {
     assert_eq!(last["kind"], "end");
     assert_eq!(last["payload"]["state"], "timed_out", "{last}");
 }
+
+/// Every process of a run that the tests below start, as `ps` lines: the harness and its
+/// supervisor, and the tools' escaped sleeps and shells (`sleep 1000`, the trap loop).
+async fn run_processes(d: &Daemon, sb: &str) -> Vec<String> {
+    let out = sh(&d.client(), sb, "ps -eo pid,args").await;
+    out.stdout
+        .lines()
+        .filter(|l| {
+            [
+                "node",
+                "pi-coding-agent",
+                "/opt/sandpit/harnesses",
+                "sandpit-supervisor",
+                "sleep 1000",
+                "term.marker",
+            ]
+            .iter()
+            .any(|n| l.contains(n))
+        })
+        .filter(|l| !l.contains("ps -eo"))
+        .map(String::from)
+        .collect()
+}
+
+/// Waits until `needle` shows among the sandbox's processes.
+async fn wait_process(d: &Daemon, sb: &str, needle: &str, m: &ModelSim) {
+    let start = Instant::now();
+    while !sh(&d.client(), sb, "ps -eo pid,args")
+        .await
+        .stdout
+        .lines()
+        .any(|l| l.contains(needle) && !l.contains("ps -eo"))
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "{needle} never ran: {:#?}",
+            m.requests()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A tool that double-forks a `sleep` into a session of its own escapes the harness's
+/// process group and, once its parent is gone, is re-parented: to the run's supervisor,
+/// so a cancel still ends it. The tool has returned and the harness waits for the model,
+/// whose answer arrives after the cancel and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_ends_a_double_forked_setsid_tool_and_a_later_answer_changes_nothing() {
+    let up = Upstream::start(&[]);
+    let ip = up.ip(13);
+    let m = ModelSim::start(
+        &up,
+        &ip,
+        8091,
+        json!({"turns": [
+            {"tool_calls": [{"name": "bash", "arguments": {"command":
+                "setsid sh -c 'sleep 1000 & echo started' </dev/null >/dev/null 2>&1; echo forked"}}]},
+            {"text": "too late", "delay_ms": 5000}
+        ]}),
+    );
+    let d = daemon(&up).await;
+    let sb = sandbox(&d, &ip, &[8091]).await;
+    let rt = runtime(&d, &sb, &m).await;
+    let id = start_run(&d, &rt, json!({"task": "fork"})).await;
+    wait_process(&d, &sb, "sleep 1000", &m).await;
+    // The tool returned and pi asks for the next turn, which the model holds.
+    let start = Instant::now();
+    while m.requests().len() < 2 {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "{:#?}",
+            m.requests()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (status, cancelled) = api(
+        &d,
+        reqwest::Method::POST,
+        &format!("/v1/runs/{id}/cancel"),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{cancelled}");
+    assert_eq!(cancelled["state"], "cancelled", "{cancelled}");
+    let left = run_processes(&d, &sb).await;
+    assert!(left.is_empty(), "left in the sandbox: {left:#?}");
+    // Past the held answer: still cancelled, `end` last.
+    assert_cancelled_for_good(&d, &id).await;
+    d.shutdown().await;
+}
+
+/// Cancel sends SIGTERM to the whole tree first (a tool that traps it writes its marker),
+/// and a process that ignores it is SIGKILLed once the grace period (`[agents]
+/// cancel_grace_secs`, 2 s here) is over; the cancel answers after that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_sends_sigterm_first_and_sigkill_after_the_grace() {
+    let up = Upstream::start(&[]);
+    let ip = up.ip(14);
+    let m = ModelSim::start(
+        &up,
+        &ip,
+        8092,
+        json!({"turns": [
+            {"tool_calls": [{"name": "bash", "arguments": {"command": concat!(
+                "setsid sh -c 'trap \"echo term > /home/user/term.marker; exit 0\" TERM; ",
+                "while :; do sleep 1; done' </dev/null >/dev/null 2>&1 & ",
+                "setsid sh -c 'trap \"\" TERM; exec sleep 1000' </dev/null >/dev/null 2>&1 & ",
+                "sleep 300")}}]},
+            {"text": "never asked"}
+        ]}),
+    );
+    let grace = Duration::from_secs(2);
+    let d = daemon_with(&up, "cancel_grace_secs = 2\n").await;
+    let sb = sandbox(&d, &ip, &[8092]).await;
+    let rt = runtime(&d, &sb, &m).await;
+    let id = start_run(&d, &rt, json!({"task": "trap"})).await;
+    wait_process(&d, &sb, "sleep 1000", &m).await;
+    wait_process(&d, &sb, "term.marker", &m).await;
+    let c = d.client();
+    assert!(
+        sh(&c, &sb, "test -e /home/user/term.marker && echo yes")
+            .await
+            .stdout
+            .is_empty(),
+        "the marker is there before the cancel"
+    );
+    let start = Instant::now();
+    let (status, cancelled) = api(
+        &d,
+        reqwest::Method::POST,
+        &format!("/v1/runs/{id}/cancel"),
+        None,
+    )
+    .await;
+    let took = start.elapsed();
+    assert_eq!(status, 200, "{cancelled}");
+    assert_eq!(cancelled["state"], "cancelled", "{cancelled}");
+    // The process that ignores SIGTERM held the tree until the grace was over.
+    assert!(took >= grace, "the cancel answered after {took:?}");
+    assert!(
+        took < grace + Duration::from_secs(15),
+        "the cancel answered after {took:?}"
+    );
+    let marker = sh(&c, &sb, "cat /home/user/term.marker").await;
+    assert_eq!(marker.stdout.trim(), "term", "{marker:?}");
+    let left = run_processes(&d, &sb).await;
+    assert!(left.is_empty(), "left in the sandbox: {left:#?}");
+    assert_cancelled_for_good(&d, &id).await;
+    d.shutdown().await;
+}

@@ -166,8 +166,9 @@ pub async fn get_run(
     Ok(Json(agent_run::to_api(&run)))
 }
 
-/// Cancel a run: the harness's abort, then its process tree killed, then `cancelled`
-/// (a finished run is returned as it is).
+/// Cancel a run: the harness's abort, then SIGTERM to every process it started and
+/// SIGKILL after `[agents] cancel_grace_secs`, then `cancelled` (a finished run is
+/// returned as it is). Answers once the processes are gone.
 #[utoipa::path(post, path = "/v1/runs/{id}/cancel",
     responses((status = 200, body = AgentRun), (status = 404, body = ErrorBody)))]
 pub async fn cancel(
