@@ -7,4 +7,5 @@ cd "$(dirname "$0")/.."
 cargo fmt --all --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo build --workspace --all-targets
-cargo test --workspace -- --test-threads=4
+# Every test binary runs even after one fails, so a run shows all its failures.
+cargo test --workspace --no-fail-fast -- --test-threads=4

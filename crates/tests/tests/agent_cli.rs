@@ -457,7 +457,7 @@ async fn workspaces_are_made_whole_or_not_at_all() {
         Some(json!({"timeout": 600, "harness": "pi", "model": model})),
     )
     .await;
-    assert_eq!(status, 400, "{body}");
+    assert_eq!(status, 404, "{body}");
     let (same_status, same) = api(
         &d,
         reqwest::Method::POST,
