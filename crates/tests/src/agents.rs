@@ -43,6 +43,33 @@ impl ModelSim {
         script: Value,
         key: &str,
     ) -> ModelSim {
+        Self::spawn(up, ip, port, script, key, &[])
+    }
+
+    /// As [`ModelSim::start_with_key`], serving only HTTPS with a leaf for `names` issued
+    /// by a test CA of its own ([`ModelSim::ca_file`]); the URL is `https://NAME:PORT/v1`
+    /// with the first name.
+    pub fn start_tls(
+        up: &Upstream,
+        ip: &str,
+        port: u16,
+        script: Value,
+        key: &str,
+        names: &[&str],
+    ) -> ModelSim {
+        assert!(!names.is_empty(), "a TLS model server needs a name");
+        Self::spawn(up, ip, port, script, key, names)
+    }
+
+    /// Runs the binary; over TLS when `tls_names` is not empty.
+    fn spawn(
+        up: &Upstream,
+        ip: &str,
+        port: u16,
+        script: Value,
+        key: &str,
+        tls_names: &[&str],
+    ) -> ModelSim {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("script.json"), script.to_string()).unwrap();
         let bin = sandpit_bin().with_file_name("sandpit-modelsim");
@@ -59,6 +86,12 @@ impl ModelSim {
             .arg(dir.path().join("script.json"))
             .arg("--log")
             .arg(dir.path().join("requests.jsonl"))
+            .args(if tls_names.is_empty() {
+                vec![]
+            } else {
+                vec!["--tls-generate".into(), dir.path().display().to_string()]
+            })
+            .args(tls_names.iter().flat_map(|n| ["--tls-name", n]))
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -68,11 +101,21 @@ impl ModelSim {
             .read_line(&mut line)
             .unwrap();
         assert!(line.contains("listening"), "modelsim: {line}");
-        ModelSim {
-            child,
-            dir,
-            url: format!("http://{ip}:{port}/v1"),
-        }
+        let url = match tls_names.first() {
+            Some(name) => {
+                // It serves only what its line says: TLS, so every request it records
+                // came over TLS.
+                assert!(line.contains("listening on https://"), "modelsim: {line}");
+                format!("https://{name}:{port}/v1")
+            }
+            None => format!("http://{ip}:{port}/v1"),
+        };
+        ModelSim { child, dir, url }
+    }
+
+    /// The PEM file of the test CA that issued a TLS model server's certificate.
+    pub fn ca_file(&self) -> std::path::PathBuf {
+        self.dir.path().join("ca.pem")
     }
 
     /// Every request the model got so far, as its log recorded them.
@@ -390,4 +433,172 @@ pub async fn assert_cancelled_for_good(d: &Daemon, id: &str) {
     let last = events.last().unwrap();
     assert_eq!(last["kind"], "end");
     assert_eq!(last["payload"]["state"], "cancelled", "{last}");
+}
+
+/// As [`broker_daemon`], its broker also trusting upstream certificates issued by the CA
+/// in PEM file `ca` (a TLS model server's test CA).
+pub async fn broker_daemon_trusting(
+    up: &Upstream,
+    keys: &tempfile::TempDir,
+    ca: &std::path::Path,
+) -> Daemon {
+    let key = keys.path().join("broker.key");
+    daemon_with(
+        up,
+        &format!(
+            "[broker]\nkey_file = {:?}\nextra_ca_file = {:?}\n",
+            key.display().to_string(),
+            ca.display().to_string()
+        ),
+    )
+    .await
+}
+
+/// What differs between the harnesses when a test drives each of them alike.
+#[derive(Debug, Clone, Copy)]
+pub struct Harness {
+    /// The runtime's `harness`.
+    pub name: &'static str,
+    /// Appended to `SCHEME://HOST:PORT` for the model's base URL (Claude Code adds `/v1`
+    /// itself).
+    pub base_path: &'static str,
+}
+
+/// pi (Chat Completions).
+pub const PI: Harness = Harness {
+    name: "pi",
+    base_path: "/v1",
+};
+/// Claude Code (Anthropic Messages).
+pub const CLAUDE: Harness = Harness {
+    name: "claude",
+    base_path: "",
+};
+/// Codex (OpenAI Responses).
+pub const CODEX: Harness = Harness {
+    name: "codex",
+    base_path: "/v1",
+};
+/// opencode (Chat Completions through its `serve` bridge).
+pub const OPENCODE: Harness = Harness {
+    name: "opencode",
+    base_path: "/v1",
+};
+
+/// A script turn calling the shell tool of whichever harness asks (pi/opencode `bash`,
+/// Claude Code `Bash`, Codex `exec_command`) with `command`.
+pub fn shell_turn(command: &str) -> Value {
+    json!({"tool_calls": [{"any_of": [
+        {"name": "Bash", "arguments": {"command": command}},
+        {"name": "bash", "arguments": {"command": command}},
+        {"name": "exec_command", "arguments": {"cmd": command}}]}]})
+}
+
+/// Whether a recorded request is a model call (not Claude Code's `HEAD /`, not a side
+/// request such as opencode's title).
+pub fn is_model_call(r: &Value) -> bool {
+    r["method"] == "POST"
+        && r["path"].as_str().is_some_and(|p| {
+            p.ends_with("/messages")
+                || p.ends_with("/responses")
+                || p.ends_with("/chat/completions")
+        })
+        && r["side"] != true
+}
+
+/// The key a model request carried (Claude Code: `x-api-key`; pi, Codex, opencode: a
+/// bearer token).
+pub fn key_of(r: &Value) -> Option<&str> {
+    let h = &r["headers"];
+    h["x-api-key"]
+        .as_str()
+        .or_else(|| h["authorization"].as_str()?.strip_prefix("Bearer "))
+}
+
+/// Starts a run of `rt` with idempotency key `key` twice: the first is a `201`, the
+/// retry a `200` with the same run; a start with another key while it is active is a
+/// `409`; and the store holds that one run only. The run's id.
+pub async fn start_once_then_conflict(d: &Daemon, rt: &str, key: &str) -> String {
+    let path = format!("/v1/agents/{rt}/runs");
+    let start = json!({"task": "run a command, then think", "idempotency_key": key});
+    let (status, run) = api(d, reqwest::Method::POST, &path, Some(start.clone())).await;
+    assert_eq!(status, 201, "{run}");
+    let id = run["id"].as_str().unwrap().to_string();
+    let (status, again) = api(d, reqwest::Method::POST, &path, Some(start)).await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["id"], id.as_str(), "{again}");
+    let (status, other) = api(
+        d,
+        reqwest::Method::POST,
+        &path,
+        Some(json!({"task": "other", "idempotency_key": format!("{key}-other")})),
+    )
+    .await;
+    assert_eq!(status, 409, "{other}");
+    let runs = d.store().await.list_runs(rt).await.unwrap();
+    assert_eq!(
+        runs.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
+        [id.as_str()],
+        "one run only"
+    );
+    id
+}
+
+/// Waits (two minutes at most) until run `id` has stored a `tool_result` and model `m`
+/// has been asked for turn `turn` (which it holds): the run is mid-stream. Its events
+/// then.
+pub async fn wait_mid_stream(d: &Daemon, id: &str, m: &ModelSim, turn: u64) -> Vec<Value> {
+    let start = Instant::now();
+    loop {
+        let asked = m.requests().iter().any(|r| r["turn"] == turn);
+        let events = all_events(d, id, 0).await;
+        if asked && events.iter().any(|e| e["kind"] == "tool_result") {
+            return events;
+        }
+        let (_, now) = api(d, reqwest::Method::GET, &format!("/v1/runs/{id}"), None).await;
+        assert!(
+            start.elapsed() < Duration::from_secs(120)
+                && ["queued", "running"].contains(&now["state"].as_str().unwrap_or_default()),
+            "never mid-stream: {now}\n{events:#?}\n{:#?}",
+            m.requests()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Kills daemon `d` (SIGKILL, as a crash would) while run `id` of sandbox `sb` is active
+/// with `before` stored, and starts it again on the same data directory: the run is
+/// `failed` because the daemon restarted, no harness process is left, and its log is
+/// `before` unchanged followed by `end` alone, numbered without a gap. The new daemon.
+pub async fn restart_keeps_stored_events(
+    mut d: Daemon,
+    sb: &str,
+    id: &str,
+    before: &[Value],
+) -> Daemon {
+    assert!(!before.is_empty());
+    d.kill9();
+    let d = d.restart().start().await;
+    let (status, now) = api(&d, reqwest::Method::GET, &format!("/v1/runs/{id}"), None).await;
+    assert_eq!(status, 200, "{now}");
+    assert_eq!(now["state"], "failed", "{now}");
+    assert!(
+        now["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("daemon restarted")),
+        "{now}"
+    );
+    let left = harness_processes(&d, sb).await;
+    assert!(left.is_empty(), "left in the sandbox: {left:#?}");
+    let after = all_events(&d, id, 0).await;
+    let n = after.len() as i64;
+    assert_eq!(seqs(&after), (1..=n).collect::<Vec<_>>(), "{after:#?}");
+    assert!(after.len() > before.len(), "no end event: {after:#?}");
+    // Every event stored before the restart is there as it was (seq, kind, payload).
+    assert_eq!(&after[..before.len()], before);
+    let last = after.last().unwrap();
+    assert_eq!(last["kind"], "end", "{last}");
+    assert_eq!(last["payload"]["state"], "failed", "{last}");
+    assert_eq!(now["events"].as_i64(), Some(n), "{now}");
+    d
 }

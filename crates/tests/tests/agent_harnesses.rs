@@ -6,8 +6,8 @@
 
 use sandpit_tests::agents::{
     ModelSim, all_events, api, assert_cancelled_for_good, broker_daemon, broker_key_file, daemon,
-    harness_processes, model_secret, procs_holding, runtime_of, sandbox, sandbox_with_secret, seqs,
-    start_run, wait_final,
+    harness_processes, is_model_call, key_of, model_secret, procs_holding, runtime_of, sandbox,
+    sandbox_with_secret, seqs, start_run, wait_final,
 };
 use sandpit_tests::netfix::Upstream;
 use sandpit_tests::sh;
@@ -41,25 +41,6 @@ const OPENCODE: Case = Case {
     base_path: "/v1",
     foreign_api: "responses",
 };
-
-/// The key a model request carried (Claude Code: `x-api-key`, Codex: a bearer token).
-fn key_of(r: &Value) -> Option<&str> {
-    let h = &r["headers"];
-    h["x-api-key"]
-        .as_str()
-        .or_else(|| h["authorization"].as_str()?.strip_prefix("Bearer "))
-}
-
-/// Whether a recorded request is a model call (not Claude Code's `HEAD /`).
-fn is_model_call(r: &Value) -> bool {
-    r["method"] == "POST"
-        && r["path"].as_str().is_some_and(|p| {
-            p.ends_with("/messages")
-                || p.ends_with("/responses")
-                || p.ends_with("/chat/completions")
-        })
-        && r["side"] != true
-}
 
 /// Writes a file, runs a command, answers (held long enough to look into the sandbox
 /// while the harness waits), then answers the `continue` run.
