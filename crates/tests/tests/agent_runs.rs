@@ -6,7 +6,8 @@
 use sandpit_tests::agents::{
     ModelSim, NO_KEY, all_events, api, assert_cancelled_for_good, broker_daemon, broker_key_file,
     daemon, daemon_with, harness_processes, model_secret, req, runtime, sandbox,
-    sandbox_with_secret, seqs, start_run, wait_final, wait_tool_running,
+    sandbox_with_secret, seqs, shell_turn, start_run, wait_final, wait_mid_stream,
+    wait_tool_running,
 };
 use sandpit_tests::daemon::Daemon;
 use sandpit_tests::netfix::Upstream;
@@ -675,5 +676,85 @@ async fn cancel_sends_sigterm_first_and_sigkill_after_the_grace() {
     let left = run_processes(&d, &sb).await;
     assert!(left.is_empty(), "left in the sandbox: {left:#?}");
     assert_cancelled_for_good(&d, &id).await;
+    d.shutdown().await;
+}
+
+/// A sandbox paused mid-run freezes the harness with it and keeps the run: its stored
+/// events read the same while it is paused (the model answers meanwhile), and after the
+/// resume the run goes on to `succeeded`, the rest of its events after them, numbered
+/// without a gap or a duplicate; `after=N` from the last one seen in the pause gives
+/// exactly the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_goes_on_across_a_pause_and_resume_of_its_sandbox_without_a_gap() {
+    let up = Upstream::start(&[]);
+    let ip = up.ip(15);
+    let m = ModelSim::start(
+        &up,
+        &ip,
+        8093,
+        json!({"turns": [
+            shell_turn("echo across > /home/user/across.txt"),
+            {"text": "done", "delay_ms": 3000}
+        ]}),
+    );
+    let d = daemon(&up).await;
+    let sb = sandbox(&d, &ip, &[8093]).await;
+    let rt = runtime(&d, &sb, &m).await;
+    let id = start_run(&d, &rt, json!({"task": "write across.txt"})).await;
+    // The tool ran and pi waits for the model's held answer.
+    let before = wait_mid_stream(&d, &id, &m, 1).await;
+    let (status, paused) = api(
+        &d,
+        reqwest::Method::POST,
+        &format!("/v1/sandboxes/{sb}/pause"),
+        None,
+    )
+    .await;
+    assert_eq!(
+        (status, paused["state"].as_str()),
+        (200, Some("paused")),
+        "{paused}"
+    );
+    // Past the held answer, with the harness frozen: nothing is lost or added.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let during = all_events(&d, &id, 0).await;
+    assert_eq!(during[..before.len()], before[..], "{during:#?}");
+    let (_, sandbox_now) = api(
+        &d,
+        reqwest::Method::GET,
+        &format!("/v1/sandboxes/{sb}"),
+        None,
+    )
+    .await;
+    assert_eq!(
+        sandbox_now["state"], "paused",
+        "reading the run's events woke it"
+    );
+    let (status, resumed) = api(
+        &d,
+        reqwest::Method::POST,
+        &format!("/v1/sandboxes/{sb}/resume"),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{resumed}");
+    let run = wait_final(&d, &id, Duration::from_secs(60)).await;
+    assert_eq!(run["state"], "succeeded", "{run}");
+    let all = all_events(&d, &id, 0).await;
+    let n = all.len() as i64;
+    assert_eq!(seqs(&all), (1..=n).collect::<Vec<_>>(), "{all:#?}");
+    assert_eq!(all[..during.len()], during[..], "{all:#?}");
+    let last_seen = during.last().map_or(0, |e| e["seq"].as_i64().unwrap());
+    let rest = all_events(&d, &id, last_seen).await;
+    assert_eq!(rest[..], all[during.len()..], "{rest:#?}");
+    assert!(
+        rest.iter().any(|e| e["kind"] == "message"),
+        "the answer given during the pause arrived after it: {rest:#?}"
+    );
+    let c = d.client();
+    assert_eq!(
+        sh(&c, &sb, "cat /home/user/across.txt").await.stdout,
+        "across\n"
+    );
     d.shutdown().await;
 }

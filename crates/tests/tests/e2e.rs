@@ -631,11 +631,14 @@ async fn owners_only_see_their_own_sandboxes() {
 async fn bad_input_gets_a_clear_4xx_and_leaves_nothing() {
     let d = Daemon::start().await;
     let c = d.client();
+    // A template that does not exist is not found; the rest is malformed.
+    let unknown = CreateSandboxRequest {
+        template: Some("nope".into()),
+        ..Default::default()
+    };
+    let e = c.create_sandbox(&unknown).await.unwrap_err();
+    assert_eq!(e.status(), Some(404), "{e}");
     let cases = [
-        CreateSandboxRequest {
-            template: Some("nope".into()),
-            ..Default::default()
-        },
         CreateSandboxRequest {
             runtime: Some("vm".into()),
             ..Default::default()

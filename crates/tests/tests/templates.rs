@@ -391,7 +391,7 @@ async fn a_template_in_use_cannot_be_removed() {
     assert!(!Path::new(&t.rootfs).exists());
     assert_eq!(
         error_status(c.create_sandbox(&from("busy")).await),
-        Some(400)
+        Some(404)
     );
     assert_eq!(error_status(c.delete_template("busy").await), Some(404));
     // The name is free again.
