@@ -643,16 +643,7 @@ impl Store {
         owner: &str,
         now_ms: i64,
     ) -> Result<Vec<ApprovalRecord>, StoreError> {
-        let rows = sqlx::query(&format!(
-            "SELECT {APPROVAL_COLUMNS} FROM agent_approvals WHERE owner = $1 \
-             ORDER BY created_at_ms, id"
-        ))
-        .bind(owner)
-        .fetch_all(&self.pool)
-        .await?;
-        rows.iter()
-            .map(|r| approval_from_row(r).map(|a| a.seen_at(now_ms)))
-            .collect()
+        self.approvals_where("owner", owner, now_ms).await
     }
 
     /// Every approval of a run as of `now_ms`, oldest first.
@@ -661,11 +652,22 @@ impl Store {
         run_id: &str,
         now_ms: i64,
     ) -> Result<Vec<ApprovalRecord>, StoreError> {
+        self.approvals_where("run_id", run_id, now_ms).await
+    }
+
+    /// Every approval whose `column` (a fixed name, never input) is `value`, as of
+    /// `now_ms`, oldest first.
+    async fn approvals_where(
+        &self,
+        column: &'static str,
+        value: &str,
+        now_ms: i64,
+    ) -> Result<Vec<ApprovalRecord>, StoreError> {
         let rows = sqlx::query(&format!(
-            "SELECT {APPROVAL_COLUMNS} FROM agent_approvals WHERE run_id = $1 \
+            "SELECT {APPROVAL_COLUMNS} FROM agent_approvals WHERE {column} = $1 \
              ORDER BY created_at_ms, id"
         ))
-        .bind(run_id)
+        .bind(value)
         .fetch_all(&self.pool)
         .await?;
         rows.iter()

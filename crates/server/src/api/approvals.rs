@@ -78,7 +78,7 @@ pub async fn approve(
     Path(id): Path<String>,
     body: axum::body::Bytes,
 ) -> Result<Json<Approval>, ApiError> {
-    let req: ApproveRequest = optional_body(&body)?;
+    let req: ApproveRequest = super::json_or_default(&body)?;
     let scope = approvals::parse_scope(req.scope.as_deref())?;
     check_approver(&state, &owner, key.as_deref(), &id).await?;
     let rec = state
@@ -105,7 +105,7 @@ pub async fn deny(
     Path(id): Path<String>,
     body: axum::body::Bytes,
 ) -> Result<Json<Approval>, ApiError> {
-    let req: DenyRequest = optional_body(&body)?;
+    let req: DenyRequest = super::json_or_default(&body)?;
     let reason = req
         .reason
         .map(|r| {
@@ -138,15 +138,6 @@ fn decider(key: Option<&super::ApiKeyId>) -> &str {
 
 /// `decided_by` of a decision made on a daemon without API keys.
 pub const NO_AUTH_DECIDER: &str = "insecure-no-auth";
-
-/// A JSON body that may be left out (its defaults then apply).
-fn optional_body<T: serde::de::DeserializeOwned + Default>(body: &[u8]) -> Result<T, ApiError> {
-    if body.iter().all(u8::is_ascii_whitespace) {
-        return Ok(T::default());
-    }
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
-}
 
 /// With the approver role required, refuses keys without it (403), after the approval
 /// is known to be the caller's (so another owner still gets 404).

@@ -452,10 +452,17 @@ fn parameters(v: &mut Doc) {
     for m in ["get", "delete"] {
         param(v, "/v1/leases/{user}", m, "user", pattern(LEASE_USER));
         param(v, "/v1/secrets/{name}", m, "name", pattern(SECRET_NAME));
-        param(v, "/v1/templates/{name}", m, "name", pattern(TEMPLATE_REF));
         param(v, "/v1/volumes/{name}", m, "name", pattern(VOLUME_NAME));
         param(v, "/v1/pools/{name}", m, "name", pattern(POOL_NAME));
     }
+    // `host` can be read but never removed.
+    param(
+        v,
+        "/v1/templates/{name}",
+        "get",
+        "name",
+        pattern(TEMPLATE_REF),
+    );
     param(
         v,
         "/v1/templates/{name}",

@@ -123,7 +123,8 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequest<S> for ApiJson<
     }
 }
 
-/// Reads a body a handler took as bytes, as [`ApiJson`] would; blank means `T::default()`.
+/// Reads a body a handler took as bytes, as [`ApiJson`] would; blank means `T::default()`
+/// (ask for an `Option<T>` to take `null` as well).
 pub(crate) fn json_or_default<T: serde::de::DeserializeOwned + Default>(
     body: &[u8],
 ) -> Result<T, ApiError> {
@@ -132,9 +133,6 @@ pub(crate) fn json_or_default<T: serde::de::DeserializeOwned + Default>(
     }
     let value: serde_json::Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?;
-    if value.is_null() {
-        return Ok(T::default());
-    }
     from_json_value(value)
 }
 

@@ -224,7 +224,8 @@ pub async fn pause(
     Path(id): Path<String>,
     body: axum::body::Bytes,
 ) -> Result<Json<Sandbox>, ApiError> {
-    let req: PauseRequest = super::json_or_default(&body)?;
+    // No body and `null` both mean the defaults.
+    let req = super::json_or_default::<Option<PauseRequest>>(&body)?.unwrap_or_default();
     let rec = state.manager.get(&owner.0, &id).await?;
     let rec = state
         .manager

@@ -75,7 +75,8 @@ pub async fn port_url(
     Path((id, port)): Path<(String, String)>,
     body: axum::body::Bytes,
 ) -> Result<Json<PortUrl>, ApiError> {
-    let req: PortUrlRequest = crate::api::json_or_default(&body)?;
+    // No body and `null` both mean the defaults.
+    let req = crate::api::json_or_default::<Option<PortUrlRequest>>(&body)?.unwrap_or_default();
     let port: u16 = port
         .parse()
         .ok()
