@@ -15,6 +15,7 @@
 #   e2b, e2b-code-interpreter, pytest: the E2B Python SDK scenarios (tests/e2b/python)
 # into target/openapi-venv, schemathesis, the fuzzer of the OpenAPI conformance test
 # (tests/openapi: its own virtualenv, as it needs a newer pytest than the E2B SDK's pin),
+# into target/e2b-venv-X, each older E2B Python SDK release of tests/e2b/versions,
 # and, into target/test-node, the E2B JavaScript SDK for tests/e2b/js (nodejs and npm
 # come from apt when node is missing).
 # With --harnesses it installs the coding-agent harnesses the agent-run tests drive, pinned,
@@ -75,6 +76,11 @@ if $for_tests; then
   }
   python_tools target/test-venv tests/e2b/requirements.txt
   python_tools target/openapi-venv tests/openapi/requirements.txt
+  # Older E2B SDK releases, one venv each: tests/e2b/versions/python-X.txt -> target/e2b-venv-X.
+  for reqs in tests/e2b/versions/python-*.txt; do
+    v=${reqs##*/python-}
+    python_tools "target/e2b-venv-${v%.txt}" "$reqs"
+  done
   need_node
   node_dir=target/test-node
   if ! cmp -s tests/e2b/js/package.json "$node_dir/package.json"; then
