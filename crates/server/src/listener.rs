@@ -172,18 +172,30 @@ struct Settings {
 
 /// Serves `app` on `listener` until `shutdown` completes, then stops accepting, lets the
 /// open connections finish their requests (gracefully, as hyper does it) and returns
-/// once all are closed.
-pub async fn serve<F>(listener: TcpListener, app: Router, cfg: &HttpConfig, shutdown: F)
-where
+/// once all are closed. With `tls`, every connection is TLS (its handshake within the
+/// header-read timeout) and its requests carry a [`crate::tls::ConnInfo`].
+pub async fn serve<F>(
+    listener: TcpListener,
+    app: Router,
+    cfg: &HttpConfig,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    shutdown: F,
+) where
     F: Future<Output = ()> + Send + 'static,
 {
-    serve_with(listener, app, cfg.settings(), shutdown).await
+    serve_with(listener, app, cfg.settings(), tls, shutdown).await
 }
 
-async fn serve_with<F>(listener: TcpListener, app: Router, s: Settings, shutdown: F)
-where
+async fn serve_with<F>(
+    listener: TcpListener,
+    app: Router,
+    s: Settings,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    shutdown: F,
+) where
     F: Future<Output = ()> + Send + 'static,
 {
+    let tls = tls.map(tokio_rustls::TlsAcceptor::from);
     let stop = CancellationToken::new();
     tokio::spawn({
         let stop = stop.clone();
@@ -255,18 +267,33 @@ where
             tracing::debug!(error = %e, "cannot set TCP_NODELAY");
         }
         let conn = Arc::new(Conn::new());
-        let io = TokioIo::new(Io {
+        let io = Io {
             tcp,
             conn: conn.clone(),
             _permit: permit,
-        });
+        };
         let svc = Service {
             app: app.clone(),
             conn: conn.clone(),
             limits: limits.clone(),
             peer: peer.ip(),
+            tls: None,
         };
-        tokio::spawn(serve_conn(shared.clone(), io, svc, conn, peer));
+        match &tls {
+            None => {
+                tokio::spawn(serve_conn(shared.clone(), io, svc, conn, peer));
+            }
+            Some(acceptor) => {
+                tokio::spawn(serve_tls(
+                    shared.clone(),
+                    acceptor.clone(),
+                    io,
+                    svc,
+                    conn,
+                    peer,
+                ));
+            }
+        }
     }
     drop(listener);
     drop(shared);
@@ -283,14 +310,47 @@ struct Shared {
     _open: tokio::sync::mpsc::Sender<Infallible>,
 }
 
-async fn serve_conn(
+/// Completes the TLS handshake (within the header-read timeout, which it counts against:
+/// the first request's head is due that long after the accept), then serves the
+/// connection with its SNI name in every request.
+async fn serve_tls(
     shared: Arc<Shared>,
-    io: TokioIo<Io>,
-    svc: Service,
+    acceptor: tokio_rustls::TlsAcceptor,
+    io: Io,
+    mut svc: Service,
     conn: Arc<Conn>,
     peer: SocketAddr,
 ) {
+    let handshake = tokio::time::timeout(shared.timeouts.header, acceptor.accept(io));
+    let stream = tokio::select! {
+        r = handshake => match r {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(%peer, "TLS handshake timed out");
+                return;
+            }
+        },
+        _ = shared.stop.cancelled() => return,
+    };
+    let sni = stream
+        .get_ref()
+        .1
+        .server_name()
+        .map(|n| Arc::<str>::from(n.to_ascii_lowercase()));
+    svc.tls = Some(crate::tls::ConnInfo { sni });
+    serve_conn(shared, stream, svc, conn, peer).await
+}
+
+async fn serve_conn<I>(shared: Arc<Shared>, io: I, svc: Service, conn: Arc<Conn>, peer: SocketAddr)
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
     let (t, stop) = (shared.timeouts, &shared.stop);
+    let io = TokioIo::new(io);
     let mut served = pin!(shared.builder.serve_connection_with_upgrades(io, svc));
     let mut draining = false;
     loop {
@@ -628,6 +688,8 @@ struct Service {
     conn: Arc<Conn>,
     limits: Arc<Limits>,
     peer: IpAddr,
+    /// Set on TLS connections, and given to each of their requests.
+    tls: Option<crate::tls::ConnInfo>,
 }
 
 /// The place an HTTP/2 request holds under the connection caps. It is in the request's
@@ -679,6 +741,9 @@ impl hyper::service::Service<Request<Incoming>> for Service {
         };
         if let Some(s) = &slot {
             req.extensions_mut().insert(s.clone());
+        }
+        if let Some(info) = &self.tls {
+            req.extensions_mut().insert(info.clone());
         }
         let connect = req.method() == Method::CONNECT;
         let app = self.app.clone();
@@ -791,7 +856,7 @@ mod tests {
             max_connections: total,
             max_connections_per_ip: per_ip,
         };
-        let done = tokio::spawn(serve_with(l, app(), s, async move {
+        let done = tokio::spawn(serve_with(l, app(), s, None, async move {
             let _ = rx.await;
         }));
         Server {
