@@ -1267,4 +1267,86 @@ mod tests {
             "http.idle_timeout_secs must be between 1 and 604800"
         );
     }
+
+    /// A TLS listener with a certificate of `tls::init` for `sb.example.test`; its app
+    /// answers `/sni` with the SNI name the request carries.
+    async fn tls_server(dir: &std::path::Path) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
+        let files = crate::tls::init("sb.example.test", dir, false).unwrap();
+        let cfg = crate::tls::server_config(&crate::tls::TlsFiles {
+            cert: files.cert,
+            key: files.key,
+        })
+        .unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let app = app().route(
+            "/sni",
+            get(|req: axum::extract::Request| async move {
+                req.extensions()
+                    .get::<crate::tls::ConnInfo>()
+                    .and_then(|i| i.sni.as_deref().map(str::to_string))
+                    .unwrap_or_else(|| "none".into())
+            }),
+        );
+        let s = Settings {
+            timeouts: T,
+            max_connections: 100,
+            max_connections_per_ip: 100,
+        };
+        tokio::spawn(serve_with(l, app, s, Some(cfg), async move {
+            let _ = rx.await;
+        }));
+        (addr, tx)
+    }
+
+    #[tokio::test]
+    async fn tls_serves_with_the_sni_name_and_cuts_a_silent_handshake() {
+        let dir = tempfile::tempdir().unwrap();
+        let (addr, _stop) = tls_server(dir.path()).await;
+        let mut roots = rustls::RootCertStore::empty();
+        let ca = std::fs::read(dir.path().join(crate::tls::CA_FILE)).unwrap();
+        use rustls_pki_types::pem::PemObject;
+        for c in rustls_pki_types::CertificateDer::pem_slice_iter(&ca) {
+            roots.add(c.unwrap()).unwrap();
+        }
+        let client = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::aws_lc_rs::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        let connector = tokio_rustls::TlsConnector::from(Arc::new(client));
+        let name = "8000-abc.SB.example.test";
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        let server_name = rustls_pki_types::ServerName::try_from(name).unwrap();
+        let mut tls = connector.connect(server_name, tcp).await.unwrap();
+        tls.write_all(
+            b"GET /sni HTTP/1.1\r\nHost: 8000-abc.sb.example.test\r\nConnection: close\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        let mut answer = String::new();
+        tls.read_to_string(&mut answer).await.unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(answer.ends_with("8000-abc.sb.example.test"), "{answer}");
+        // A name the certificate does not cover fails the client's check.
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        let other = rustls_pki_types::ServerName::try_from("sb.other.test").unwrap();
+        assert!(connector.connect(other, tcp).await.is_err());
+        // A connection that never finishes its handshake is closed at the header timeout.
+        let mut silent = connect_from(addr, Ipv4Addr::LOCALHOST).await;
+        let took = closed_after(&mut silent, Duration::from_secs(5)).await;
+        assert!(took < T.idle, "{took:?}");
+        // Plain HTTP gets no HTTP answer.
+        let mut plain = connect_from(addr, Ipv4Addr::LOCALHOST).await;
+        plain
+            .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), plain.read_to_end(&mut got)).await;
+        assert!(!got.starts_with(b"HTTP/"), "{got:?}");
+    }
 }
