@@ -386,7 +386,7 @@ pub struct InitFiles {
 }
 
 /// Makes a CA limited to `domain` and a certificate for `domain` and `*.domain` signed by
-/// it, and writes `ca.pem`, `cert.pem` and `key.pem` (0600) into `out` (made 0755 if
+/// it, and writes `ca.pem`, `cert.pem` and `key.pem` (0600) into `out` (made 0700 if
 /// missing). Existing files are replaced only with `force`; each file is written beside
 /// its place and renamed over it, so a reader never sees half of one.
 pub fn init(domain: &str, out: &Path, force: bool) -> Result<InitFiles, TlsError> {
@@ -441,7 +441,7 @@ pub fn init(domain: &str, out: &Path, force: bool) -> Result<InitFiles, TlsError
         use std::os::unix::fs::DirBuilderExt;
         std::fs::DirBuilder::new()
             .recursive(true)
-            .mode(0o755)
+            .mode(0o700)
             .create(out)
             .map_err(|source| TlsError::Write {
                 path: out.to_path_buf(),
