@@ -10,7 +10,9 @@
 #   python3-matplotlib: charts of the code interpreter's Python contexts (PNG results)
 #   nftables, iproute2, openssl: sandbox networking (`nft` enforces egress policies; the
 #                      network tests make their own namespaces with `ip` and a TLS cert)
-# With --test it also installs, into target/test-venv, the tools only the tests use:
+# With --test it also installs dnsmasq-base (the DNS stub of the host-form TLS test,
+# crates/tests/tests/e2b_host_tls.rs; only the binary, no service is started) and, into
+# target/test-venv, the tools only the tests use:
 #   moto[server]:      an S3-compatible server on loopback for the snapshot storage tests
 #   e2b, e2b-code-interpreter, pytest: the E2B Python SDK scenarios (tests/e2b/python)
 # into target/openapi-venv, schemathesis, the fuzzer of the OpenAPI conformance test
@@ -65,6 +67,12 @@ need_node() {
   fi
 }
 if $for_tests; then
+  if ! dpkg-query -W -f='${Status}' dnsmasq-base 2>/dev/null | grep -q "install ok installed"; then
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq dnsmasq-base
+  fi
   # A stamp of the requirements keeps a second run from asking pip again.
   python_tools() {
     local venv=$1 reqs=$2

@@ -1,5 +1,5 @@
 //! The daemon's config file (TOML): warm pools, `[pool_limits]` and the `[lifecycle]`, `[snapshots]`,
-//! `[e2b]`, `[proxy]`, `[broker]`, `[network]` and `[http]` sections; flags carry the
+//! `[e2b]`, `[proxy]`, `[broker]`, `[network]`, `[http]` and `[tls]` sections; flags carry the
 //! settings a daemon needs before it can read a file (listen address, data directory).
 
 use crate::ServerError;
@@ -82,6 +82,9 @@ pub struct FileConfig {
     /// Approvals of agent runs' risky actions (`[approvals]`).
     #[serde(default)]
     pub approvals: ApprovalsFileConfig,
+    /// TLS on the listener (`[tls]`: `cert_file`, `key_file`; off when absent).
+    #[serde(default)]
+    pub tls: crate::tls::TlsFileConfig,
 }
 
 /// The `[approvals]` section.

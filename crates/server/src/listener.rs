@@ -172,18 +172,30 @@ struct Settings {
 
 /// Serves `app` on `listener` until `shutdown` completes, then stops accepting, lets the
 /// open connections finish their requests (gracefully, as hyper does it) and returns
-/// once all are closed.
-pub async fn serve<F>(listener: TcpListener, app: Router, cfg: &HttpConfig, shutdown: F)
-where
+/// once all are closed. With `tls`, every connection is TLS (its handshake within the
+/// header-read timeout) and its requests carry a [`crate::tls::ConnInfo`].
+pub async fn serve<F>(
+    listener: TcpListener,
+    app: Router,
+    cfg: &HttpConfig,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    shutdown: F,
+) where
     F: Future<Output = ()> + Send + 'static,
 {
-    serve_with(listener, app, cfg.settings(), shutdown).await
+    serve_with(listener, app, cfg.settings(), tls, shutdown).await
 }
 
-async fn serve_with<F>(listener: TcpListener, app: Router, s: Settings, shutdown: F)
-where
+async fn serve_with<F>(
+    listener: TcpListener,
+    app: Router,
+    s: Settings,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    shutdown: F,
+) where
     F: Future<Output = ()> + Send + 'static,
 {
+    let tls = tls.map(tokio_rustls::TlsAcceptor::from);
     let stop = CancellationToken::new();
     tokio::spawn({
         let stop = stop.clone();
@@ -255,18 +267,33 @@ where
             tracing::debug!(error = %e, "cannot set TCP_NODELAY");
         }
         let conn = Arc::new(Conn::new());
-        let io = TokioIo::new(Io {
+        let io = Io {
             tcp,
             conn: conn.clone(),
             _permit: permit,
-        });
+        };
         let svc = Service {
             app: app.clone(),
             conn: conn.clone(),
             limits: limits.clone(),
             peer: peer.ip(),
+            tls: None,
         };
-        tokio::spawn(serve_conn(shared.clone(), io, svc, conn, peer));
+        match &tls {
+            None => {
+                tokio::spawn(serve_conn(shared.clone(), io, svc, conn, peer));
+            }
+            Some(acceptor) => {
+                tokio::spawn(serve_tls(
+                    shared.clone(),
+                    acceptor.clone(),
+                    io,
+                    svc,
+                    conn,
+                    peer,
+                ));
+            }
+        }
     }
     drop(listener);
     drop(shared);
@@ -283,14 +310,47 @@ struct Shared {
     _open: tokio::sync::mpsc::Sender<Infallible>,
 }
 
-async fn serve_conn(
+/// Completes the TLS handshake (within the header-read timeout, which it counts against:
+/// the first request's head is due that long after the accept), then serves the
+/// connection with its SNI name in every request.
+async fn serve_tls(
     shared: Arc<Shared>,
-    io: TokioIo<Io>,
-    svc: Service,
+    acceptor: tokio_rustls::TlsAcceptor,
+    io: Io,
+    mut svc: Service,
     conn: Arc<Conn>,
     peer: SocketAddr,
 ) {
+    let handshake = tokio::time::timeout(shared.timeouts.header, acceptor.accept(io));
+    let stream = tokio::select! {
+        r = handshake => match r {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(%peer, "TLS handshake timed out");
+                return;
+            }
+        },
+        _ = shared.stop.cancelled() => return,
+    };
+    let sni = stream
+        .get_ref()
+        .1
+        .server_name()
+        .map(|n| Arc::<str>::from(n.to_ascii_lowercase()));
+    svc.tls = Some(crate::tls::ConnInfo { sni });
+    serve_conn(shared, stream, svc, conn, peer).await
+}
+
+async fn serve_conn<I>(shared: Arc<Shared>, io: I, svc: Service, conn: Arc<Conn>, peer: SocketAddr)
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
     let (t, stop) = (shared.timeouts, &shared.stop);
+    let io = TokioIo::new(io);
     let mut served = pin!(shared.builder.serve_connection_with_upgrades(io, svc));
     let mut draining = false;
     loop {
@@ -628,6 +688,8 @@ struct Service {
     conn: Arc<Conn>,
     limits: Arc<Limits>,
     peer: IpAddr,
+    /// Set on TLS connections, and given to each of their requests.
+    tls: Option<crate::tls::ConnInfo>,
 }
 
 /// The place an HTTP/2 request holds under the connection caps. It is in the request's
@@ -679,6 +741,9 @@ impl hyper::service::Service<Request<Incoming>> for Service {
         };
         if let Some(s) = &slot {
             req.extensions_mut().insert(s.clone());
+        }
+        if let Some(info) = &self.tls {
+            req.extensions_mut().insert(info.clone());
         }
         let connect = req.method() == Method::CONNECT;
         let app = self.app.clone();
@@ -791,7 +856,7 @@ mod tests {
             max_connections: total,
             max_connections_per_ip: per_ip,
         };
-        let done = tokio::spawn(serve_with(l, app(), s, async move {
+        let done = tokio::spawn(serve_with(l, app(), s, None, async move {
             let _ = rx.await;
         }));
         Server {
@@ -1201,5 +1266,87 @@ mod tests {
             huge.check().unwrap_err().to_string(),
             "http.idle_timeout_secs must be between 1 and 604800"
         );
+    }
+
+    /// A TLS listener with a certificate of `tls::init` for `sb.example.test`; its app
+    /// answers `/sni` with the SNI name the request carries.
+    async fn tls_server(dir: &std::path::Path) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
+        let files = crate::tls::init("sb.example.test", dir, false).unwrap();
+        let cfg = crate::tls::server_config(&crate::tls::TlsFiles {
+            cert: files.cert,
+            key: files.key,
+        })
+        .unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let app = app().route(
+            "/sni",
+            get(|req: axum::extract::Request| async move {
+                req.extensions()
+                    .get::<crate::tls::ConnInfo>()
+                    .and_then(|i| i.sni.as_deref().map(str::to_string))
+                    .unwrap_or_else(|| "none".into())
+            }),
+        );
+        let s = Settings {
+            timeouts: T,
+            max_connections: 100,
+            max_connections_per_ip: 100,
+        };
+        tokio::spawn(serve_with(l, app, s, Some(cfg), async move {
+            let _ = rx.await;
+        }));
+        (addr, tx)
+    }
+
+    #[tokio::test]
+    async fn tls_serves_with_the_sni_name_and_cuts_a_silent_handshake() {
+        let dir = tempfile::tempdir().unwrap();
+        let (addr, _stop) = tls_server(dir.path()).await;
+        let mut roots = rustls::RootCertStore::empty();
+        let ca = std::fs::read(dir.path().join(crate::tls::CA_FILE)).unwrap();
+        use rustls_pki_types::pem::PemObject;
+        for c in rustls_pki_types::CertificateDer::pem_slice_iter(&ca) {
+            roots.add(c.unwrap()).unwrap();
+        }
+        let client = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::aws_lc_rs::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        let connector = tokio_rustls::TlsConnector::from(Arc::new(client));
+        let name = "8000-abc.SB.example.test";
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        let server_name = rustls_pki_types::ServerName::try_from(name).unwrap();
+        let mut tls = connector.connect(server_name, tcp).await.unwrap();
+        tls.write_all(
+            b"GET /sni HTTP/1.1\r\nHost: 8000-abc.sb.example.test\r\nConnection: close\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        let mut answer = String::new();
+        tls.read_to_string(&mut answer).await.unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(answer.ends_with("8000-abc.sb.example.test"), "{answer}");
+        // A name the certificate does not cover fails the client's check.
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        let other = rustls_pki_types::ServerName::try_from("sb.other.test").unwrap();
+        assert!(connector.connect(other, tcp).await.is_err());
+        // A connection that never finishes its handshake is closed at the header timeout.
+        let mut silent = connect_from(addr, Ipv4Addr::LOCALHOST).await;
+        let took = closed_after(&mut silent, Duration::from_secs(5)).await;
+        assert!(took < T.idle, "{took:?}");
+        // Plain HTTP gets no HTTP answer.
+        let mut plain = connect_from(addr, Ipv4Addr::LOCALHOST).await;
+        plain
+            .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), plain.read_to_end(&mut got)).await;
+        assert!(!got.starts_with(b"HTTP/"), "{got:?}");
     }
 }

@@ -405,7 +405,9 @@ pub fn network_spec(
     };
     net.check()?;
     Ok(NetworkSpec {
-        public: net.allow_public_traffic,
+        // E2B's default (`allowPublicTraffic: true`): a port opened in the sandbox is
+        // reachable at `get_host(port)` without the traffic token unless asked otherwise.
+        public: Some(net.allow_public_traffic.unwrap_or(true)),
         policy: egress_policy(
             req.allow_internet_access,
             &net.allow_out,
