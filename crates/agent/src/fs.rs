@@ -877,6 +877,7 @@ fn give_new_dir(fd: &OwnedFd, user: &User) {
 mod tests {
     use super::*;
     use crate::config::AgentConfig;
+    use std::collections::HashMap;
 
     fn root_at(dir: &Path) -> FsRoot {
         root_in(dir, IsolationMode::Process)
@@ -1114,6 +1115,122 @@ mod tests {
         // An absolute link means the sandbox's own path in a container.
         let c = root_in(&root, IsolationMode::Container);
         assert_eq!(target(&c, "/abs"), "/home/user/test_file.txt");
+    }
+
+    /// Sets `user.<name>` on a host path; false where the file system keeps none.
+    fn set_xattr(p: &Path, name: &str, value: &[u8]) -> bool {
+        let path = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
+        let name = std::ffi::CString::new(name).unwrap();
+        // SAFETY: valid C strings and a buffer of the length given.
+        unsafe {
+            libc::setxattr(
+                path.as_ptr(),
+                name.as_ptr(),
+                value.as_ptr().cast(),
+                value.len(),
+                0,
+            ) == 0
+        }
+    }
+
+    #[test]
+    fn removing_what_is_not_there_is_done_but_a_refusal_stays_one() {
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path().join("root");
+        std::fs::create_dir_all(root.join("d")).unwrap();
+        std::fs::write(t.path().join("outside"), "host").unwrap();
+        std::os::unix::fs::symlink(t.path(), root.join("up")).unwrap();
+        let r = root_at(&root);
+        let u = user();
+        for p in ["/missing", "/missing/deeper/x", "/d/missing"] {
+            r.remove(&r.check(p, &u).unwrap()).unwrap();
+        }
+        // A parent that is a symlink out of the root is an escape, not "already gone".
+        assert!(matches!(
+            r.remove(&r.check("/up/outside", &u).unwrap()),
+            Err(FsError::Escape(_))
+        ));
+        assert!(t.path().join("outside").exists());
+    }
+
+    #[test]
+    fn entries_report_user_e2b_metadata_and_never_a_host_files() {
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path().join("root");
+        std::fs::create_dir_all(root.join("home/user")).unwrap();
+        let f = root.join("home/user/f.txt");
+        std::fs::write(&f, "x").unwrap();
+        if !set_xattr(&f, "user.e2b.author", b"mish") {
+            eprintln!("skipped: no user xattrs on this file system");
+            return;
+        }
+        assert!(set_xattr(&f, "user.other", b"not ours"));
+        assert!(set_xattr(&f, "user.e2b.bin", b"\xff"));
+        // A host file with metadata, and links to it from inside the root.
+        let host = t.path().join("host.txt");
+        std::fs::write(&host, "host").unwrap();
+        assert!(set_xattr(&host, "user.e2b.secret", b"host"));
+        std::os::unix::fs::symlink(&host, root.join("home/user/abs")).unwrap();
+        std::os::unix::fs::symlink("../../../host.txt", root.join("home/user/rel")).unwrap();
+        std::os::unix::fs::symlink("f.txt", root.join("home/user/inside")).unwrap();
+        let want: HashMap<String, String> = [("author".to_string(), "mish".to_string())]
+            .into_iter()
+            .collect();
+        let u = user();
+        for mode in [IsolationMode::Process, IsolationMode::Container] {
+            let r = root_in(&root, mode);
+            let info = r
+                .entry_info(&r.check("/home/user/f.txt", &u).unwrap())
+                .unwrap();
+            assert_eq!(
+                info.metadata.clone().into_iter().collect::<HashMap<_, _>>(),
+                want
+            );
+            let link = r
+                .entry_info(&r.check("/home/user/inside", &u).unwrap())
+                .unwrap();
+            assert_eq!(
+                link.metadata.clone().into_iter().collect::<HashMap<_, _>>(),
+                want
+            );
+            for p in ["/home/user/abs", "/home/user/rel"] {
+                let info = r.entry_info(&r.check(p, &u).unwrap()).unwrap();
+                assert!(
+                    info.metadata.is_empty(),
+                    "{mode:?} {p}: {:?}",
+                    info.metadata
+                );
+            }
+            let listed = r.list_dir(&r.check("/home/user", &u).unwrap(), 1).unwrap();
+            for e in &listed {
+                let got: HashMap<_, _> = e.metadata.clone().into_iter().collect();
+                match e.name.as_str() {
+                    "f.txt" | "inside" => assert_eq!(got, want, "{}", e.name),
+                    _ => assert!(got.is_empty(), "{mode:?} {}: {got:?}", e.name),
+                }
+            }
+            // A rename keeps them: they belong to the inode.
+            let from = r.check("/home/user/f.txt", &u).unwrap();
+            let to = r.check("/home/user/g.txt", &u).unwrap();
+            r.rename(&from, &to, &u).unwrap();
+            let moved = r.entry_info(&to).unwrap();
+            assert_eq!(moved.metadata.into_iter().collect::<HashMap<_, _>>(), want);
+            r.rename(&to, &from, &u).unwrap();
+        }
+    }
+
+    #[test]
+    fn only_regular_files_with_a_size_give_a_length() {
+        let t = tempfile::tempdir().unwrap();
+        std::fs::write(t.path().join("full"), "12345").unwrap();
+        std::fs::write(t.path().join("empty"), "").unwrap();
+        let r = root_at(t.path());
+        let u = user();
+        let size = |p: &str| r.open_read(&r.check(p, &u).unwrap()).unwrap().1;
+        assert_eq!(size("/full"), Some(5));
+        // Read to the end: an empty file gives nothing either way; a /proc file gives its
+        // text although it reports 0.
+        assert_eq!(size("/empty"), None);
     }
 
     #[test]

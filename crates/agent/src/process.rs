@@ -1137,3 +1137,23 @@ pub unsafe fn owned_fd(fd: i32) -> OwnedFd {
     // SAFETY: guaranteed by the caller.
     unsafe { OwnedFd::from_raw_fd(fd) }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_relative_cwd_is_taken_from_the_home_and_cannot_climb_out() {
+        let ok = |raw: &str, home: &str| resolve_cwd(raw, home).unwrap();
+        assert_eq!(ok("work/sub", "/home/user"), "/home/user/work/sub");
+        assert_eq!(ok("~", "/home/user"), "/home/user");
+        assert_eq!(ok("~/w/../x", "/home/user"), "/home/user/x");
+        assert_eq!(ok("rw", "/root"), "/root/rw");
+        assert_eq!(ok("/tmp/./a", "/home/user"), "/tmp/a");
+        assert_eq!(ok("..", "/home/user"), "/home");
+        for bad in ["../../..", "~/../../..", "~root", "~user/x", "a\0b", "/.."] {
+            let e = resolve_cwd(bad, "/home/user").unwrap_err();
+            assert_eq!(e.code, connectrpc::ErrorCode::InvalidArgument, "{bad:?}");
+        }
+    }
+}

@@ -806,10 +806,18 @@ mod tests {
             .route(
                 "/broken",
                 get(|| async {
-                    let chunks = futures::stream::iter(vec![
-                        Ok(Bytes::from("first\n")),
-                        Err(std::io::Error::other("upstream went away")),
-                    ]);
+                    // The break comes a while after the first chunk, as when a sandbox
+                    // dies under a command's stream (a reset drops what is unsent).
+                    let chunks = futures::stream::unfold(0, |i| async move {
+                        match i {
+                            0 => Some((Ok(Bytes::from("first\n")), 1)),
+                            1 => {
+                                tokio::time::sleep(Duration::from_millis(300)).await;
+                                Some((Err(std::io::Error::other("upstream went away")), 2))
+                            }
+                            _ => None,
+                        }
+                    });
                     axum::body::Body::from_stream(chunks)
                 }),
             )

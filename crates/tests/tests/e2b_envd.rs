@@ -56,7 +56,10 @@ impl Envd<'_> {
         let resp = r.body(body).send().await.expect("upload");
         let status = resp.status();
         let text = resp.text().await.unwrap_or_default();
-        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
     }
 
     async fn download(&self, path: &str, accept: Option<&str>) -> reqwest::Response {
@@ -153,10 +156,19 @@ async fn gzip_uploads_are_decoded_a_bomb_stops_at_the_disk_limit_and_proc_files_
         .await;
     assert_eq!(s, StatusCode::OK, "{v}");
     assert_eq!(v[0]["path"], "/home/user/gz.txt", "{v}");
-    let out = sh(&c, &e.id, "md5sum < /home/user/gz.txt; stat -c %s /home/user/gz.txt").await;
+    let out = sh(
+        &c,
+        &e.id,
+        "md5sum < /home/user/gz.txt; stat -c %s /home/user/gz.txt",
+    )
+    .await;
     let want = md5_of(&text);
     assert!(out.stdout.starts_with(&want), "{} vs {want}", out.stdout);
-    assert!(out.stdout.ends_with(&format!("{}\n", text.len())), "{}", out.stdout);
+    assert!(
+        out.stdout.ends_with(&format!("{}\n", text.len())),
+        "{}",
+        out.stdout
+    );
 
     // A multipart body, gzip-encoded as a whole (as envd decodes it).
     let boundary = "XyZ";
@@ -175,27 +187,56 @@ async fn gzip_uploads_are_decoded_a_bomb_stops_at_the_disk_limit_and_proc_files_
         .send()
         .await
         .unwrap();
-    assert_eq!(resp.status(), StatusCode::OK, "{}", resp.text().await.unwrap());
-    assert_eq!(sh(&c, &e.id, "cat /home/user/m.txt").await.stdout, "multipart content");
+    assert_eq!(
+        resp.status(),
+        StatusCode::OK,
+        "{}",
+        resp.text().await.unwrap()
+    );
+    assert_eq!(
+        sh(&c, &e.id, "cat /home/user/m.txt").await.stdout,
+        "multipart content"
+    );
 
     // Not gzip, a coding envd does not speak: 400, and no file is left behind.
     let (s, v) = e
-        .upload("bad.txt", &[("content-encoding", b"gzip")], b"not gzip".to_vec())
+        .upload(
+            "bad.txt",
+            &[("content-encoding", b"gzip")],
+            b"not gzip".to_vec(),
+        )
         .await;
     assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
-    assert!(v["message"].as_str().unwrap_or("").contains("decompress"), "{v}");
+    assert!(
+        v["message"].as_str().unwrap_or("").contains("decompress"),
+        "{v}"
+    );
     let (s, v) = e
         .upload("br.txt", &[("content-encoding", b"br")], b"x".to_vec())
         .await;
     assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
-    let out = sh(&c, &e.id, "ls /home/user/bad.txt /home/user/br.txt 2>&1; true").await;
-    assert!(out.stdout.matches("No such file").count() == 2, "{}", out.stdout);
+    let out = sh(
+        &c,
+        &e.id,
+        "ls /home/user/bad.txt /home/user/br.txt 2>&1; true",
+    )
+    .await;
+    assert!(
+        out.stdout.matches("No such file").count() == 2,
+        "{}",
+        out.stdout
+    );
 
     // A bomb: 1 GiB of zeros in about 1 MiB, against a 32 MiB disk. It ends in a full
     // disk (507), in bounded time, without the daemon or the agent holding it in memory.
     let daemon_before = peak_rss(d.pid());
     let member = gz(&vec![0u8; 1 << 20]);
-    let bomb: Vec<u8> = member.iter().copied().cycle().take(member.len() * 1024).collect();
+    let bomb: Vec<u8> = member
+        .iter()
+        .copied()
+        .cycle()
+        .take(member.len() * 1024)
+        .collect();
     assert!(bomb.len() < 2 << 20);
     let started = std::time::Instant::now();
     let (s, v) = e
@@ -213,7 +254,10 @@ async fn gzip_uploads_are_decoded_a_bomb_stops_at_the_disk_limit_and_proc_files_
     assert!(size <= 32 << 20, "{size}");
     // The sandbox goes on: the space comes back and a new upload works.
     let (s, _) = e
-        .unary("filesystem.Filesystem/Remove", json!({"path": "/home/user/bomb.bin"}))
+        .unary(
+            "filesystem.Filesystem/Remove",
+            json!({"path": "/home/user/bomb.bin"}),
+        )
         .await;
     assert_eq!(s, StatusCode::OK);
     let (s, v) = e
@@ -226,11 +270,15 @@ async fn gzip_uploads_are_decoded_a_bomb_stops_at_the_disk_limit_and_proc_files_
     assert_eq!(r.status(), StatusCode::OK);
     assert_eq!(r.headers()["content-encoding"], "gzip");
     assert_eq!(gunzip(&r.bytes().await.unwrap()), text);
-    let r = e.download("/home/user/gz.txt", Some("br;q=1, gzip;q=0")).await;
+    let r = e
+        .download("/home/user/gz.txt", Some("br;q=1, gzip;q=0"))
+        .await;
     assert!(r.headers().get("content-encoding").is_none());
     assert_eq!(r.headers()["content-length"], text.len().to_string());
     assert_eq!(r.bytes().await.unwrap().as_ref(), text.as_slice());
-    let r = e.download("/home/user/gz.txt", Some("br, identity;q=0")).await;
+    let r = e
+        .download("/home/user/gz.txt", Some("br, identity;q=0"))
+        .await;
     assert_eq!(r.status(), StatusCode::NOT_ACCEPTABLE);
 
     // /proc files report a size of 0 and are read to their end.
@@ -249,9 +297,7 @@ async fn metadata_stays_in_its_namespace_within_envd_limits_and_inside_the_sandb
     let d = Daemon::start().await;
     let e = sandbox(&d, None).await;
     let c = d.client();
-    let attrs = |p: &str| {
-        format!("python3 -c \"import os; print(sorted(os.listxattr('{p}')))\"")
-    };
+    let attrs = |p: &str| format!("python3 -c \"import os; print(sorted(os.listxattr('{p}')))\"");
 
     // Keys are lowercased and always land under user.e2b.: a key naming another
     // namespace is just a key.
@@ -271,8 +317,7 @@ async fn metadata_stays_in_its_namespace_within_envd_limits_and_inside_the_sandb
     assert_eq!(v[0]["metadata"], want, "{v}");
     let out = sh(&c, &e.id, &attrs("/home/user/m.txt")).await;
     assert_eq!(
-        out.stdout,
-        "['user.e2b.author', 'user.e2b.security.selinux', 'user.e2b.trusted.evil']\n",
+        out.stdout, "['user.e2b.author', 'user.e2b.security.selinux', 'user.e2b.trusted.evil']\n",
         "{}",
         out.stderr
     );
@@ -308,7 +353,10 @@ async fn metadata_stays_in_its_namespace_within_envd_limits_and_inside_the_sandb
         let (s, v) = e.upload("refused.txt", &headers, b"x".to_vec()).await;
         assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
         assert!(
-            v["message"].as_str().unwrap_or("").contains("invalid metadata"),
+            v["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains("invalid metadata"),
             "{v}"
         );
     }
