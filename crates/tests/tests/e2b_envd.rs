@@ -124,6 +124,10 @@ fn peak_rss(pid: u32) -> u64 {
 }
 
 async fn sandbox(d: &Daemon, disk_bytes: Option<u64>) -> Envd<'_> {
+    sandbox_in(d, disk_bytes, None).await
+}
+
+async fn sandbox_in<'a>(d: &'a Daemon, disk_bytes: Option<u64>, runtime: Option<&str>) -> Envd<'a> {
     let c = d.client();
     let sb = c
         .create_sandbox(&CreateSandboxRequest {
@@ -131,6 +135,7 @@ async fn sandbox(d: &Daemon, disk_bytes: Option<u64>) -> Envd<'_> {
                 disk_bytes,
                 ..Default::default()
             },
+            runtime: runtime.map(str::to_string),
             timeout: Some(600),
             ..Default::default()
         })
@@ -289,6 +294,51 @@ async fn gzip_uploads_are_decoded_a_bomb_stops_at_the_disk_limit_and_proc_files_
     let r = e.download("/proc/version", Some("gzip")).await;
     let body = gunzip(&r.bytes().await.unwrap());
     assert!(body.starts_with(b"Linux version"));
+    d.shutdown().await;
+}
+
+/// The process runtime has no disk of its own: its limit is RLIMIT_FSIZE on the agent,
+/// and a write past it must fail (507), not kill the agent with SIGXFSZ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_the_process_runtime_a_bomb_ends_at_the_file_size_limit_and_the_agent_lives() {
+    let d = Daemon::builder()
+        .args(&["--allow-process-runtime"])
+        .start()
+        .await;
+    let e = sandbox_in(&d, Some(16 << 20), Some("process")).await;
+    let member = gz(&vec![0u8; 1 << 20]);
+    let bomb: Vec<u8> = member
+        .iter()
+        .copied()
+        .cycle()
+        .take(member.len() * 256)
+        .collect();
+    let (s, v) = e
+        .upload("/tmp/bomb.bin", &[("content-encoding", b"gzip")], bomb)
+        .await;
+    assert_eq!(s, StatusCode::INSUFFICIENT_STORAGE, "{v}");
+    let (s, v) = e.stat("/tmp/bomb.bin").await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let size: u64 = v["entry"]["size"].as_str().unwrap_or("0").parse().unwrap();
+    assert!(size <= 16 << 20, "{v}");
+    // The agent is still there: it answers, and a normal upload works.
+    let (s, v) = e
+        .unary(
+            "filesystem.Filesystem/Remove",
+            json!({"path": "/tmp/bomb.bin"}),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let (s, v) = e
+        .upload(
+            "/tmp/small.txt",
+            &[("content-encoding", b"gzip")],
+            gz(b"ok"),
+        )
+        .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let r = e.download("/tmp/small.txt", None).await;
+    assert_eq!(r.text().await.unwrap(), "ok");
     d.shutdown().await;
 }
 
