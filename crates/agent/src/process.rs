@@ -398,9 +398,9 @@ impl ProcessTable {
             Some(raw) => resolve_cwd(raw, spec.user.home)?,
         };
         let cwd = users::host_path(cfg, &cwd_inside);
-        // As E2B's envd: a missing directory is the caller's mistake, named as such.
-        if std::fs::symlink_metadata(&cwd).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
-        {
+        // As E2B's envd (which stats it, following links): a missing directory is the
+        // caller's mistake, named as such.
+        if std::fs::metadata(&cwd).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound) {
             return Err(ConnectError::invalid_argument(format!(
                 "cwd '{cwd_inside}' does not exist"
             )));

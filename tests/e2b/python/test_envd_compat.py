@@ -116,6 +116,10 @@ def test_relative_cwd_is_taken_from_the_users_home(sbx):
         sbx.commands.run("pwd", cwd="../../../..")
     with pytest.raises(InvalidArgumentException):
         sbx.commands.run("pwd", cwd="~root")
+    # A link that leads nowhere is a missing directory too.
+    sbx.commands.run("ln -s /nowhere dangling")
+    with pytest.raises(InvalidArgumentException):
+        sbx.commands.run("pwd", cwd="dangling")
 
 
 def test_proc_files_are_read_to_their_end(sbx):
