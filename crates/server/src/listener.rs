@@ -548,6 +548,8 @@ struct Conn {
     idle_since: AtomicU64,
     /// Rings when a deadline may have moved closer.
     wake: Notify,
+    /// An HTTP/1 response body broke off: the socket is closed with a reset.
+    reset_on_close: AtomicBool,
 }
 
 impl Conn {
@@ -561,6 +563,7 @@ impl Conn {
             head_since: AtomicU64::new(1),
             idle_since: AtomicU64::new(0),
             wake: Notify::new(),
+            reset_on_close: AtomicBool::new(false),
         }
     }
 
@@ -634,6 +637,27 @@ struct Io {
     tcp: TcpStream,
     conn: Arc<Conn>,
     _permit: Permit,
+}
+
+/// A response body that fails half-way (a sandbox killed under a command's stream) ends an
+/// HTTP/1 connection with a TCP reset rather than a plain close: the client then sees a
+/// connection error, as over HTTP/2 it sees the stream's reset, not a truncated message.
+/// E2B's SDKs treat only the former as "the connection dropped", probe the sandbox and
+/// report it killed.
+impl Drop for Io {
+    fn drop(&mut self) {
+        if self.conn.reset_on_close.load(Ordering::SeqCst) {
+            let zero = libc::linger {
+                l_onoff: 1,
+                l_linger: 0,
+            };
+            if let Err(e) =
+                nix::sys::socket::setsockopt(&self.tcp, nix::sys::socket::sockopt::Linger, &zero)
+            {
+                tracing::debug!(error = %e, "cannot set SO_LINGER for a reset");
+            }
+        }
+    }
 }
 
 impl AsyncRead for Io {
@@ -732,6 +756,7 @@ impl hyper::service::Service<Request<Incoming>> for Service {
                             body,
                             _guard: guard,
                             _slot: None,
+                            http1: None,
                         }))
                     });
                 }
@@ -746,6 +771,7 @@ impl hyper::service::Service<Request<Incoming>> for Service {
             req.extensions_mut().insert(info.clone());
         }
         let connect = req.method() == Method::CONNECT;
+        let http1 = (req.version() < Version::HTTP_2).then(|| self.conn.clone());
         let app = self.app.clone();
         Box::pin(async move {
             let resp = match app.oneshot(req).await {
@@ -764,6 +790,7 @@ impl hyper::service::Service<Request<Incoming>> for Service {
                 body,
                 _guard: guard,
                 _slot: slot,
+                http1,
             }))
         })
     }
@@ -775,6 +802,8 @@ struct Tracked {
     body: axum::body::Body,
     _guard: InFlight,
     _slot: Option<StreamSlot>,
+    /// The connection of an HTTP/1 request, marked for a reset if the body fails.
+    http1: Option<Arc<Conn>>,
 }
 
 impl http_body::Body for Tracked {
@@ -785,7 +814,11 @@ impl http_body::Body for Tracked {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
+        let r = Pin::new(&mut self.body).poll_frame(cx);
+        if let (Poll::Ready(Some(Err(_))), Some(conn)) = (&r, &self.http1) {
+            conn.reset_on_close.store(true, Ordering::SeqCst);
+        }
+        r
     }
 
     fn is_end_stream(&self) -> bool {
@@ -828,6 +861,24 @@ mod tests {
                             1 => {
                                 tokio::time::sleep(Duration::from_millis(2000)).await;
                                 Some((Ok(Bytes::from("last\n")), 2))
+                            }
+                            _ => None,
+                        }
+                    });
+                    axum::body::Body::from_stream(chunks)
+                }),
+            )
+            .route(
+                "/broken",
+                get(|| async {
+                    // The break comes a while after the first chunk, as when a sandbox
+                    // dies under a command's stream (a reset drops what is unsent).
+                    let chunks = futures::stream::unfold(0, |i| async move {
+                        match i {
+                            0 => Some((Ok(Bytes::from("first\n")), 1)),
+                            1 => {
+                                tokio::time::sleep(Duration::from_millis(300)).await;
+                                Some((Err(std::io::Error::other("upstream went away")), 2))
                             }
                             _ => None,
                         }
@@ -900,6 +951,42 @@ mod tests {
                 Ok(Ok(0)) | Ok(Err(_)) => return start.elapsed(),
                 Ok(Ok(_)) => {}
             }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_body_that_breaks_off_resets_an_http1_connection_and_a_complete_one_does_not() {
+        let srv = server(8, 8).await;
+        let mut s = TcpStream::connect(srv.addr).await.unwrap();
+        s.write_all(b"GET /broken HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        let mut chunk = [0u8; 4096];
+        let end = loop {
+            match tokio::time::timeout(Duration::from_secs(10), s.read(&mut chunk))
+                .await
+                .expect("an end in time")
+            {
+                Ok(0) => break None,
+                Ok(n) => got.extend_from_slice(&chunk[..n]),
+                Err(e) => break Some(e.kind()),
+            }
+        };
+        assert!(String::from_utf8_lossy(&got).contains("first"));
+        assert_eq!(
+            end,
+            Some(std::io::ErrorKind::ConnectionReset),
+            "a truncated body must end in a reset, not a plain close"
+        );
+        // A complete answer on a connection the client then closes: no reset anywhere,
+        // and the connection serves the next request.
+        let mut s = TcpStream::connect(srv.addr).await.unwrap();
+        for _ in 0..2 {
+            s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                .await
+                .unwrap();
+            assert!(read_response(&mut s, "ok").await.contains("200 OK"));
         }
     }
 
