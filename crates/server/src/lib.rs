@@ -264,6 +264,7 @@ pub async fn prepare(
             ..Default::default()
         })),
         e2b: Arc::new(file.e2b.clone()),
+        metrics: file.metrics.clone(),
         ingress: Arc::new(ingress::ProxyConfig {
             listen_port: cfg.listen.port(),
             ..file.proxy.clone()
@@ -311,6 +312,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
     tokio::spawn(manager.clone().run_pools());
     state.broker.spawn_refresh();
     usage::start(&manager);
+    sandpit_core::metrics_history::start(&manager, state.metrics.clone());
     let ticker = manager.clone();
     tokio::spawn(async move {
         loop {

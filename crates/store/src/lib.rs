@@ -15,6 +15,7 @@ mod error;
 mod keys;
 pub use keys::{E2B_KEY_PREFIX, e2b_key_form};
 mod leases;
+mod metrics;
 mod model;
 mod network;
 mod pools;
@@ -43,6 +44,7 @@ pub use approvals::{
 };
 pub use error::StoreError;
 pub use leases::{LeaseRecord, LeaseStatus};
+pub use metrics::MetricSample;
 pub use model::{
     ApiKey, Lifecycle, OnTimeout, ParseSandboxStateError, PoolRecord, SandboxFilter, SandboxPage,
     SandboxRecord, SandboxState, SnapshotRecord, TemplateRecord, TemplateState,
