@@ -1,5 +1,5 @@
 //! Persistent state of the sandpit daemon (API keys, sandboxes, pools, templates,
-//! snapshots, volumes, leases, usage, secrets, network policies and the audit, agent
+//! snapshots, volumes, leases, usage, metrics history, secrets, network policies and the audit, agent
 //! runtimes with their runs, run events and approvals) behind a small repository API. SQLite is the embedded backend; SQL is kept portable for a later
 //! PostgreSQL one.
 #![forbid(unsafe_code)]
