@@ -43,6 +43,10 @@ def test_history_holds_a_cpu_loop_in_its_range_only():
         assert m.timestamp.tzinfo is not None
         assert m.timestamp >= created - datetime.timedelta(seconds=1)
 
+        # Idle samples to compare with, and a second between them and the loop, so that
+        # a range ending a second before the loop (E2B's ranges are whole seconds) has them.
+        wait_for(sbx.get_metrics, lambda m: len(m) >= 2, "idle samples")
+        time.sleep(2)
         # Twelve seconds of a busy loop hold at least one whole 5 s sample.
         t0 = now()
         r = sbx.commands.run("timeout 12 sh -c 'while :; do :; done'; echo done", timeout=60)
