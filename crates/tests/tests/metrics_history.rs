@@ -346,6 +346,29 @@ async fn other_owners_get_404_and_bad_ranges_get_400() {
     assert_eq!(v, serde_json::json!({"sandboxes": {}}));
     let (s, _) = get(&d, &d.key, "/v1/sandboxes/nosuch/metrics").await;
     assert_eq!(s, StatusCode::NOT_FOUND);
+    // Hostile ids reach nothing: not another sandbox, not a file, not the SQL.
+    let long = "a".repeat(10_000);
+    for bad in ["..%2F..%2Fetc", "%27%20OR%201%3D1--", "%00", long.as_str()] {
+        for path in [
+            format!("/v1/sandboxes/{bad}/metrics"),
+            format!("/sandboxes/{bad}/metrics"),
+        ] {
+            let (s, v) = get(&d, &d.key, &path).await;
+            assert!(
+                s == StatusCode::NOT_FOUND || s == StatusCode::BAD_REQUEST,
+                "{path}: {s} {v}"
+            );
+        }
+        let (s, v) = get(
+            &d,
+            &d.key,
+            &format!("/sandboxes/metrics?sandbox_ids={bad},{id}"),
+        )
+        .await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        let listed: Vec<&String> = v["sandboxes"].as_object().unwrap().keys().collect();
+        assert_eq!(listed, [&id], "{v}");
+    }
 
     // Bad ranges and values: 400 in each API's error shape, never a 500.
     for q in [
