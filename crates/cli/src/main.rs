@@ -8,6 +8,7 @@ mod cp;
 mod exec;
 mod leases;
 mod lifecycle;
+mod metrics;
 mod pools;
 mod sandboxes;
 mod templates;
@@ -231,6 +232,8 @@ enum Command {
     Usage(usage::UsageArgs),
     /// Execution records of a sandbox's commands, newest first.
     Executions(usage::ExecutionsArgs),
+    /// A sandbox's metrics history: CPU, memory, disk and network samples in a range.
+    Metrics(metrics::MetricsArgs),
     /// Agent runtimes (a coding agent in a sandbox), their runs and run events.
     #[command(subcommand)]
     Agent(agent::AgentCommand),
@@ -656,6 +659,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Lease(cmd) => leases::run(&ctx, cmd).await.map(|()| 0),
         Command::Usage(args) => usage::usage(&ctx, args).await.map(|()| 0),
         Command::Executions(args) => usage::executions(&ctx, args).await.map(|()| 0),
+        Command::Metrics(args) => metrics::metrics(&ctx, args).await.map(|()| 0),
         Command::Agent(cmd) => agent::run(&ctx, cmd).await,
         Command::Workspace(cmd) => agent::workspace(&ctx, cmd).await,
         Command::Approvals(cmd) => approvals::run(&ctx, cmd).await,

@@ -287,6 +287,7 @@ pub async fn prepare(cfg: &ServeConfig) -> Result<Prepared, ServerError> {
             ..Default::default()
         })),
         e2b: Arc::new(file.e2b.clone()),
+        metrics: file.metrics.clone(),
         ingress: Arc::new(ingress::ProxyConfig {
             listen_port: cfg.listen.port(),
             // A TLS daemon's URLs are https whatever the file says.
@@ -340,6 +341,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
     tokio::spawn(manager.clone().run_pools());
     state.broker.spawn_refresh();
     usage::start(&manager);
+    sandpit_core::metrics_history::start(&manager, state.metrics.clone());
     let ticker = manager.clone();
     tokio::spawn(async move {
         loop {

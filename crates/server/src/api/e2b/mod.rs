@@ -2,6 +2,7 @@
 //! that E2B's SDKs pointed at sandpit with `E2B_API_URL` work unchanged. Each route maps onto
 //! the same manager calls as sandpit's own `/v1` API; only names, shapes and statuses differ.
 
+mod metrics;
 mod sandboxes;
 mod templates;
 pub mod types;
@@ -210,7 +211,8 @@ pub fn router(state: AppState) -> Router<AppState> {
         .route("/sandboxes/{id}/connect", post(sandboxes::connect))
         .route("/v2/sandboxes/{id}/connect", post(sandboxes::connect))
         .route("/sandboxes/{id}/fork", post(sandboxes::fork))
-        .route("/sandboxes/{id}/metrics", get(sandboxes::metrics))
+        .route("/sandboxes/{id}/metrics", get(metrics::sandbox))
+        .route("/sandboxes/metrics", get(metrics::batch))
         .route(
             "/sandboxes/{id}/network",
             axum::routing::put(sandboxes::update_network),

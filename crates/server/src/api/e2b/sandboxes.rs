@@ -478,45 +478,6 @@ pub async fn fork(
     Ok((StatusCode::CREATED, Json(out)))
 }
 
-/// `GET /sandboxes/{id}/metrics`: one sample taken now (sandpit keeps no history).
-pub async fn metrics(
-    State(state): State<AppState>,
-    owner: Owner,
-    Path(id): Path<String>,
-) -> Result<Json<Vec<types::Metric>>, E2bError> {
-    let rec = live(&state, &owner, &id).await?;
-    if rec.state != SandboxState::Running {
-        return Ok(Json(Vec::new()));
-    }
-    let (rt, h) = state.manager.runtime_of(&rec)?;
-    let h2 = h.clone();
-    let stats = tokio::task::spawn_blocking(move || rt.stats(&h2))
-        .await
-        .map_err(|e| ApiError::internal_from("the stats task failed", &e))??;
-    let disk_used = tokio::task::spawn_blocking(move || crate::usage::disk_used(&h))
-        .await
-        .ok()
-        .flatten()
-        .unwrap_or(0);
-    let now = now_ms();
-    let cpus = (rec.cpu_millis.max(1) as u64).div_ceil(1000);
-    let wall_ns = (now - rec.created_at_ms).max(1) as f64 * 1e6;
-    // An average over the sandbox's life: one sample cannot give a rate over an interval.
-    let pct =
-        stats.cpu_usage_ns as f64 / (wall_ns * (rec.cpu_millis.max(1) as f64 / 1000.0)) * 100.0;
-    Ok(Json(vec![types::Metric {
-        timestamp: rfc3339(now),
-        timestamp_unix: now / 1000,
-        cpu_count: cpus,
-        cpu_used_pct: pct.clamp(0.0, 100.0),
-        mem_used: stats.memory_current_bytes,
-        mem_total: rec.memory_bytes.max(0) as u64,
-        mem_cache: 0,
-        disk_used: disk_used.max(0) as u64,
-        disk_total: rec.disk_bytes.max(0) as u64,
-    }]))
-}
-
 /// `PUT /sandboxes/{id}/network`: replaces the sandbox's egress policy; new connections
 /// follow it at once.
 pub async fn update_network(
