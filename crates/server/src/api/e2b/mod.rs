@@ -2,6 +2,8 @@
 //! that E2B's SDKs pointed at sandpit with `E2B_API_URL` work unchanged. Each route maps onto
 //! the same manager calls as sandpit's own `/v1` API; only names, shapes and statuses differ.
 
+mod lifecycle;
+mod listing;
 mod sandboxes;
 mod templates;
 pub mod types;
@@ -46,6 +48,10 @@ pub struct E2bConfig {
     /// (container runtime only). `false` leaves both out: `sudo` is then not found.
     #[serde(default = "yes")]
     pub sudo: bool,
+    /// Whether the ports of an E2B create that does not set `allowPublicTraffic` are open
+    /// without the traffic token, as E2B's default is. `false` makes them private.
+    #[serde(default = "yes")]
+    pub public_ports: bool,
 }
 
 fn yes() -> bool {
@@ -66,6 +72,7 @@ impl Default for E2bConfig {
             idle_timeout_secs: 0,
             internet_by_default: true,
             sudo: true,
+            public_ports: true,
         }
     }
 }
@@ -197,13 +204,13 @@ pub fn router(state: AppState) -> Router<AppState> {
         )
         .route(
             "/v2/sandboxes",
-            post(sandboxes::create).get(sandboxes::list),
+            post(sandboxes::create).get(listing::list),
         )
         .route(
             "/sandboxes/{id}",
             get(sandboxes::detail).delete(sandboxes::kill),
         )
-        .route("/sandboxes/{id}/timeout", post(sandboxes::set_timeout))
+        .route("/sandboxes/{id}/timeout", post(lifecycle::set_timeout))
         .route("/sandboxes/{id}/refreshes", post(sandboxes::refresh))
         .route("/sandboxes/{id}/pause", post(sandboxes::pause))
         .route("/sandboxes/{id}/resume", post(sandboxes::resume))
