@@ -304,6 +304,9 @@ async fn serve_conn(
         tokio::select! {
             r = served.as_mut() => {
                 if let Err(e) = r {
+                    if body_failed(&*e) {
+                        conn.reset.store(true, Ordering::SeqCst);
+                    }
                     tracing::debug!(%peer, error = %e, "connection ended with an error");
                 }
                 return;
@@ -323,6 +326,14 @@ async fn serve_conn(
             }
         }
     }
+}
+
+/// Whether a connection ended because a response body it was sending failed (a proxied
+/// stream whose sandbox went away): hyper's user-body error, which carries the body's own
+/// error as its cause.
+fn body_failed(e: &(dyn std::error::Error + 'static)) -> bool {
+    e.downcast_ref::<hyper::Error>()
+        .is_some_and(|h| h.is_user() && std::error::Error::source(h).is_some())
 }
 
 /// How long to sleep after a failed accept; `None` for failures of that one connection.
@@ -488,6 +499,8 @@ struct Conn {
     idle_since: AtomicU64,
     /// Rings when a deadline may have moved closer.
     wake: Notify,
+    /// An answer was cut off mid-body: the socket is to be reset when it closes.
+    reset: AtomicBool,
 }
 
 impl Conn {
@@ -500,6 +513,7 @@ impl Conn {
             // The first head is awaited from the start.
             head_since: AtomicU64::new(1),
             idle_since: AtomicU64::new(0),
+            reset: AtomicBool::new(false),
             wake: Notify::new(),
         }
     }
@@ -574,6 +588,20 @@ struct Io {
     tcp: TcpStream,
     conn: Arc<Conn>,
     _permit: Permit,
+}
+
+impl Drop for Io {
+    fn drop(&mut self) {
+        // An HTTP/1.1 answer cut off mid-body ends with a reset, not a clean close: after
+        // a clean close clients report a malformed body, after a reset the dropped
+        // connection it is (E2B's SDKs then ask whether the sandbox is gone). HTTP/2
+        // resets the one stream itself.
+        if self.conn.reset.load(Ordering::SeqCst)
+            && let Err(e) = self.tcp.set_zero_linger()
+        {
+            tracing::debug!(error = %e, "cannot reset the connection");
+        }
+    }
 }
 
 impl AsyncRead for Io {

@@ -550,3 +550,94 @@ async fn mcp_is_taken_as_e2b_takes_it_and_a_boot_id_is_the_sandbox_own() {
     assert_ne!(second, first, "a restart gets a new boot id");
     d.shutdown().await;
 }
+
+/// A Connect request of `process.Process/Start` for `script` to the sandbox's envd through
+/// the proxy, written by hand on a connection of its own (HTTP/1.1, kept alive).
+fn start_request(id: &str, token: &str, script: &str) -> Vec<u8> {
+    let msg = serde_json::to_vec(&json!({"process": {"cmd": "/bin/bash", "args": ["-c", script]}}))
+        .expect("JSON");
+    let mut body = vec![0u8];
+    body.extend(u32::try_from(msg.len()).expect("small").to_be_bytes());
+    body.extend(msg);
+    let mut req = format!(
+        "POST /process.Process/Start HTTP/1.1\r\nhost: 127.0.0.1\r\ne2b-sandbox-id: {id}\r\n\
+         e2b-sandbox-port: 49983\r\nx-access-token: {token}\r\nauthorization: Basic dXNlcjo=\r\n\
+         content-type: application/connect+json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    req.extend(body);
+    req
+}
+
+/// Reads from `s` into `got` until `needle` appears (30 s at most).
+async fn read_until(s: &mut tokio::net::TcpStream, got: &mut Vec<u8>, needle: &str) {
+    use tokio::io::AsyncReadExt;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !String::from_utf8_lossy(got).contains(needle) {
+        let mut buf = [0u8; 4096];
+        let n = tokio::time::timeout_at(deadline, s.read(&mut buf))
+            .await
+            .expect("in time")
+            .expect("read");
+        assert!(n > 0, "closed before {needle:?}: {}", String::from_utf8_lossy(got));
+        got.extend_from_slice(&buf[..n]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_cut_off_by_a_kill_ends_with_a_reset_and_a_finished_one_does_not() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let d = Daemon::start().await;
+    let e = E2b::new(&d);
+    let v = e.create(json!({"templateID": "base"})).await;
+    let id = v["sandboxID"].as_str().expect("id").to_string();
+    let token = v["envdAccessToken"].as_str().expect("token").to_string();
+
+    // A stream that ends by itself leaves the connection open for the next request.
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", d.port))
+        .await
+        .expect("connect");
+    s.write_all(&start_request(&id, &token, "echo done-first"))
+        .await
+        .expect("write");
+    let mut got = Vec::new();
+    // The last chunk of a chunked answer: the stream ended cleanly.
+    read_until(&mut s, &mut got, "\r\n0\r\n\r\n").await;
+    s.write_all(&start_request(&id, &token, "echo done-second"))
+        .await
+        .expect("write again");
+    let mut got = Vec::new();
+    read_until(&mut s, &mut got, "\r\n0\r\n\r\n").await;
+    assert!(String::from_utf8_lossy(&got).starts_with("HTTP/1.1 200"));
+
+    // A stream still running when the sandbox is killed: the connection is reset, which
+    // clients tell apart from a malformed answer.
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", d.port))
+        .await
+        .expect("connect");
+    s.write_all(&start_request(&id, &token, "sleep 60"))
+        .await
+        .expect("write");
+    let mut got = Vec::new();
+    read_until(&mut s, &mut got, "pid").await;
+    let (st, _, _) = e
+        .call(Method::DELETE, &format!("/sandboxes/{id}"), None)
+        .await;
+    assert_eq!(st, StatusCode::NO_CONTENT);
+    let end = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let mut buf = [0u8; 4096];
+            match s.read(&mut buf).await {
+                Ok(0) => return Ok(()),
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) => return Err(e),
+            }
+        }
+    })
+    .await
+    .expect("the stream ended in time");
+    let err = end.expect_err("a clean close instead of a reset");
+    assert_eq!(err.kind(), std::io::ErrorKind::ConnectionReset, "{err}");
+    d.shutdown().await;
+}

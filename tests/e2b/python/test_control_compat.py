@@ -18,6 +18,7 @@ from e2b import (
     SandboxException,
     SandboxQuery,
     SandboxState,
+    TimeoutException,
 )
 
 
@@ -177,3 +178,13 @@ def test_a_failed_mcp_gateway_start_leaves_no_sandbox():
         Sandbox.create(timeout=60, metadata={"mcp": tag}, mcp={"some_server": {}})
     left = Sandbox.list(query=SandboxQuery(metadata={"mcp": tag})).next_items()
     assert left == []
+
+
+def test_a_command_cut_off_by_a_kill_reports_the_sandbox_gone():
+    s = Sandbox.create(timeout=120)
+    h = s.commands.run("sleep 60", background=True)
+    s.kill()
+    # The stream's connection is reset, the SDK's health probe finds no sandbox, and it
+    # says so rather than reporting a malformed answer.
+    with pytest.raises(TimeoutException, match="killed or reached its end of life"):
+        h.wait()
