@@ -64,7 +64,9 @@ impl E2b {
     }
 
     async fn detail(&self, id: &str) -> (StatusCode, Value) {
-        let (s, v, _) = self.call(Method::GET, &format!("/sandboxes/{id}"), None).await;
+        let (s, v, _) = self
+            .call(Method::GET, &format!("/sandboxes/{id}"), None)
+            .await;
         (s, v)
     }
 
@@ -211,7 +213,9 @@ async fn e2b_lifecycle_defaults_keep_a_paused_sandbox_paused_and_v1_keeps_its_ow
     assert_eq!(e.state(&wid).await, "running");
     // `autoResume: {enabled: false}` and `autoPause: false` are the defaults said aloud.
     let said = e
-        .create_id(json!({"templateID": "base", "autoPause": false, "autoResume": {"enabled": false}}))
+        .create_id(
+            json!({"templateID": "base", "autoPause": false, "autoResume": {"enabled": false}}),
+        )
         .await;
     let (_, v) = e.detail(&said).await;
     assert_eq!(
@@ -255,7 +259,10 @@ async fn ports_are_public_by_default_and_private_ones_need_the_traffic_token() {
     }
     for by_host in [true, false] {
         assert_eq!(get_port(&d, &open, by_host, None).await, StatusCode::OK);
-        assert_eq!(get_port(&d, &said_open, by_host, None).await, StatusCode::OK);
+        assert_eq!(
+            get_port(&d, &said_open, by_host, None).await,
+            StatusCode::OK
+        );
         // Private: no token, a wrong one, another sandbox's, the envd token: all refused.
         let other_traffic = c
             .get_sandbox(&open)
@@ -363,10 +370,7 @@ async fn timeout_zero_runs_the_timeout_action_at_once() {
     let (s, _) = e.post(&id, "timeout", json!({"timeout": 0})).await;
     assert_eq!(s, StatusCode::NO_CONTENT);
     assert_eq!(e.state(&id).await, "paused");
-    assert_eq!(
-        c.get_sandbox(&id).await.expect("view").state,
-        "hibernated"
-    );
+    assert_eq!(c.get_sandbox(&id).await.expect("view").state, "hibernated");
 
     // Refused shapes stay refused.
     let id = e.create_id(json!({"templateID": "base"})).await;
@@ -455,7 +459,9 @@ async fn list_is_newest_first_bounded_inclusively_and_paged() {
     let started = mid["startedAt"].as_str().expect("startedAt");
     let enc = |t: &str| t.replace('+', "%2B").replace(':', "%3A");
     assert_eq!(
-        e.list(&format!("{q}&startedAfter={}", enc(started))).await.0,
+        e.list(&format!("{q}&startedAfter={}", enc(started)))
+            .await
+            .0,
         [ids[2].clone(), ids[1].clone()]
     );
     // The same instant written another way (microseconds, an offset) is the same bound.
@@ -522,7 +528,11 @@ async fn mcp_is_taken_as_e2b_takes_it_and_a_boot_id_is_the_sandbox_own() {
             .await;
         assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
     }
-    assert_eq!(e.list("").await.0, Vec::<String>::new(), "nothing half-made");
+    assert_eq!(
+        e.list("").await.0,
+        Vec::<String>::new(),
+        "nothing half-made"
+    );
 
     // A boot id of its own: not the host's, kept by a freeze, new after a files-only
     // pause (a restart), and read-only.
@@ -580,7 +590,11 @@ async fn read_until(s: &mut tokio::net::TcpStream, got: &mut Vec<u8>, needle: &s
             .await
             .expect("in time")
             .expect("read");
-        assert!(n > 0, "closed before {needle:?}: {}", String::from_utf8_lossy(got));
+        assert!(
+            n > 0,
+            "closed before {needle:?}: {}",
+            String::from_utf8_lossy(got)
+        );
         got.extend_from_slice(&buf[..n]);
     }
 }

@@ -202,10 +202,7 @@ pub fn router(state: AppState) -> Router<AppState> {
             "/sandboxes",
             post(sandboxes::create).get(sandboxes::list_running),
         )
-        .route(
-            "/v2/sandboxes",
-            post(sandboxes::create).get(listing::list),
-        )
+        .route("/v2/sandboxes", post(sandboxes::create).get(listing::list))
         .route(
             "/sandboxes/{id}",
             get(sandboxes::detail).delete(sandboxes::kill),
