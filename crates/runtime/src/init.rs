@@ -737,7 +737,7 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
 
     mark("c_agent");
     mount_proc(&root)?;
-    fresh_boot_id(&root, &cfg.dir)?;
+    fresh_boot_id(&root, &layer)?;
     mark("c_proc");
     mnt(
         Some("sysfs"),
@@ -1218,8 +1218,10 @@ fn mount_proc(root: &Path) -> R<()> {
 
 /// Gives the sandbox a boot id of its own for this start, as a guest kernel has: the
 /// host's would stay the same across a files-only pause and its restart, which E2B's
-/// SDK users read as proof of a cold boot. A freeze keeps it (the mount stays).
-fn fresh_boot_id(root: &Path, dir: &Path) -> R<()> {
+/// SDK users read as proof of a cold boot. A freeze keeps it (the mount stays). The file
+/// lives at the top of the layer's tmpfs, beside (never in) the upper layer, so that the
+/// sandbox's mount table names no host path.
+fn fresh_boot_id(root: &Path, layer: &Path) -> R<()> {
     let target = root.join("proc/sys/kernel/random/boot_id");
     if !target.exists() {
         return Ok(());
@@ -1229,7 +1231,7 @@ fn fresh_boot_id(root: &Path, dir: &Path) -> R<()> {
         std::fs::read_to_string("/proc/sys/kernel/random/uuid"),
         || "read a fresh uuid".into(),
     )?;
-    let src = dir.join("boot_id");
+    let src = layer.join("boot_id");
     ctx(std::fs::write(&src, id.as_bytes()), || {
         format!("write {}", src.display())
     })?;

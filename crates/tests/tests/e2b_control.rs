@@ -548,6 +548,13 @@ async fn mcp_is_taken_as_e2b_takes_it_and_a_boot_id_is_the_sandbox_own() {
     )
     .await;
     assert_ne!(r.exit_code, 0, "the boot id was writable");
+    // Its mount names no host path.
+    let mounts = sh(&c, &id, "grep boot_id /proc/self/mountinfo")
+        .await
+        .stdout;
+    assert!(mounts.contains(" /boot_id "), "{mounts}");
+    let data = d.data.path().to_str().expect("utf-8 data dir");
+    assert!(!mounts.contains(data) && !mounts.contains(&id), "{mounts}");
     e.post(&id, "pause", json!({})).await;
     e.post(&id, "connect", json!({})).await;
     assert_eq!(boot_id(&c, &id).await, first, "a freeze kept the boot id");
