@@ -157,7 +157,10 @@ async fn errors_use_e2b_bodies_and_statuses() {
             json!({"templateID": "base", "envVars": {"BAD=NAME": "x"}}),
             "bad env name",
         ),
-        (json!({"templateID": "base", "mcp": {"x": {}}}), "mcp"),
+        (
+            json!({"templateID": "base", "mcp": "x"}),
+            "mcp not an object",
+        ),
         (json!({"templateID": ""}), "empty template"),
         (json!({"timeout": 10}), "no template"),
         (

@@ -2,6 +2,8 @@
 //! that E2B's SDKs pointed at sandpit with `E2B_API_URL` work unchanged. Each route maps onto
 //! the same manager calls as sandpit's own `/v1` API; only names, shapes and statuses differ.
 
+mod lifecycle;
+mod listing;
 mod metrics;
 mod sandboxes;
 mod templates;
@@ -47,6 +49,10 @@ pub struct E2bConfig {
     /// (container runtime only). `false` leaves both out: `sudo` is then not found.
     #[serde(default = "yes")]
     pub sudo: bool,
+    /// Whether the ports of an E2B create that does not set `allowPublicTraffic` are open
+    /// without the traffic token, as E2B's default is. `false` makes them private.
+    #[serde(default = "yes")]
+    pub public_ports: bool,
 }
 
 fn yes() -> bool {
@@ -67,6 +73,7 @@ impl Default for E2bConfig {
             idle_timeout_secs: 0,
             internet_by_default: true,
             sudo: true,
+            public_ports: true,
         }
     }
 }
@@ -196,15 +203,12 @@ pub fn router(state: AppState) -> Router<AppState> {
             "/sandboxes",
             post(sandboxes::create).get(sandboxes::list_running),
         )
-        .route(
-            "/v2/sandboxes",
-            post(sandboxes::create).get(sandboxes::list),
-        )
+        .route("/v2/sandboxes", post(sandboxes::create).get(listing::list))
         .route(
             "/sandboxes/{id}",
             get(sandboxes::detail).delete(sandboxes::kill),
         )
-        .route("/sandboxes/{id}/timeout", post(sandboxes::set_timeout))
+        .route("/sandboxes/{id}/timeout", post(lifecycle::set_timeout))
         .route("/sandboxes/{id}/refreshes", post(sandboxes::refresh))
         .route("/sandboxes/{id}/pause", post(sandboxes::pause))
         .route("/sandboxes/{id}/resume", post(sandboxes::resume))
@@ -407,9 +411,8 @@ pub fn network_spec(
     };
     net.check()?;
     Ok(NetworkSpec {
-        // E2B's default (`allowPublicTraffic: true`): a port opened in the sandbox is
-        // reachable at `get_host(port)` without the traffic token unless asked otherwise.
-        public: Some(net.allow_public_traffic.unwrap_or(true)),
+        // Unset stays unset: the create applies E2B's default (`lifecycle::public_ports`).
+        public: net.allow_public_traffic,
         policy: egress_policy(
             req.allow_internet_access,
             &net.allow_out,
