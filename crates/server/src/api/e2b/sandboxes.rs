@@ -84,6 +84,11 @@ pub async fn create(
     // Without networking on this daemon, only an explicit request for it is an error.
     let default_internet = state.e2b.internet_by_default && state.manager.net().is_some();
     let network = crate::api::e2b::network_spec(&req, default_internet)?;
+    let rules = super::rules::of_create(req.network.as_ref())?;
+    super::rules::check(&state, &owner.0, rules.as_ref()).await?;
+    if let Some(mounts) = &req.volume_mounts {
+        super::volumes::check_mounts(mounts)?;
+    }
     let (template, snapshot) = resolve_template(&state, &owner, &req.template_id).await?;
     // `autoPauseMemory: false` (the SDKs' `keepMemory: false`) asks for a files-only pause.
     let on_timeout = match (req.auto_pause, req.auto_pause_memory) {
@@ -115,6 +120,15 @@ pub async fn create(
     };
     let create = crate::api::e2b::apply_access(create, req.secure, network);
     let rec = state.manager.create(&owner.0, create).await?;
+    if rules.is_some()
+        && let Err(e) = super::rules::install(&state, &rec.id, &owner.0, rules).await
+    {
+        // No sandbox without the rules it was asked with.
+        if let Err(d) = state.manager.destroy(&rec).await {
+            tracing::warn!(id = %rec.id, error = %d.chain(), "removing a sandbox whose rules failed");
+        }
+        return Err(e);
+    }
     Ok((StatusCode::CREATED, Json(created(&state, &rec).await?)))
 }
 
@@ -525,7 +539,10 @@ pub async fn update_network(
     Path(id): Path<String>,
     Required(req): Required<crate::api::e2b::E2bNetwork>,
 ) -> Result<StatusCode, E2bError> {
-    live(&state, &owner, &id).await?;
+    let rec = live(&state, &owner, &id).await?;
+    // The update replaces the whole configuration: no rules in it clears them.
+    let rules = super::rules::parse(req.rules.as_ref())?;
+    super::rules::check(&state, &owner.0, rules.as_ref()).await?;
     if let Some(policy) = crate::api::e2b::network_update(&req)? {
         let _applied = crate::api::network::set_policy(
             State(state.clone()),
@@ -535,5 +552,6 @@ pub async fn update_network(
         )
         .await?;
     }
+    super::rules::install(&state, &rec.id, &rec.owner, rules).await?;
     Ok(StatusCode::NO_CONTENT)
 }

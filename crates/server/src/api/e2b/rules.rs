@@ -1,0 +1,54 @@
+//! E2B's network `rules` (`{host: [{transform: {headers: {name: value}}}]}`) on sandpit's
+//! credential broker: the broker sets those headers on the sandbox's requests to the host,
+//! filling each `${e2b.secrets.NAME}` with the owner's secret on the way out, so the
+//! sandbox never holds the value. Rules grant no egress: `allowOut` still decides.
+
+use super::E2bError;
+use crate::api::AppState;
+use crate::error::ApiError;
+use sandpit_broker::transform::{self, EgressRules};
+
+/// The rules of an E2B `network` object (`None`: it has none).
+pub fn parse(rules: Option<&serde_json::Value>) -> Result<Option<EgressRules>, E2bError> {
+    match rules {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(raw) => transform::from_e2b(raw)
+            .map(|r| (!r.hosts.is_empty()).then_some(r))
+            .map_err(|e| E2bError::bad_request(e.0)),
+    }
+}
+
+/// The rules of a create's `network` object.
+pub fn of_create(network: Option<&serde_json::Value>) -> Result<Option<EgressRules>, E2bError> {
+    parse(network.and_then(|n| n.get("rules")))
+}
+
+/// Checks, before a sandbox is made, that the broker can serve `rules` for `owner`.
+pub async fn check(
+    state: &AppState,
+    owner: &str,
+    rules: Option<&EgressRules>,
+) -> Result<(), E2bError> {
+    if let Some(r) = rules {
+        state
+            .broker
+            .check_egress_rules(owner, r)
+            .await
+            .map_err(|e| E2bError(ApiError::from(e)))?;
+    }
+    Ok(())
+}
+
+/// Gives sandbox `id` of `owner` these rules (`None`: clears them).
+pub async fn install(
+    state: &AppState,
+    id: &str,
+    owner: &str,
+    rules: Option<EgressRules>,
+) -> Result<(), E2bError> {
+    state
+        .broker
+        .set_egress_rules(id, owner, rules)
+        .await
+        .map_err(|e| E2bError(ApiError::from(e)))
+}
