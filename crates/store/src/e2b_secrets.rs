@@ -262,8 +262,9 @@ impl Store {
         let mut tx = self.writer.begin().await?;
         for id in to {
             sqlx::query(
-                "INSERT OR REPLACE INTO sandbox_egress_rules (sandbox_id, rules) \
-                 SELECT $2, rules FROM sandbox_egress_rules WHERE sandbox_id = $1",
+                "INSERT INTO sandbox_egress_rules (sandbox_id, rules) \
+                 SELECT $2, rules FROM sandbox_egress_rules WHERE sandbox_id = $1 \
+                 ON CONFLICT (sandbox_id) DO UPDATE SET rules = excluded.rules",
             )
             .bind(from)
             .bind(id)
@@ -288,6 +289,62 @@ mod tests {
             expires_at_ms: None,
             created_at_ms: 7,
         }
+    }
+
+    async fn sandbox(store: &Store, id: &str, owner: &str) {
+        let rec = crate::SandboxRecord {
+            id: id.into(),
+            owner: owner.into(),
+            template: "host".into(),
+            runtime: "container".into(),
+            state: crate::SandboxState::Running,
+            cpu_millis: 1,
+            memory_bytes: 1,
+            disk_bytes: 1,
+            max_processes: 1,
+            env: Default::default(),
+            secret_env: Default::default(),
+            metadata: Default::default(),
+            created_at_ms: 0,
+            updated_at_ms: 0,
+            expires_at_ms: 0,
+            runtime_state: serde_json::Value::Null,
+            error: None,
+            version: 0,
+            pool: None,
+            life: crate::Lifecycle::default(),
+        };
+        store.insert_sandbox(&rec).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn egress_rules_go_with_their_sandbox_and_its_forks() {
+        let store = Store::open_in_memory().await.unwrap();
+        sandbox(&store, "s1", "a").await;
+        sandbox(&store, "s2", "a").await;
+        let rules = serde_json::json!({"hosts": []});
+        let missing = store.set_egress_rules("gone", Some(&rules)).await;
+        assert!(
+            matches!(missing, Err(StoreError::NotFound(_))),
+            "{missing:?}"
+        );
+        store.set_egress_rules("s1", Some(&rules)).await.unwrap();
+        store.set_egress_rules("s1", Some(&rules)).await.unwrap();
+        store
+            .copy_egress_rules("s1", &["s2".to_string()])
+            .await
+            .unwrap();
+        let all = store.all_egress_rules().await.unwrap();
+        assert_eq!(
+            all.iter()
+                .map(|r| r.sandbox_id.as_str())
+                .collect::<Vec<_>>(),
+            ["s1", "s2"]
+        );
+        assert!(all.iter().all(|r| r.owner == "a" && r.rules == rules));
+        store.set_egress_rules("s1", None).await.unwrap();
+        store.delete_sandbox("s2").await.unwrap();
+        assert!(store.all_egress_rules().await.unwrap().is_empty());
     }
 
     #[tokio::test]
