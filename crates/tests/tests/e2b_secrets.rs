@@ -557,6 +557,26 @@ async fn rules_inject_secrets_on_egress_and_the_sandbox_sees_only_placeholders()
         last_header(&up, "api.upstream.test", "authorization").as_deref(),
         Some(format!("Bearer {VALUE2}").as_str())
     );
+    // A fork keeps the rules.
+    let (s, forks) = e
+        .call(
+            Method::POST,
+            &format!("/sandboxes/{id}/fork"),
+            Some(json!({"count": 1})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{forks}");
+    let fork = forks[0]["sandbox"]["sandboxID"]
+        .as_str()
+        .expect("a fork")
+        .to_string();
+    let (body, tail) = curl(&c, &fork, "https://api.upstream.test/from-fork").await;
+    assert_eq!(tail, "200 0", "{body}");
+    assert_eq!(
+        last_header(&up, "api.upstream.test", "authorization").as_deref(),
+        Some(format!("Bearer {VALUE2}").as_str())
+    );
+    c.delete_sandbox(&fork).await.unwrap();
     // Sandbox info shows no value.
     let (_, text, _) = e.raw(Method::GET, &format!("/sandboxes/{id}"), None).await;
     assert!(!text.contains(VALUE) && !text.contains(VALUE2), "{text}");
