@@ -250,7 +250,7 @@ impl Broker {
         owner: &str,
         rules: Option<EgressRules>,
     ) -> Result<(), BrokerError> {
-        let rules = rules.filter(|r| !r.hosts.is_empty());
+        let rules = rules.filter(|r| !r.hosts.is_empty() || r.mask_request_host.is_some());
         if let Some(r) = &rules {
             self.check_egress_rules(owner, r).await?;
         }
@@ -273,6 +273,16 @@ impl Broker {
             }
         }
         Ok(())
+    }
+
+    /// The `maskRequestHost` of sandbox `id`, if it has one.
+    pub fn mask_request_host(&self, id: &str) -> Option<String> {
+        self.inner
+            .cache
+            .read()
+            .egress
+            .get(id)
+            .and_then(|(_, r)| r.mask_request_host.clone())
     }
 
     /// The egress rules of sandbox `id`, if it has any.

@@ -56,6 +56,49 @@ pub struct EgressRules {
     /// The rules as the client sent them (keys lower-cased), shown back by sandbox info.
     #[serde(default)]
     pub shown: serde_json::Value,
+    /// E2B's `maskRequestHost`: the Host the sandbox's ports see on requests that come in
+    /// through the ingress, `${PORT}` replaced by the port.
+    #[serde(default)]
+    pub mask_request_host: Option<String>,
+}
+
+/// The placeholder of `maskRequestHost` that stands for the port.
+pub const MASK_PORT: &str = "${PORT}";
+
+/// Checks a `maskRequestHost`: a host, optionally `:port`, where `${PORT}` may stand for
+/// (part of) a label or the port; at most 253 bytes.
+pub fn check_mask(mask: &str) -> Result<String, Invalid> {
+    let sample = mask.replace(MASK_PORT, "8080");
+    let bad = || {
+        Invalid::from(format!(
+            "maskRequestHost {mask:?} must be a host name, optionally with :port, where ${{PORT}} stands for the port"
+        ))
+    };
+    if mask.is_empty() || mask.len() > 253 {
+        return Err(bad());
+    }
+    let (host, port) = match sample.rsplit_once(':') {
+        Some((h, p)) => (h, Some(p)),
+        None => (sample.as_str(), None),
+    };
+    if port.is_some_and(|p| p.parse::<u16>().is_err()) {
+        return Err(bad());
+    }
+    let label_ok = |l: &str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && l.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    };
+    if !host.split('.').all(label_ok) {
+        return Err(bad());
+    }
+    Ok(mask.to_string())
+}
+
+/// The Host a request to `port` gets under `mask`.
+pub fn masked_host(mask: &str, port: u16) -> String {
+    mask.replace(MASK_PORT, &port.to_string())
 }
 
 /// One rule of E2B's create body: `{"transform": {"headers": {...}}}`.
@@ -227,6 +270,7 @@ pub fn from_e2b(raw: &serde_json::Value) -> Result<EgressRules, Invalid> {
     Ok(EgressRules {
         hosts,
         shown: serde_json::Value::Object(shown),
+        mask_request_host: None,
     })
 }
 
@@ -319,6 +363,32 @@ mod tests {
         ] {
             assert!(from_e2b(&bad).is_err(), "accepted {bad}");
         }
+    }
+
+    #[test]
+    fn masks_are_hosts_with_a_port_placeholder() {
+        for ok in [
+            "custom-host.example.com:${PORT}",
+            "${PORT}-app.example.com",
+            "h.test",
+        ] {
+            assert!(check_mask(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "",
+            "a b.com",
+            "h.com:${PORT}x",
+            "h.com:99999",
+            "h.com/x",
+            "h\r\nX: 1",
+            "h.com:",
+        ] {
+            assert!(check_mask(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            masked_host("custom.example.com:${PORT}", 8080),
+            "custom.example.com:8080"
+        );
     }
 
     #[test]

@@ -629,3 +629,78 @@ async fn rules_inject_secrets_on_egress_and_the_sandbox_sees_only_placeholders()
         assert!(!logged.contains(v), "the daemon logged a secret value");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mask_request_host_is_the_host_a_sandbox_port_sees() {
+    let d = Daemon::start().await;
+    let e = E2b::new(&d, &d.key);
+    let c = d.client();
+    for bad in [
+        "a b.example.com",
+        "h.example.com:${PORT}x",
+        "h.example.com:99999",
+        "h\r\nX-Evil: 1",
+    ] {
+        let (s, v) = e
+            .call(
+                Method::POST,
+                "/v2/sandboxes",
+                Some(json!({"templateID": "base", "network": {"maskRequestHost": bad}})),
+            )
+            .await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{bad:?}: {v}");
+    }
+    assert!(sandpit_tests::sandboxes(&c).await.is_empty());
+    let (s, v) = e
+        .call(
+            Method::POST,
+            "/v2/sandboxes",
+            Some(json!({"templateID": "base", "network": {
+                "allowPublicTraffic": true,
+                "maskRequestHost": "custom-host.example.com:${PORT}",
+            }})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    let id = v["sandboxID"].as_str().unwrap().to_string();
+    let server = r#"cat > /tmp/echo_host.py <<'EOF'
+import http.server
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = self.headers.get("Host", "").encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("", 8080), H).serve_forever()
+EOF
+nohup python3 /tmp/echo_host.py >/dev/null 2>&1 &"#;
+    sh(&c, &id, server).await;
+    sandpit_tests::wait_listening(&c, &id, 8080).await;
+    let seen = || async {
+        let resp = http()
+            .get(format!("{}/", d.url))
+            .header("E2b-Sandbox-Id", &id)
+            .header("E2b-Sandbox-Port", "8080")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        resp.text().await.unwrap()
+    };
+    assert_eq!(seen().await, "custom-host.example.com:8080");
+    // A network update that does not name it keeps it.
+    let (s, v) = e
+        .call(
+            Method::PUT,
+            &format!("/sandboxes/{id}/network"),
+            Some(json!({"denyOut": ["203.0.113.9"]})),
+        )
+        .await;
+    assert_eq!(s, StatusCode::NO_CONTENT, "{v}");
+    assert_eq!(seen().await, "custom-host.example.com:8080");
+    c.delete_sandbox(&id).await.unwrap();
+    d.shutdown().await;
+}

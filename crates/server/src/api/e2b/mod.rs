@@ -294,7 +294,8 @@ pub struct E2bNetwork {
     #[serde(default)]
     dns_servers: Vec<String>,
     egress_proxy: Option<serde_json::Value>,
-    mask_request_host: Option<String>,
+    /// Kept with the rules (`rules.rs`); the ingress sets it as the Host.
+    pub(crate) mask_request_host: Option<String>,
     #[serde(default)]
     https_ports: Vec<u16>,
     /// Header rules, served by the broker (`rules.rs`).
@@ -320,12 +321,6 @@ impl E2bNetwork {
         }
         if self.egress_proxy.as_ref().is_some_and(|v| !v.is_null()) {
             return refuse("egressProxy", "egress goes through the daemon's own proxy");
-        }
-        if self.mask_request_host.is_some() {
-            return refuse(
-                "maskRequestHost",
-                "the proxy forwards the Host a client sends",
-            );
         }
         if !self.https_ports.is_empty() {
             return refuse(

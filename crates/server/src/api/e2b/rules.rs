@@ -1,7 +1,9 @@
 //! E2B's network `rules` (`{host: [{transform: {headers: {name: value}}}]}`) on sandpit's
 //! credential broker: the broker sets those headers on the sandbox's requests to the host,
 //! filling each `${e2b.secrets.NAME}` with the owner's secret on the way out, so the
-//! sandbox never holds the value. Rules grant no egress: `allowOut` still decides.
+//! sandbox never holds the value. Rules grant no egress: `allowOut` still decides. The
+//! same record keeps `maskRequestHost`, the Host the ingress gives requests to the
+//! sandbox's ports.
 
 use super::E2bError;
 use crate::api::AppState;
@@ -18,9 +20,34 @@ pub fn parse(rules: Option<&serde_json::Value>) -> Result<Option<EgressRules>, E
     }
 }
 
-/// The rules of a create's `network` object.
+/// A `maskRequestHost` (`None`: not given).
+pub fn mask(raw: Option<&serde_json::Value>) -> Result<Option<String>, E2bError> {
+    match raw {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(serde_json::Value::String(m)) => transform::check_mask(m)
+            .map(Some)
+            .map_err(|e| E2bError::bad_request(e.0)),
+        Some(_) => Err(E2bError::bad_request("maskRequestHost must be a string")),
+    }
+}
+
+/// Adds `mask` to `rules`.
+pub fn with_mask(rules: Option<EgressRules>, mask: Option<String>) -> Option<EgressRules> {
+    match mask {
+        None => rules,
+        Some(m) => {
+            let mut r = rules.unwrap_or_default();
+            r.mask_request_host = Some(m);
+            Some(r)
+        }
+    }
+}
+
+/// The rules and `maskRequestHost` of a create's `network` object.
 pub fn of_create(network: Option<&serde_json::Value>) -> Result<Option<EgressRules>, E2bError> {
-    parse(network.and_then(|n| n.get("rules")))
+    let rules = parse(network.and_then(|n| n.get("rules")))?;
+    let mask = mask(network.and_then(|n| n.get("maskRequestHost")))?;
+    Ok(with_mask(rules, mask))
 }
 
 /// Checks, before a sandbox is made, that the broker can serve `rules` for `owner`.

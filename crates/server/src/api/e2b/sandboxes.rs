@@ -540,8 +540,17 @@ pub async fn update_network(
     Required(req): Required<crate::api::e2b::E2bNetwork>,
 ) -> Result<StatusCode, E2bError> {
     let rec = live(&state, &owner, &id).await?;
-    // The update replaces the whole configuration: no rules in it clears them.
+    // The update replaces the whole configuration: no rules in it clears them. Its body
+    // has no maskRequestHost (E2B's SDKs send none), so the create's stays unless given.
     let rules = super::rules::parse(req.rules.as_ref())?;
+    let given = super::rules::mask(
+        req.mask_request_host
+            .as_ref()
+            .map(|m| serde_json::Value::String(m.clone()))
+            .as_ref(),
+    )?;
+    let mask = given.or_else(|| state.broker.mask_request_host(&rec.id));
+    let rules = super::rules::with_mask(rules, mask);
     super::rules::check(&state, &owner.0, rules.as_ref()).await?;
     if let Some(policy) = crate::api::e2b::network_update(&req)? {
         let _applied = crate::api::network::set_policy(
