@@ -577,9 +577,15 @@ async fn rules_inject_secrets_on_egress_and_the_sandbox_sees_only_placeholders()
         Some(format!("Bearer {VALUE2}").as_str())
     );
     c.delete_sandbox(&fork).await.unwrap();
-    // Sandbox info shows no value.
+    // Sandbox info shows the rules with their placeholders, never a value.
     let (_, text, _) = e.raw(Method::GET, &format!("/sandboxes/{id}"), None).await;
     assert!(!text.contains(VALUE) && !text.contains(VALUE2), "{text}");
+    let info: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        info["network"]["rules"]["api.upstream.test"][0]["transform"]["headers"]["Authorization"],
+        format!("Bearer {placeholder}"),
+        "{info}"
+    );
 
     // A deleted secret: the request is refused, and never reaches the upstream.
     let before = up.requests().len();
@@ -701,6 +707,11 @@ nohup python3 /tmp/echo_host.py >/dev/null 2>&1 &"#;
         .await;
     assert_eq!(s, StatusCode::NO_CONTENT, "{v}");
     assert_eq!(seen().await, "custom-host.example.com:8080");
+    let (_, info) = e.call(Method::GET, &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(
+        info["network"]["maskRequestHost"], "custom-host.example.com:${PORT}",
+        "{info}"
+    );
     c.delete_sandbox(&id).await.unwrap();
     d.shutdown().await;
 }

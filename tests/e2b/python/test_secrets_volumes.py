@@ -115,9 +115,13 @@ def test_a_sandbox_sees_only_the_placeholder(secret):
             "| grep -c -F -f <(n); true"
         )
         assert found.stdout.strip() == "0"
-        assert VALUE not in repr(sbx.get_info())
+        info = sbx.get_info()
+        assert VALUE not in repr(info)
+        shown = info.network["rules"]["api.example.com"][0]["transform"]["headers"]
+        assert shown == {"Authorization": f"Bearer {placeholder}"}
         # A rule update replaces the rules; naming an unknown secret is refused.
         sbx.update_network({"rules": {"api.example.org": [{"transform": {"headers": {"X-A": "1"}}}]}})
+        assert list(sbx.get_info().network["rules"]) == ["api.example.org"]
         with pytest.raises(SandboxException):
             sbx.update_network(
                 {"rules": {"api.example.org": [{"transform": {"headers": {"X-A": Secret.fill(unique("nope"))}}}]}}

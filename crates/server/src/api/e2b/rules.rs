@@ -66,6 +66,20 @@ pub async fn check(
     Ok(())
 }
 
+/// The rules and `maskRequestHost` of sandbox `id` as sandbox info shows them (header
+/// values as given: placeholders, never a secret's value).
+pub fn shown(state: &AppState, id: &str) -> Option<serde_json::Value> {
+    let r = state.broker.egress_rules(id)?;
+    let mut m = serde_json::Map::new();
+    if !r.hosts.is_empty() {
+        m.insert("rules".into(), r.shown.clone());
+    }
+    if let Some(mask) = &r.mask_request_host {
+        m.insert("maskRequestHost".into(), mask.clone().into());
+    }
+    Some(serde_json::Value::Object(m))
+}
+
 /// Gives sandbox `id` of `owner` these rules (`None`: clears them).
 pub async fn install(
     state: &AppState,

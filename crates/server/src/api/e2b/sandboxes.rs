@@ -328,6 +328,7 @@ pub async fn detail(
             .into(),
         },
         allow_internet_access: access.internet,
+        network: super::rules::shown(&state, &rec.id),
     }))
 }
 
