@@ -364,8 +364,8 @@ impl ConnCtx {
 
     /// Sets the headers the sandbox's egress rules give this host, each
     /// `${e2b.secrets.NAME}` filled in with the owner's secret: the names and values used.
-    /// A secret that is gone, or a destination the host does not resolve to, refuses the
-    /// request rather than sending the placeholder on.
+    /// A secret that is gone, plain HTTP, or a destination the host does not resolve to,
+    /// refuses the request rather than sending the placeholder on.
     #[allow(clippy::type_complexity)]
     fn apply_egress_rules(
         &self,
@@ -402,6 +402,14 @@ impl ConnCtx {
                                     h.name
                                 ),
                             })?;
+                        // As the broker's own secrets by default: never in clear text.
+                        if !self.tls {
+                            return Err(Refusal {
+                                secret: name.clone(),
+                                reason: Reason::Scheme,
+                                message: format!("secret {name} may only be sent over HTTPS"),
+                            });
+                        }
                         if !self.resolved {
                             return Err(Refusal {
                                 secret: name.clone(),

@@ -529,6 +529,19 @@ async fn rules_inject_secrets_on_egress_and_the_sandbox_sees_only_placeholders()
         last_header(&up, "wild.upstream.test", "authorization"),
         None
     );
+    // Plain HTTP: headers without a secret go in, a secret never goes in clear text.
+    let before = up.requests().len();
+    let (body, tail) = curl(&c, &id, "http://wild.upstream.test/plain").await;
+    assert_eq!(tail, "200 0", "{body}");
+    assert_eq!(
+        last_header(&up, "wild.upstream.test", "x-wild").as_deref(),
+        Some("wild-value")
+    );
+    let (body, tail) = curl(&c, &id, "http://api.upstream.test/plain").await;
+    assert_eq!(tail, "403 0", "{body}");
+    let refusal: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(refusal["reason"], "scheme", "{refusal}");
+    assert_eq!(up.requests().len(), before + 1);
 
     // The sandbox holds only the placeholder: its environment, its processes, its files.
     let env = sh(&c, &id, "echo \"$GH_TOKEN\"").await;
