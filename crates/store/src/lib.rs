@@ -14,6 +14,7 @@ mod approvals;
 mod error;
 mod keys;
 pub use keys::{E2B_KEY_PREFIX, e2b_key_form};
+mod e2b_secrets;
 mod leases;
 mod metrics;
 mod model;
@@ -42,6 +43,7 @@ pub use approvals::{
     ApprovalRecord, ApprovalScope, ApprovalState, ApprovalTarget, Capability, Decided, Decision,
     NewApproval, Requested,
 };
+pub use e2b_secrets::{E2bSecretRecord, EgressRulesRecord};
 pub use error::StoreError;
 pub use leases::{LeaseRecord, LeaseStatus};
 pub use metrics::MetricSample;
