@@ -28,6 +28,7 @@ mod templates;
 mod usage;
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -66,6 +67,9 @@ pub struct Client {
     base: Url,
     /// `Bearer <key>`, kept for WebSocket upgrades (plain requests get it as a default header).
     auth: Option<HeaderValue>,
+    /// TLS (trusting the system's roots for an `https` daemon), shared by requests and
+    /// WebSocket upgrades.
+    tls: Arc<rustls::ClientConfig>,
 }
 
 impl Client {
@@ -105,8 +109,17 @@ impl Client {
         if is_loopback(&base) {
             builder = builder.no_proxy();
         }
+        // reqwest builds TLS for every client; a plain-HTTP daemon gets one trusting no
+        // root (nothing to load, and no https to follow anywhere).
+        let tls = tls_config(base.scheme() == "https")?;
+        builder = builder.use_preconfigured_tls((*tls).clone());
         let http = builder.build()?;
-        Ok(Client { http, base, auth })
+        Ok(Client {
+            http,
+            base,
+            auth,
+            tls,
+        })
     }
 
     /// The daemon's base URL.
@@ -655,10 +668,46 @@ impl Client {
             request.headers_mut().insert(AUTHORIZATION, auth.clone());
         }
         // Interactive streams carry single keystrokes: no Nagle delay.
+        let connector = Some(tokio_tungstenite::Connector::Rustls(self.tls.clone()));
         let (ws, _response) =
-            tokio_tungstenite::connect_async_with_config(request, None, true).await?;
+            tokio_tungstenite::connect_async_tls_with_config(request, None, true, connector)
+                .await?;
         Ok(ws)
     }
+}
+
+/// TLS settings: for an `https` daemon (`system_roots`) the system's trusted roots, which
+/// honour `SSL_CERT_FILE` (how a CA from `sandpit tls init` is trusted without installing
+/// it); otherwise none.
+fn tls_config(system_roots: bool) -> Result<Arc<rustls::ClientConfig>, ClientError> {
+    let mut roots = rustls::RootCertStore::empty();
+    if system_roots {
+        add_system_roots(&mut roots)?;
+    }
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| ClientError::Config(format!("TLS: {e}")))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(Arc::new(config))
+}
+
+/// Adds the system's CA certificates (or `SSL_CERT_FILE`'s) to `roots`.
+fn add_system_roots(roots: &mut rustls::RootCertStore) -> Result<(), ClientError> {
+    let found = rustls_native_certs::load_native_certs();
+    let (added, _ignored) = roots.add_parsable_certificates(found.certs);
+    if added == 0 {
+        let why = found
+            .errors
+            .first()
+            .map(|e| format!(": {e}"))
+            .unwrap_or_default();
+        return Err(ClientError::Config(format!(
+            "no trusted CA certificate found for https{why} (set SSL_CERT_FILE to the daemon's CA)"
+        )));
+    }
+    Ok(())
 }
 
 /// A streamed request body reading `reader` to its end.

@@ -251,6 +251,27 @@ async fn the_python_sdk_works_in_host_form_over_tls() {
         ],
     );
     println!("{text}");
+
+    // sandpit's own CLI over https: requests (create, delete) and a WebSocket (the
+    // command's stream), trusting the test's CA through SSL_CERT_FILE.
+    let cli = |trust: bool| {
+        let mut envs = vec![
+            ("SANDPIT_URL", d.url.clone()),
+            ("SANDPIT_API_KEY", d.key.clone()),
+        ];
+        if trust {
+            envs.push(("SSL_CERT_FILE", ca.display().to_string()));
+        }
+        let bin = sandpit_bin().display().to_string();
+        run_with_resolver(
+            &resolv,
+            &envs,
+            &[bin, "run".into(), "echo".into(), "over-tls".into()],
+        )
+    };
+    let (cli_ok, cli_text) = cli(true);
+    // Without the CA the certificate is not trusted and nothing runs.
+    let (untrusted_ok, untrusted_text) = cli(false);
     drop(dns);
     // The test harness cleans up over plain HTTP: the same data directory and port served
     // without TLS removes whatever a failed scenario left.
@@ -258,6 +279,14 @@ async fn the_python_sdk_works_in_host_form_over_tls() {
     assert!(ok, "the host-form scenarios failed:\n{text}");
     assert!(text.contains("5 passed"), "{text}");
     assert!(!text.contains("skipped"), "{text}");
+    assert!(
+        cli_ok && cli_text.contains("over-tls"),
+        "the CLI over https failed:\n{cli_text}"
+    );
+    assert!(
+        !untrusted_ok && !untrusted_text.contains("over-tls"),
+        "the CLI trusted an unknown CA:\n{untrusted_text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
