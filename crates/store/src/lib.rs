@@ -11,6 +11,7 @@ mod stored_enum;
 mod access;
 mod agents;
 mod approvals;
+mod e2b_templates;
 mod error;
 mod keys;
 pub use keys::{E2B_KEY_PREFIX, e2b_key_form};
@@ -41,6 +42,7 @@ pub use approvals::{
     ApprovalRecord, ApprovalScope, ApprovalState, ApprovalTarget, Capability, Decided, Decision,
     NewApproval, Requested,
 };
+pub use e2b_templates::{E2bBuildRecord, E2bTagRecord, E2bTemplateRecord};
 pub use error::StoreError;
 pub use leases::{LeaseRecord, LeaseStatus};
 pub use model::{

@@ -2,6 +2,7 @@
 //! that E2B's SDKs pointed at sandpit with `E2B_API_URL` work unchanged. Each route maps onto
 //! the same manager calls as sandpit's own `/v1` API; only names, shapes and statuses differ.
 
+pub mod builds;
 mod sandboxes;
 mod templates;
 pub mod types;
@@ -46,6 +47,11 @@ pub struct E2bConfig {
     /// (container runtime only). `false` leaves both out: `sudo` is then not found.
     #[serde(default = "yes")]
     pub sudo: bool,
+    /// Images E2B template builds may start from (`fromImage`), mapped to the absolute
+    /// path of a local OCI layout or `docker save` tarball, or to a template name: this
+    /// daemon pulls nothing from a registry.
+    #[serde(default)]
+    pub images: BTreeMap<String, String>,
 }
 
 fn yes() -> bool {
@@ -66,6 +72,7 @@ impl Default for E2bConfig {
             idle_timeout_secs: 0,
             internet_by_default: true,
             sudo: true,
+            images: BTreeMap::new(),
         }
     }
 }
@@ -223,8 +230,10 @@ pub fn router(state: AppState) -> Router<AppState> {
             get(templates::get).delete(templates::delete),
         )
         .route("/templates/aliases/{alias}", get(templates::alias))
+        .merge(builds::routes())
         .layer(axum::extract::DefaultBodyLimit::max(super::JSON_LIMIT))
         .layer(axum::middleware::from_fn_with_state(state, authenticate))
+        .merge(builds::public_routes())
 }
 
 /// What an E2B client needs to reach a sandbox's data plane.
