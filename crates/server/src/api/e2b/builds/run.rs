@@ -112,6 +112,15 @@ fn account(u: &str) -> Option<&'static str> {
     }
 }
 
+/// `uid:gid` of a sandbox account, numeric: an image need not have an /etc/passwd.
+fn ids_of(account: &str) -> String {
+    if account == "root" {
+        "0:0".into()
+    } else {
+        "1000:1000".into()
+    }
+}
+
 fn check_text(step: &str, what: &str, s: &str, max: usize) -> Result<(), PlanError> {
     if s.is_empty() || s.len() > max || s.contains('\0') {
         return Err(PlanError::bad(
@@ -724,7 +733,7 @@ impl Job {
                 self.info(name, format!("{head} WORKDIR {w}"));
                 let mut env = BTreeMap::new();
                 env.insert("SP_DIR".to_string(), w.clone());
-                env.insert("SP_OWNER".to_string(), ctx.user.clone());
+                env.insert("SP_OWNER".to_string(), ids_of(&ctx.user));
                 // Run from `/`: the directory may not exist yet.
                 let root = Context {
                     user: "root".into(),
@@ -823,7 +832,7 @@ impl Job {
         let mut env = BTreeMap::new();
         env.insert("SP_ARCHIVE".to_string(), inside);
         env.insert("SP_DEST".to_string(), dest.clone());
-        env.insert("SP_OWNER".to_string(), owner.to_string());
+        env.insert("SP_OWNER".to_string(), ids_of(owner));
         env.insert(
             "SP_SINGLE".to_string(),
             selected.single_file.unwrap_or_default(),
