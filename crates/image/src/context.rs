@@ -437,13 +437,13 @@ fn glob_match(pattern: &[u8], name: &[u8]) -> bool {
                         continue;
                     }
                 }
-                b'\\' if p + 1 < pattern.len() => {
-                    if pattern[p + 1] == name[n] {
-                        p += 2;
-                        n += 1;
-                        continue;
-                    }
+                b'\\' if p + 1 < pattern.len() && pattern[p + 1] == name[n] => {
+                    p += 2;
+                    n += 1;
+                    continue;
                 }
+                // An escaped character that does not match.
+                b'\\' if p + 1 < pattern.len() => {}
                 c if c == name[n] => {
                     p += 1;
                     n += 1;
@@ -546,11 +546,14 @@ mod tests {
         }
     }
 
+    /// A written member: name, type, content (or link target) and owner.
+    type Written = (String, tar::EntryType, Vec<u8>, u64);
+
     fn select(
         members: &[M<'_>],
         pattern: &str,
         limits: &ContextLimits,
-    ) -> Result<(Selection, Vec<(String, tar::EntryType, Vec<u8>, u64)>), ImageError> {
+    ) -> Result<(Selection, Vec<Written>), ImageError> {
         let input = archive(members, true);
         let mut out = Vec::new();
         let s = select_context(&input[..], &mut out, &spec(pattern), limits)?;

@@ -25,6 +25,10 @@ pub use run::image_template_name;
 
 /// Largest upload of a COPY step's files (the compressed tar the SDK sends).
 pub const MAX_UPLOAD: u64 = 512 << 20;
+/// Most uploads one template keeps (each COPY source set is one).
+const MAX_UPLOADS: usize = 256;
+/// Most bytes of uploads one template keeps.
+const MAX_UPLOAD_BYTES: u64 = 4 << 30;
 /// How long an upload URL stays valid.
 const UPLOAD_URL_SECS: i64 = 3600;
 /// Lines a build log keeps; later lines are dropped and counted.
@@ -231,10 +235,12 @@ impl BuildLog {
     }
 }
 
+/// Build logs with their build ids, oldest first.
+type LogList = VecDeque<(String, Arc<BuildLog>)>;
+
 /// Logs of the builds this daemon ran, by build id. Kept in the process (like the core's
 /// access cache): a restart loses them, and the status answer then says so.
-static LOGS: LazyLock<Mutex<VecDeque<(String, Arc<BuildLog>)>>> =
-    LazyLock::new(|| Mutex::new(VecDeque::new()));
+static LOGS: LazyLock<Mutex<LogList>> = LazyLock::new(|| Mutex::new(VecDeque::new()));
 
 fn register_log(build_id: &str) -> Arc<BuildLog> {
     let log = BuildLog::new();
@@ -556,6 +562,9 @@ pub async fn upload(
         }
     }
     let denied = || E2bError::new(StatusCode::FORBIDDEN, "invalid or expired upload URL");
+    if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_alphanumeric()) {
+        return Err(denied());
+    }
     let (Some(expires), Some(signature)) = (expires, signature) else {
         return Err(denied());
     };
@@ -574,6 +583,15 @@ pub async fn upload(
     tokio::fs::create_dir_all(&dir)
         .await
         .map_err(|e| io_err("create the upload directory", e))?;
+    let (count, bytes) = stored_uploads(&dir).await;
+    if count >= MAX_UPLOADS || bytes >= MAX_UPLOAD_BYTES {
+        return Err(E2bError::new(
+            StatusCode::INSUFFICIENT_STORAGE,
+            format!(
+                "template {id} holds {count} uploads ({bytes} bytes), the most one template may keep; delete the template to start over"
+            ),
+        ));
+    }
     let part = dir.join(format!(".{hash}.{}", uuid::Uuid::new_v4().simple()));
     let mut file = tokio::fs::File::create(&part)
         .await
@@ -610,6 +628,20 @@ pub async fn upload(
         .map_err(|e| io_err("store the upload", e))?;
     tracing::debug!(template = %id, hash = %hash, bytes = written, "build files uploaded");
     Ok(StatusCode::OK)
+}
+
+/// How many uploads a template's directory holds, and their bytes.
+async fn stored_uploads(dir: &std::path::Path) -> (usize, u64) {
+    let (mut count, mut bytes) = (0, 0);
+    if let Ok(mut rd) = tokio::fs::read_dir(dir).await {
+        while let Ok(Some(e)) = rd.next_entry().await {
+            if let Ok(m) = e.metadata().await {
+                count += 1;
+                bytes += m.len();
+            }
+        }
+    }
+    (count, bytes)
 }
 
 fn io_err(what: &str, e: std::io::Error) -> E2bError {
@@ -651,17 +683,21 @@ pub async fn start_build(
             return Err(E2bError::new(e.status, message));
         }
     };
-    if !state
+    // The log exists before the record says `building`: a status read in between must
+    // not take the build for one a stopped daemon left.
+    let log = register_log(&build.id);
+    let moved = state
         .store
         .e2b_transition_build(&build.id, &["waiting"], "building")
-        .await?
-    {
+        .await;
+    if !matches!(moved, Ok(true)) {
+        LOGS.lock().retain(|(_, l)| !Arc::ptr_eq(l, &log));
+        moved?;
         return Err(E2bError::new(
             StatusCode::CONFLICT,
             format!("build {build_id} has already been started"),
         ));
     }
-    let log = register_log(&build.id);
     tokio::spawn(run::run(
         state.clone(),
         owner.0.clone(),

@@ -601,6 +601,7 @@ impl Job {
     }
 
     /// Runs a shell command in the build sandbox; its output goes to the log.
+    #[allow(clippy::too_many_arguments)]
     async fn shell(
         &self,
         rec: &SandboxRecord,
