@@ -194,25 +194,21 @@ impl Store {
         rows.iter().map(build_row).collect()
     }
 
-    /// Moves a build from one of `from` to `to`; false when it was in none of them.
+    /// Moves a build from state `from` to `to` (compare-and-set); false when it was not
+    /// in `from`.
     pub async fn e2b_transition_build(
         &self,
         build_id: &str,
-        from: &[&str],
+        from: &str,
         to: &str,
     ) -> Result<bool, StoreError> {
-        let list = from
-            .iter()
-            .map(|s| format!("'{}'", s.replace('\'', "")))
-            .collect::<Vec<_>>()
-            .join(", ");
-        let done = sqlx::query(&format!(
-            "UPDATE e2b_builds SET status = $1, updated_at_ms = $2 \
-             WHERE id = $3 AND status IN ({list})"
-        ))
+        let done = sqlx::query(
+            "UPDATE e2b_builds SET status = $1, updated_at_ms = $2 WHERE id = $3 AND status = $4",
+        )
         .bind(to)
         .bind(now_ms())
         .bind(build_id)
+        .bind(from)
         .execute(&self.writer)
         .await?;
         Ok(done.rows_affected() == 1)
@@ -355,5 +351,93 @@ impl Store {
             .await?;
         tx.commit().await?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn template(owner: &str, name: &str, id: &str) -> E2bTemplateRecord {
+        E2bTemplateRecord {
+            id: id.into(),
+            owner: owner.into(),
+            name: name.into(),
+            cpu_count: 1,
+            memory_mb: 512,
+            created_at_ms: 0,
+            updated_at_ms: 0,
+        }
+    }
+
+    #[tokio::test]
+    async fn builds_share_their_template_and_tags_follow_ready_builds() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(&dir.path().join("e2b.db")).await.unwrap();
+        let tags = vec!["v1".to_string()];
+        let t = s
+            .e2b_request_build(&template("a", "app", "t1"), "b1", &tags)
+            .await
+            .unwrap();
+        assert_eq!(t.id, "t1");
+        // The same name again is the same template; another owner's is another.
+        let again = s
+            .e2b_request_build(&template("a", "app", "t2"), "b2", &[])
+            .await
+            .unwrap();
+        assert_eq!(again.id, "t1");
+        let other = s
+            .e2b_request_build(&template("b", "app", "t3"), "b3", &[])
+            .await
+            .unwrap();
+        assert_eq!(other.id, "t3");
+        assert!(s.e2b_template("a", "t3").await.unwrap().is_none());
+        assert_eq!(s.e2b_template("a", "app").await.unwrap().unwrap().id, "t1");
+        // Started once only.
+        assert!(
+            s.e2b_transition_build("b1", "waiting", "building")
+                .await
+                .unwrap()
+        );
+        assert!(
+            !s.e2b_transition_build("b1", "waiting", "building")
+                .await
+                .unwrap()
+        );
+        let b1 = s.e2b_build("t1", "b1").await.unwrap().unwrap();
+        assert_eq!(b1.status, "building");
+        assert!(s.e2b_build("t3", "b1").await.unwrap().is_none());
+        // A failed build gets no tags; a ready one does.
+        s.e2b_finish_build(&b1, false, Some("no"), Some("2"))
+            .await
+            .unwrap();
+        assert!(s.e2b_tags("t1").await.unwrap().is_empty());
+        let failed = s.e2b_build("t1", "b1").await.unwrap().unwrap();
+        assert_eq!(
+            (failed.reason.as_deref(), failed.step.as_deref()),
+            (Some("no"), Some("2"))
+        );
+        s.e2b_finish_build(&b1, true, None, None).await.unwrap();
+        let listed = s.e2b_tags("t1").await.unwrap();
+        assert_eq!(listed.len(), 1);
+        assert_eq!(
+            (listed[0].tag.as_str(), listed[0].build_id.as_str()),
+            ("v1", "b1")
+        );
+        s.e2b_assign_tags("t1", "b1", &["prod".into()])
+            .await
+            .unwrap();
+        assert_eq!(
+            s.e2b_remove_tags("t1", &["prod".into(), "nope".into()])
+                .await
+                .unwrap(),
+            1
+        );
+        assert_eq!(s.e2b_builds("t1").await.unwrap().len(), 2);
+        s.e2b_delete_template("t1").await.unwrap();
+        assert!(s.e2b_template("a", "app").await.unwrap().is_none());
+        assert!(s.e2b_builds("t1").await.unwrap().is_empty());
+        assert!(s.e2b_tags("t1").await.unwrap().is_empty());
+        assert!(s.e2b_template("b", "app").await.unwrap().is_some());
     }
 }

@@ -688,7 +688,7 @@ pub async fn start_build(
     let log = register_log(&build.id);
     let moved = state
         .store
-        .e2b_transition_build(&build.id, &["waiting"], "building")
+        .e2b_transition_build(&build.id, "waiting", "building")
         .await;
     if !matches!(moved, Ok(true)) {
         LOGS.lock().retain(|(_, l)| !Arc::ptr_eq(l, &log));
