@@ -710,3 +710,63 @@ async fn hostile_uploads_are_refused_and_never_touch_the_host() {
     assert!(live_sandboxes(&d).await.is_empty());
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_streams_its_log_and_one_cut_short_by_a_daemon_stop_leaves_nothing() {
+    let mut d = Daemon::start().await;
+    let key = d.key.clone();
+    let e = E2b::new(&d, &key);
+    let (tid, bid) = e.request("cut-short").await;
+    let (s, v) = e
+        .start(
+            &tid,
+            &bid,
+            json!({"fromTemplate": "base", "steps": [
+                {"type": "RUN", "args": ["echo begun; sleep 300"]},
+            ]}),
+        )
+        .await;
+    assert_eq!(s, 202, "{v}");
+    // The step's output is in the log while the step still runs.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let (_, v) = e
+            .get(&format!("/templates/{tid}/builds/{bid}/status"))
+            .await;
+        assert_eq!(v["status"], "building", "{v}");
+        let seen = v["logEntries"]
+            .as_array()
+            .is_some_and(|l| l.iter().any(|e| e["message"] == "begun"));
+        if seen {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{v}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(live_sandboxes(&d).await.len(), 1);
+    d.stop();
+    let d = d.restart().start().await;
+    let e = E2b::new(&d, &key);
+    let (s, v) = e
+        .get(&format!("/templates/{tid}/builds/{bid}/status"))
+        .await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["status"], "error", "{v}");
+    let m = v["reason"]["message"].as_str().unwrap_or("");
+    assert!(m.contains("interrupted"), "{m}");
+    // Its build sandbox went with it, and nothing starts from the template.
+    assert!(live_sandboxes(&d).await.is_empty());
+    assert!(
+        d.client()
+            .list_snapshots()
+            .await
+            .expect("snapshots")
+            .items
+            .is_empty()
+    );
+    let (s, _) = e
+        .post("/v2/sandboxes", json!({"templateID": "cut-short"}))
+        .await;
+    assert_eq!(s, 404);
+    d.shutdown().await;
+}

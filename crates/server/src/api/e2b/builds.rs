@@ -747,6 +747,7 @@ pub async fn status(
             .await?;
         build.status = "error".into();
         build.reason = Some(why.into());
+        leftovers(&state, &owner.0, &build.id).await;
     }
     let all: Vec<LogEntry> = log
         .map(|l| {
@@ -786,6 +787,30 @@ pub async fn status(
         status: build.status,
         reason,
     }))
+}
+
+/// Removes what an interrupted build left: its sandbox and its snapshot.
+async fn leftovers(state: &AppState, owner: &str, build_id: &str) {
+    use sandpit_store::{SandboxFilter, SandboxState as S};
+    let filter = SandboxFilter {
+        owner: Some(owner.to_string()),
+        states: vec![S::Creating, S::Running, S::Paused, S::Hibernated],
+        metadata: vec![("e2b.build".to_string(), build_id.to_string())],
+        ..Default::default()
+    };
+    if let Ok(page) = state.store.list_sandboxes(&filter).await {
+        for rec in page.items {
+            if let Err(e) = state.manager.destroy(&rec).await {
+                tracing::warn!(sandbox = %rec.id, error = %e.chain(), "removing an interrupted build's sandbox failed");
+            }
+        }
+    }
+    let snapshot = format!("e2b-build-{build_id}");
+    if let Ok(Some(s)) = state.store.get_snapshot(owner, &snapshot).await
+        && let Err(e) = state.manager.delete_snapshot(owner, &s.id, false).await
+    {
+        tracing::warn!(snapshot = %s.id, error = %e.chain(), "removing an interrupted build's snapshot failed");
+    }
 }
 
 fn level_rank(level: &str) -> Option<u8> {

@@ -630,18 +630,100 @@ impl Job {
             max_output_bytes: Some(STEP_OUTPUT),
             ..Default::default()
         };
-        let r = crate::exec::run_to_end(&conn, &req).await.map_err(|e| {
+        self.stream(&conn, &req, step).await.map_err(|e| {
             Failure::at(
                 step,
                 format!("failed to run command '{cmd}': {}", e.chain()),
             )
-        })?;
-        for (level, text) in [("info", &r.stdout), ("info", &r.stderr)] {
-            for line in text.lines() {
-                self.log.push(level, Some(step), line.to_string());
+        })
+    }
+
+    /// Runs a command to its end, putting its output in the build log line by line as it
+    /// comes; what the result keeps of each stream is bounded.
+    async fn stream(
+        &self,
+        conn: &crate::agent_conn::AgentConn,
+        req: &RunCommandRequest,
+        step: &str,
+    ) -> Result<sandpit_api::RunCommandResponse, sandpit_core::CoreError> {
+        use sandpit_proto::process::__buffa::oneof::process_event::Event;
+        use sandpit_proto::process::__buffa::oneof::process_event::data_event::Output;
+        use sandpit_proto::process::StartResponse;
+        let started = std::time::Instant::now();
+        let (pid, mut events) = crate::exec::start(conn, req, false).await?;
+        let deadline = req
+            .timeout_ms
+            .map(|ms| tokio::time::Instant::now() + Duration::from_millis(ms));
+        // Partial lines of stdout and stderr, and what the answer keeps of each.
+        let (mut partial, mut kept) = ([Vec::new(), Vec::new()], [Vec::new(), Vec::new()]);
+        let (mut exit_code, mut timed_out) = (-1, false);
+        loop {
+            let next = match deadline {
+                Some(d) if !timed_out => {
+                    match tokio::time::timeout_at(d, events.message::<StartResponse>()).await {
+                        Ok(m) => m,
+                        Err(_) => {
+                            timed_out = true;
+                            crate::exec::kill(conn, pid).await;
+                            continue;
+                        }
+                    }
+                }
+                _ => events.message::<StartResponse>().await,
+            };
+            let Some(msg) = next? else { break };
+            match (*msg.to_owned_message().event).clone().event {
+                Some(Event::Data(d)) => {
+                    let (i, chunk) = match d.output {
+                        Some(Output::Stdout(b)) => (0, b),
+                        Some(Output::Stderr(b)) | Some(Output::Pty(b)) => (1, b),
+                        None => continue,
+                    };
+                    let room = (STEP_OUTPUT as usize).saturating_sub(kept[i].len());
+                    kept[i].extend_from_slice(&chunk[..chunk.len().min(room)]);
+                    partial[i].extend_from_slice(&chunk);
+                    while let Some(nl) = partial[i].iter().position(|b| *b == b'\n') {
+                        let line: Vec<u8> = partial[i].drain(..=nl).collect();
+                        self.log.push(
+                            "info",
+                            Some(step),
+                            String::from_utf8_lossy(&line[..line.len() - 1]).into_owned(),
+                        );
+                    }
+                    // A line with no end in sight is logged in pieces.
+                    if partial[i].len() > super::MAX_LOG_LINE {
+                        let line: Vec<u8> = std::mem::take(&mut partial[i]);
+                        self.log.push(
+                            "info",
+                            Some(step),
+                            String::from_utf8_lossy(&line).into_owned(),
+                        );
+                    }
+                }
+                Some(Event::End(e)) => {
+                    exit_code = e.exit_code;
+                    break;
+                }
+                _ => {}
             }
         }
-        Ok(r)
+        for rest in partial.iter().filter(|p| !p.is_empty()) {
+            self.log.push(
+                "info",
+                Some(step),
+                String::from_utf8_lossy(rest).into_owned(),
+            );
+        }
+        let [out, err] = kept;
+        Ok(sandpit_api::RunCommandResponse {
+            pid,
+            exit_code,
+            stdout: String::from_utf8_lossy(&out).into_owned(),
+            stderr: String::from_utf8_lossy(&err).into_owned(),
+            duration_ms: started.elapsed().as_millis() as u64,
+            truncated: false,
+            timed_out,
+        })
     }
 
     async fn step(
