@@ -270,6 +270,19 @@ impl Store {
         Ok(())
     }
 
+    /// The owner of the E2B template whose build made sandpit template `template`, if a
+    /// build made it.
+    pub async fn e2b_build_owner(&self, template: &str) -> Result<Option<String>, StoreError> {
+        let row: Option<(String,)> = sqlx::query_as(
+            "SELECT t.owner FROM e2b_builds b JOIN e2b_templates t ON t.id = b.template_id \
+             WHERE b.template = $1 LIMIT 1",
+        )
+        .bind(template)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(row.map(|(o,)| o))
+    }
+
     /// The tags of a template, by name.
     pub async fn e2b_tags(&self, template_id: &str) -> Result<Vec<E2bTagRecord>, StoreError> {
         let rows = sqlx::query(
@@ -418,6 +431,12 @@ mod tests {
             (Some("no"), Some("2"))
         );
         s.e2b_finish_build(&b1, true, None, None).await.unwrap();
+        assert_eq!(s.e2b_build_owner("e2b-t1-b1").await.unwrap(), None);
+        s.e2b_set_build_template("b1", "e2b-t1-b1").await.unwrap();
+        assert_eq!(
+            s.e2b_build_owner("e2b-t1-b1").await.unwrap().as_deref(),
+            Some("a")
+        );
         let listed = s.e2b_tags("t1").await.unwrap();
         assert_eq!(listed.len(), 1);
         assert_eq!(

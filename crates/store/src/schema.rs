@@ -440,6 +440,8 @@ pub(crate) const MIGRATIONS: &[(i64, &[&str])] = &[
             updated_at_ms BIGINT NOT NULL
         )",
             "CREATE INDEX e2b_builds_template_idx ON e2b_builds (template_id, created_at_ms)",
+            // Whose a sandpit template is, asked at every create.
+            "CREATE INDEX e2b_builds_sandpit_idx ON e2b_builds (template)",
             // Tags name builds (`name:tag`); `default` is the one a bare name starts.
             "CREATE TABLE e2b_tags (
             template_id TEXT NOT NULL REFERENCES e2b_templates (id) ON DELETE CASCADE,

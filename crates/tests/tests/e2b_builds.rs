@@ -436,6 +436,23 @@ async fn a_build_of_steps_on_a_local_image_makes_a_template_sandboxes_start_from
     let (s, v) = e.get("/templates/app").await;
     assert_eq!(s, 200);
     assert_eq!(v["builds"][0]["status"], "ready");
+    // The list shows it as E2B's template, not the sandpit template the build made.
+    let (_, v) = e.get("/templates").await;
+    let listed: Vec<&str> = v
+        .as_array()
+        .expect("templates")
+        .iter()
+        .filter_map(|t| t["templateID"].as_str())
+        .collect();
+    assert!(listed.contains(&tid.as_str()), "{listed:?}");
+    assert!(
+        !listed.iter().any(|t| t.starts_with(&format!("e2b-{tid}"))),
+        "{listed:?}"
+    );
+    let (_, v) = E2b::new(&d, &d.owner_key("team-c").await)
+        .get("/templates")
+        .await;
+    assert!(!v.to_string().contains(&tid), "{v}");
 
     // fromTemplate: a second template on the first one's files.
     let (t2, b2) = e.request("app-child").await;
@@ -477,6 +494,26 @@ async fn a_build_of_steps_on_a_local_image_makes_a_template_sandboxes_start_from
         .get(&format!("/templates/{tid}/files/{}", "a".repeat(64)))
         .await;
     assert_eq!(s, 404);
+    // Not by the sandpit template the build made either, through either API, nor as the
+    // base of a build of theirs.
+    let made = format!("e2b-{tid}-{}", bid.replace('-', ""));
+    assert!(d.client().get_template(&made).await.is_ok(), "{made}");
+    assert_eq!(
+        o.post("/v2/sandboxes", json!({"templateID": made})).await.0,
+        404
+    );
+    let theirs = d.owner("team-b").await;
+    let native = sandpit_api::CreateSandboxRequest {
+        template: Some(made.clone()),
+        ..Default::default()
+    };
+    assert_eq!(
+        sandpit_tests::error_status(theirs.create_sandbox(&native).await),
+        Some(404)
+    );
+    let (t3, b3) = o.request("borrowed").await;
+    let (s, v) = o.start(&t3, &b3, json!({"fromTemplate": made})).await;
+    assert_eq!(s, 400, "{v}");
 
     // A template in use cannot go; once its sandboxes are gone it can, with its builds.
     let (s, _) = e

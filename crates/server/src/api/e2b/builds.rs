@@ -943,6 +943,21 @@ pub async fn describe(
     }))
 }
 
+/// The caller's E2B-built templates as `GET /templates` shows them.
+pub async fn list(
+    state: &AppState,
+    owner: &Owner,
+) -> Result<Vec<super::types::Template>, E2bError> {
+    let mut out = Vec::new();
+    for t in state.store.e2b_templates(&owner.0).await? {
+        if let Some(mut v) = describe(state, owner, &t.id).await? {
+            v.builds = None;
+            out.push(v);
+        }
+    }
+    Ok(out)
+}
+
 /// Deletes the caller's E2B-built template `id` (id or name) with every build's sandpit
 /// template and its uploads, if it is one: `Ok(false)` when it is not. Refused (409) while
 /// a build runs or a sandbox uses one of its builds.

@@ -156,8 +156,16 @@ pub async fn list(
     State(state): State<AppState>,
     owner: Owner,
 ) -> Result<Json<Vec<types::Template>>, E2bError> {
-    let all = all_templates(&state, owner).await?;
-    Ok(Json(all.iter().map(|t| to_e2b(&state, t, false)).collect()))
+    let all = all_templates(&state, owner.clone()).await?;
+    let mut out = Vec::new();
+    for t in &all {
+        // A build's own template shows as the E2B template it belongs to (below).
+        if state.store.e2b_build_owner(&t.name).await?.is_none() {
+            out.push(to_e2b(&state, t, false));
+        }
+    }
+    out.extend(super::builds::list(&state, &owner).await?);
+    Ok(Json(out))
 }
 
 /// The sandpit template an E2B template id or alias stands for.

@@ -279,9 +279,15 @@ async fn base_template(state: &AppState, owner: &Owner, t: &str) -> Result<Base,
     if t == "host" {
         return Ok(Base::Template(t.into()));
     }
+    let theirs = state
+        .store
+        .e2b_build_owner(t)
+        .await
+        .map_err(|e| e.to_string())?
+        .is_some_and(|o| o != owner.0);
     match state.store.get_template(t).await {
-        Ok(Some(_)) => Ok(Base::Template(t.into())),
-        Ok(None) => Err(format!("template {t} not found")),
+        Ok(Some(_)) if !theirs => Ok(Base::Template(t.into())),
+        Ok(_) => Err(format!("template {t} not found")),
         Err(e) => Err(e.to_string()),
     }
 }
