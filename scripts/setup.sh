@@ -10,11 +10,14 @@
 #   python3-matplotlib: charts of the code interpreter's Python contexts (PNG results)
 #   nftables, iproute2, openssl: sandbox networking (`nft` enforces egress policies; the
 #                      network tests make their own namespaces with `ip` and a TLS cert)
-# With --test it also installs, into target/test-venv, the tools only the tests use:
+# With --test it also installs dnsmasq-base (the DNS stub of the host-form TLS test,
+# crates/tests/tests/e2b_host_tls.rs; only the binary, no service is started) and, into
+# target/test-venv, the tools only the tests use:
 #   moto[server]:      an S3-compatible server on loopback for the snapshot storage tests
 #   e2b, e2b-code-interpreter, pytest: the E2B Python SDK scenarios (tests/e2b/python)
 # into target/openapi-venv, schemathesis, the fuzzer of the OpenAPI conformance test
 # (tests/openapi: its own virtualenv, as it needs a newer pytest than the E2B SDK's pin),
+# into target/e2b-venv-X, each older E2B Python SDK release of tests/e2b/versions,
 # and, into target/test-node, the E2B JavaScript SDK for tests/e2b/js (nodejs and npm
 # come from apt when node is missing).
 # With --harnesses it installs the coding-agent harnesses the agent-run tests drive, pinned,
@@ -64,6 +67,12 @@ need_node() {
   fi
 }
 if $for_tests; then
+  if ! dpkg-query -W -f='${Status}' dnsmasq-base 2>/dev/null | grep -q "install ok installed"; then
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq dnsmasq-base
+  fi
   # A stamp of the requirements keeps a second run from asking pip again.
   python_tools() {
     local venv=$1 reqs=$2
@@ -75,6 +84,11 @@ if $for_tests; then
   }
   python_tools target/test-venv tests/e2b/requirements.txt
   python_tools target/openapi-venv tests/openapi/requirements.txt
+  # Older E2B SDK releases, one venv each: tests/e2b/versions/python-X.txt -> target/e2b-venv-X.
+  for reqs in tests/e2b/versions/python-*.txt; do
+    v=${reqs##*/python-}
+    python_tools "target/e2b-venv-${v%.txt}" "$reqs"
+  done
   need_node
   node_dir=target/test-node
   if ! cmp -s tests/e2b/js/package.json "$node_dir/package.json"; then

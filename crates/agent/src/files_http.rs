@@ -1,7 +1,11 @@
 //! HTTP `GET /files` (download) and `POST /files` (upload, multipart or raw body), streamed
 //! in both directions so that a large file never sits in memory. An upload creates the
 //! directories missing above its file as root, handing them to the user, as E2B's envd
-//! does; the file itself is written as the user.
+//! does; the file itself is written as the user. As in envd 0.6.x, an upload may be
+//! gzip-encoded (`Content-Encoding`, decoded in bounded chunks: see [`crate::encoding`]) and
+//! carry `X-Metadata-*` headers, stored as `user.e2b.*` attributes ([`crate::metadata`]);
+//! a download is gzip-encoded when `Accept-Encoding` asks for it, and a file without a
+//! trustworthy size (`/proc`) is streamed to its end.
 
 use crate::fs::{FsError, FsRoot};
 use crate::users;
@@ -27,6 +31,9 @@ pub struct WrittenEntry {
     pub name: String,
     pub r#type: &'static str,
     pub path: String,
+    /// The file's `user.e2b.*` metadata as read back after the write (absent when none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<std::collections::HashMap<String, String>>,
 }
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
@@ -58,6 +65,9 @@ pub async fn download(
         .as_deref()
         .ok_or_else(|| FsError::InvalidPath("missing path".into()))?;
     let p = root.check(path, &user)?;
+    // Refused before the file is opened, as E2B's envd does (406).
+    let coding = crate::encoding::accepted_coding(&headers)
+        .map_err(|e| FsError::NotAcceptable(e.to_string()))?;
     let r2 = root.clone();
     let p2 = p.clone();
     let u2 = user.clone();
@@ -65,19 +75,35 @@ pub async fn download(
         tokio::task::spawn_blocking(move || users::as_fs_user(&u2, || r2.open_read(&p2)))
             .await
             .map_err(|e| FsError::Io(p.abs.clone(), std::io::Error::other(e)))??;
-    let stream =
-        tokio_util::io::ReaderStream::with_capacity(tokio::fs::File::from_std(file), 256 * 1024);
     let name = std::path::Path::new(&p.abs)
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let disposition = content_disposition(&name);
-    Ok(Response::builder()
+    let mut resp = Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "application/octet-stream")
-        .header(header::CONTENT_LENGTH, size)
         .header(header::CONTENT_DISPOSITION, disposition)
-        .body(Body::from_stream(stream))
+        .header(header::VARY, "accept-encoding");
+    let body = match coding {
+        crate::encoding::Coding::Gzip => {
+            resp = resp.header(header::CONTENT_ENCODING, "gzip");
+            Body::from_stream(crate::encoding::gzip_reader(file))
+        }
+        crate::encoding::Coding::Identity => {
+            // Without a trustworthy size (`/proc` files report 0) the body is chunked and
+            // read to its end.
+            if let Some(size) = size {
+                resp = resp.header(header::CONTENT_LENGTH, size);
+            }
+            Body::from_stream(tokio_util::io::ReaderStream::with_capacity(
+                tokio::fs::File::from_std(file),
+                256 * 1024,
+            ))
+        }
+    };
+    Ok(resp
+        .body(body)
         .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "response build failed")))
 }
 
@@ -105,17 +131,45 @@ fn content_disposition(name: &str) -> String {
     format!("attachment; filename=\"{ascii}\"; filename*=UTF-8''{exact}")
 }
 
-async fn write_stream<S, E>(
+/// An upload body, decoded when it came gzip-encoded; errors already in the agent's terms.
+type UploadBody =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<bytes::Bytes, FsError>> + Send>>;
+
+/// The upload body as a stream of plain bytes, whatever its `Content-Encoding`.
+fn decoded<S, E>(coding: crate::encoding::Coding, body: S) -> UploadBody
+where
+    S: futures::Stream<Item = Result<bytes::Bytes, E>> + Send + 'static,
+    E: std::fmt::Display + Send + 'static,
+{
+    match coding {
+        crate::encoding::Coding::Identity => Box::pin(
+            body.map(|c| c.map_err(|e| FsError::BadBody(format!("upload interrupted: {e}")))),
+        ),
+        crate::encoding::Coding::Gzip => Box::pin(
+            crate::encoding::gunzip(body).map(|c| c.map_err(|e| FsError::BadBody(e.to_string()))),
+        ),
+    }
+}
+
+async fn write_stream<S>(
     root: &Arc<FsRoot>,
     path: &str,
     user: &users::User,
-    mut body: S,
+    metadata: &std::collections::HashMap<String, String>,
+    body: S,
 ) -> Result<WrittenEntry, FsError>
 where
-    S: futures::Stream<Item = Result<bytes::Bytes, E>> + Unpin,
-    E: std::fmt::Display,
+    S: futures::Stream<Item = Result<bytes::Bytes, FsError>> + Unpin,
 {
     let p = root.check(path, user)?;
+    // The first chunk (or the end) before anything is created: a body that is not gzip
+    // at all, or breaks off at once, leaves no file behind.
+    let mut body = body.peekable();
+    if let Some(Err(_)) = std::pin::Pin::new(&mut body).peek().await
+        && let Some(Err(e)) = body.next().await
+    {
+        return Err(e);
+    }
     let (r2, p2, u2) = (root.clone(), p.clone(), user.clone());
     // Missing parents are created as root and handed to the user (E2B's envd does so);
     // the file itself is written as the user, so an existing directory it may not write
@@ -130,14 +184,32 @@ where
     // writes is what makes uploads run at memory speed rather than per-chunk overhead.
     let mut file = tokio::io::BufWriter::with_capacity(1 << 20, tokio::fs::File::from_std(file));
     while let Some(chunk) = body.next().await {
-        let chunk = chunk.map_err(|e| FsError::InvalidPath(format!("upload interrupted: {e}")))?;
-        file.write_all(&chunk)
+        file.write_all(&chunk?)
             .await
             .map_err(|e| FsError::from_io(&p.abs, e))?;
     }
     file.flush()
         .await
         .map_err(|e| FsError::from_io(&p.abs, e))?;
+    let file = file.into_inner().into_std().await;
+    // Always (re)written, an empty set too: an overwrite replaces the whole set, since
+    // truncation keeps a file's attributes. Then read back, so the answer shows what was
+    // stored (nothing, where the file system keeps no attributes).
+    let (u2, md, abs) = (user.clone(), metadata.clone(), p.abs.clone());
+    let stored = tokio::task::spawn_blocking(move || {
+        let fd = std::os::fd::OwnedFd::from(file);
+        users::as_fs_user(&u2, || match crate::metadata::replace(&fd, &md) {
+            Ok(()) => Ok(crate::metadata::read(&fd).ok().flatten()),
+            Err(e) if e.unsupported() => {
+                tracing::warn!(path = %abs, error = %e, "file system keeps no attributes; metadata not stored");
+                Ok(None)
+            }
+            Err(e) if e.no_space() => Err(FsError::NoSpace(format!("{abs}: metadata: {e}"))),
+            Err(e) => Err(FsError::Io(abs.clone(), e.source)),
+        })
+    })
+    .await
+    .map_err(|e| FsError::Io(p.abs.clone(), std::io::Error::other(e)))??;
     let name = std::path::Path::new(&p.abs)
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -146,6 +218,7 @@ where
         name,
         r#type: "file",
         path: p.abs,
+        metadata: stored,
     })
 }
 
@@ -196,6 +269,10 @@ pub async fn upload(
     request: Request,
 ) -> Result<Response, FsError> {
     let user = user_for(&root, &q, request.headers())?;
+    // Both refused before any body is read or any file touched (400).
+    let coding = crate::encoding::content_coding(request.headers())
+        .map_err(|e| FsError::BadBody(e.to_string()))?;
+    let metadata = crate::metadata::from_headers(request.headers())?;
     let is_multipart = request
         .headers()
         .get(header::CONTENT_TYPE)
@@ -205,6 +282,13 @@ pub async fn upload(
     if is_multipart {
         let (parts, body) = request.into_parts();
         let (body, pump) = drained(body);
+        // The coding covers the whole body: the multipart reader parses the decoded bytes.
+        let body = match coding {
+            crate::encoding::Coding::Identity => body,
+            crate::encoding::Coding::Gzip => {
+                Body::from_stream(decoded(coding, body.into_data_stream()))
+            }
+        };
         let mut mp = Multipart::from_request(Request::from_parts(parts, body), &())
             .await
             .map_err(|e| FsError::InvalidPath(format!("bad multipart body: {e}")))?;
@@ -223,7 +307,9 @@ pub async fn upload(
                     (_, Some(f)) => f.to_string(),
                     _ => return Err(FsError::InvalidPath("multipart part without a path".into())),
                 };
-                written.push(write_stream(&root, &dest, &user, field).await?);
+                let field = field
+                    .map(|c| c.map_err(|e| FsError::BadBody(format!("bad multipart body: {e}"))));
+                written.push(write_stream(&root, &dest, &user, &metadata, field).await?);
             }
         }
         .await;
@@ -237,8 +323,8 @@ pub async fn upload(
             .path
             .clone()
             .ok_or_else(|| FsError::InvalidPath("missing path".into()))?;
-        let body = request.into_body().into_data_stream();
-        written.push(write_stream(&root, &path, &user, body).await?);
+        let body = decoded(coding, request.into_body().into_data_stream());
+        written.push(write_stream(&root, &path, &user, &metadata, body).await?);
     }
     Ok((StatusCode::OK, axum::Json(written)).into_response())
 }

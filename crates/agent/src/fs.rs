@@ -40,6 +40,16 @@ pub enum FsError {
     NoSpace(String),
     #[error("unknown user: {0}")]
     UnknownUser(String),
+    /// Upload metadata that cannot be stored (E2B's limits on `user.e2b.*` attributes).
+    #[error("invalid metadata: {0}")]
+    Metadata(#[from] crate::metadata::MetadataError),
+    /// A request body that cannot be read: a coding not understood, corrupt gzip, or a
+    /// body that broke off.
+    #[error("{0}")]
+    BadBody(String),
+    /// What the client accepts cannot be served (`Accept-Encoding`).
+    #[error("{0}")]
+    NotAcceptable(String),
     #[error("{0}: {1}")]
     Io(String, std::io::Error),
 }
@@ -73,7 +83,11 @@ impl FsError {
     pub fn http_status(&self) -> http::StatusCode {
         use http::StatusCode as S;
         match self {
-            FsError::InvalidPath(_) | FsError::UnknownUser(_) => S::BAD_REQUEST,
+            FsError::InvalidPath(_)
+            | FsError::UnknownUser(_)
+            | FsError::Metadata(_)
+            | FsError::BadBody(_) => S::BAD_REQUEST,
+            FsError::NotAcceptable(_) => S::NOT_ACCEPTABLE,
             FsError::Escape(_) | FsError::Permission(_) => S::FORBIDDEN,
             FsError::NotFound(_) => S::NOT_FOUND,
             FsError::Exists(_) => S::CONFLICT,
@@ -90,6 +104,9 @@ impl From<FsError> for ConnectError {
         match e {
             FsError::InvalidPath(_)
             | FsError::UnknownUser(_)
+            | FsError::Metadata(_)
+            | FsError::BadBody(_)
+            | FsError::NotAcceptable(_)
             | FsError::NotDir(_)
             | FsError::IsDir(_) => ConnectError::invalid_argument(msg),
             FsError::Escape(_) | FsError::Permission(_) => ConnectError::permission_denied(msg),
@@ -290,11 +307,22 @@ impl FsRoot {
                 info.symlink_target = self.link_target(p, fd, &name);
             }
             info.is_symlink = true;
-            // E2B reports what the link points at; a dangling link stays a file.
-            let target = self.open_at(p, OFlag::O_PATH, Mode::empty()).ok();
-            if let Some(Ok(st)) = target.map(|fd| nix::sys::stat::fstat(fd.as_fd())) {
+            // E2B reports what the link points at (its metadata too: the attributes are
+            // the target's); a dangling link stays a file.
+            if let Ok(target) = self.open_at(p, OFlag::O_PATH, Mode::empty())
+                && let Ok(st) = nix::sys::stat::fstat(target.as_fd())
+            {
                 info.r#type = file_type(&st).into();
                 info.size = st.st_size;
+                info.metadata = read_metadata(&p.abs, &target);
+            }
+        } else {
+            let own = match &parent {
+                Some(fd) => open_entry(fd, &name),
+                None => self.dir.try_clone().ok(),
+            };
+            if let Some(fd) = own {
+                info.metadata = read_metadata(&p.abs, &fd);
             }
         }
         Ok(info)
@@ -407,8 +435,17 @@ impl FsRoot {
         Ok(())
     }
 
-    /// Removes a file, a symlink (not its target) or a whole directory tree.
+    /// Removes a file, a symlink (not its target) or a whole directory tree. A path that
+    /// is not there (nor its parent) is already removed: done, as E2B's envd answers
+    /// (`os.RemoveAll`).
     pub fn remove(&self, p: &SandboxPath) -> Result<(), FsError> {
+        match self.remove_existing(p) {
+            Err(FsError::NotFound(_)) => Ok(()),
+            other => other,
+        }
+    }
+
+    fn remove_existing(&self, p: &SandboxPath) -> Result<(), FsError> {
         let (parent, name) = self.open_parent(p)?;
         let st = fstatat(
             parent.as_fd(),
@@ -520,14 +557,48 @@ impl FsRoot {
         Ok(std::fs::File::from(fd))
     }
 
-    /// Opens a regular file for reading.
-    pub fn open_read(&self, p: &SandboxPath) -> Result<(std::fs::File, u64), FsError> {
+    /// Opens a file for reading, with its length when the length can be trusted: a
+    /// regular file with a size. `/proc` and `/sys` files (and devices) report 0 and are
+    /// read to their end instead, as E2B's envd serves them.
+    pub fn open_read(&self, p: &SandboxPath) -> Result<(std::fs::File, Option<u64>), FsError> {
         let fd = self.open_at(p, OFlag::O_RDONLY, Mode::empty())?;
         let st = nix::sys::stat::fstat(fd.as_fd()).map_err(|e| FsError::from_errno(&p.abs, e))?;
         if is_dir(&st) {
             return Err(FsError::IsDir(p.abs.clone()));
         }
-        Ok((std::fs::File::from(fd), st.st_size as u64))
+        let regular =
+            SFlag::from_bits_truncate(st.st_mode & SFlag::S_IFMT.bits()) == SFlag::S_IFREG;
+        let size = (regular && st.st_size > 0).then_some(st.st_size as u64);
+        Ok((std::fs::File::from(fd), size))
+    }
+}
+
+/// Opens entry `name` of `dir` itself (never through a symlink) as an `O_PATH`
+/// descriptor, for reading its attributes; `None` if it is gone or turned into a symlink.
+fn open_entry(dir: &OwnedFd, name: &OsString) -> Option<OwnedFd> {
+    let how = OpenHow::new()
+        .flags(OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
+        .resolve(
+            ResolveFlag::RESOLVE_BENEATH
+                | ResolveFlag::RESOLVE_NO_SYMLINKS
+                | ResolveFlag::RESOLVE_NO_MAGICLINKS,
+        );
+    let fd = openat2(dir.as_fd(), name.as_os_str(), how).ok()?;
+    // O_PATH|O_NOFOLLOW opens a symlink itself; its attributes are not the entry's.
+    let st = nix::sys::stat::fstat(fd.as_fd()).ok()?;
+    (!is_symlink(&st)).then_some(fd)
+}
+
+/// The user metadata of the inode behind `fd`; a failure to read it (a file the user may
+/// not read, an unusual file system) leaves the entry without metadata rather than
+/// failing the whole answer.
+fn read_metadata<M: FromIterator<(String, String)> + Default>(abs: &str, fd: &OwnedFd) -> M {
+    match crate::metadata::read(fd) {
+        Ok(m) => m.unwrap_or_default().into_iter().collect(),
+        Err(e) => {
+            tracing::debug!(path = abs, error = %e, "metadata not readable");
+            Default::default()
+        }
     }
 }
 
@@ -806,6 +877,7 @@ fn give_new_dir(fd: &OwnedFd, user: &User) {
 mod tests {
     use super::*;
     use crate::config::AgentConfig;
+    use std::collections::HashMap;
 
     fn root_at(dir: &Path) -> FsRoot {
         root_in(dir, IsolationMode::Process)
@@ -1043,6 +1115,122 @@ mod tests {
         // An absolute link means the sandbox's own path in a container.
         let c = root_in(&root, IsolationMode::Container);
         assert_eq!(target(&c, "/abs"), "/home/user/test_file.txt");
+    }
+
+    /// Sets `user.<name>` on a host path; false where the file system keeps none.
+    fn set_xattr(p: &Path, name: &str, value: &[u8]) -> bool {
+        let path = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
+        let name = std::ffi::CString::new(name).unwrap();
+        // SAFETY: valid C strings and a buffer of the length given.
+        unsafe {
+            libc::setxattr(
+                path.as_ptr(),
+                name.as_ptr(),
+                value.as_ptr().cast(),
+                value.len(),
+                0,
+            ) == 0
+        }
+    }
+
+    #[test]
+    fn removing_what_is_not_there_is_done_but_a_refusal_stays_one() {
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path().join("root");
+        std::fs::create_dir_all(root.join("d")).unwrap();
+        std::fs::write(t.path().join("outside"), "host").unwrap();
+        std::os::unix::fs::symlink(t.path(), root.join("up")).unwrap();
+        let r = root_at(&root);
+        let u = user();
+        for p in ["/missing", "/missing/deeper/x", "/d/missing"] {
+            r.remove(&r.check(p, &u).unwrap()).unwrap();
+        }
+        // A parent that is a symlink out of the root is an escape, not "already gone".
+        assert!(matches!(
+            r.remove(&r.check("/up/outside", &u).unwrap()),
+            Err(FsError::Escape(_))
+        ));
+        assert!(t.path().join("outside").exists());
+    }
+
+    #[test]
+    fn entries_report_user_e2b_metadata_and_never_a_host_files() {
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path().join("root");
+        std::fs::create_dir_all(root.join("home/user")).unwrap();
+        let f = root.join("home/user/f.txt");
+        std::fs::write(&f, "x").unwrap();
+        if !set_xattr(&f, "user.e2b.author", b"mish") {
+            eprintln!("skipped: no user xattrs on this file system");
+            return;
+        }
+        assert!(set_xattr(&f, "user.other", b"not ours"));
+        assert!(set_xattr(&f, "user.e2b.bin", b"\xff"));
+        // A host file with metadata, and links to it from inside the root.
+        let host = t.path().join("host.txt");
+        std::fs::write(&host, "host").unwrap();
+        assert!(set_xattr(&host, "user.e2b.secret", b"host"));
+        std::os::unix::fs::symlink(&host, root.join("home/user/abs")).unwrap();
+        std::os::unix::fs::symlink("../../../host.txt", root.join("home/user/rel")).unwrap();
+        std::os::unix::fs::symlink("f.txt", root.join("home/user/inside")).unwrap();
+        let want: HashMap<String, String> = [("author".to_string(), "mish".to_string())]
+            .into_iter()
+            .collect();
+        let u = user();
+        for mode in [IsolationMode::Process, IsolationMode::Container] {
+            let r = root_in(&root, mode);
+            let info = r
+                .entry_info(&r.check("/home/user/f.txt", &u).unwrap())
+                .unwrap();
+            assert_eq!(
+                info.metadata.clone().into_iter().collect::<HashMap<_, _>>(),
+                want
+            );
+            let link = r
+                .entry_info(&r.check("/home/user/inside", &u).unwrap())
+                .unwrap();
+            assert_eq!(
+                link.metadata.clone().into_iter().collect::<HashMap<_, _>>(),
+                want
+            );
+            for p in ["/home/user/abs", "/home/user/rel"] {
+                let info = r.entry_info(&r.check(p, &u).unwrap()).unwrap();
+                assert!(
+                    info.metadata.is_empty(),
+                    "{mode:?} {p}: {:?}",
+                    info.metadata
+                );
+            }
+            let listed = r.list_dir(&r.check("/home/user", &u).unwrap(), 1).unwrap();
+            for e in &listed {
+                let got: HashMap<_, _> = e.metadata.clone().into_iter().collect();
+                match e.name.as_str() {
+                    "f.txt" | "inside" => assert_eq!(got, want, "{}", e.name),
+                    _ => assert!(got.is_empty(), "{mode:?} {}: {got:?}", e.name),
+                }
+            }
+            // A rename keeps them: they belong to the inode.
+            let from = r.check("/home/user/f.txt", &u).unwrap();
+            let to = r.check("/home/user/g.txt", &u).unwrap();
+            r.rename(&from, &to, &u).unwrap();
+            let moved = r.entry_info(&to).unwrap();
+            assert_eq!(moved.metadata.into_iter().collect::<HashMap<_, _>>(), want);
+            r.rename(&to, &from, &u).unwrap();
+        }
+    }
+
+    #[test]
+    fn only_regular_files_with_a_size_give_a_length() {
+        let t = tempfile::tempdir().unwrap();
+        std::fs::write(t.path().join("full"), "12345").unwrap();
+        std::fs::write(t.path().join("empty"), "").unwrap();
+        let r = root_at(t.path());
+        let u = user();
+        let size = |p: &str| r.open_read(&r.check(p, &u).unwrap()).unwrap().1;
+        assert_eq!(size("/full"), Some(5));
+        // Read to the end: an empty file gives nothing either way; a /proc file gives its
+        // text although it reports 0.
+        assert_eq!(size("/empty"), None);
     }
 
     #[test]

@@ -8,9 +8,11 @@
 #![allow(refining_impl_trait)]
 
 pub mod config;
+pub mod encoding;
 pub mod files_http;
 pub mod fs;
 pub mod interp;
+pub mod metadata;
 pub mod process;
 pub mod rusage;
 pub mod server;

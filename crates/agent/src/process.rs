@@ -393,12 +393,18 @@ impl ProcessTable {
         cmd.args(&c.args);
         cmd.env_clear();
         let home = users::host_path(cfg, spec.user.home);
-        let cwd_inside = c
-            .cwd
-            .clone()
-            .filter(|s| !s.is_empty())
-            .unwrap_or_else(|| cfg.workdir());
+        let cwd_inside = match c.cwd.as_deref().filter(|s| !s.is_empty()) {
+            None => cfg.workdir(),
+            Some(raw) => resolve_cwd(raw, spec.user.home)?,
+        };
         let cwd = users::host_path(cfg, &cwd_inside);
+        // As E2B's envd (which stats it, following links): a missing directory is the
+        // caller's mistake, named as such.
+        if std::fs::metadata(&cwd).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound) {
+            return Err(ConnectError::invalid_argument(format!(
+                "cwd '{cwd_inside}' does not exist"
+            )));
+        }
         // The sandbox's env first; identity and location always describe this command.
         let mut env: std::collections::BTreeMap<String, String> = cfg.env().into_iter().collect();
         for (k, v) in [
@@ -562,6 +568,62 @@ impl ProcessTable {
         let rx = rx.ok_or_else(|| ConnectError::internal("process ended before it started"))?;
         Ok((proc, missed, rx))
     }
+}
+
+/// A command's working directory as E2B's envd resolves it: `~` and `~/x` from the user's
+/// home, a relative path from the home too, and the result normalised. A `..` above `/`
+/// is refused rather than clamped (as every sandbox path is), and `~name` is refused:
+/// there are no other homes to expand.
+pub fn resolve_cwd(raw: &str, home: &str) -> Result<String, ConnectError> {
+    let expanded;
+    let path = match raw.strip_prefix('~') {
+        None => raw,
+        Some("") => home,
+        Some(rest) if rest.starts_with('/') => {
+            expanded = format!("{home}{rest}");
+            &expanded
+        }
+        Some(_) => {
+            return Err(ConnectError::invalid_argument(format!(
+                "cwd {raw:?}: cannot expand user-specific home dir"
+            )));
+        }
+    };
+    sandpit_api::paths::normalize(path, home).map_err(|e| {
+        ConnectError::invalid_argument(match e {
+            sandpit_api::paths::PathError::Escape => format!("cwd {raw:?} climbs above /"),
+            sandpit_api::paths::PathError::Invalid(why) => format!("cwd {raw:?}: {why}"),
+        })
+    })
+}
+
+/// The timeout a client gives a call in `Connect-Timeout-Ms` (Connect's protocol: at most
+/// 10 digits); `None` without one or for 0, which E2B's SDKs never send (0 means none).
+pub fn connect_timeout(ctx: &RequestContext) -> Option<Duration> {
+    let v = ctx.header("connect-timeout-ms")?.to_str().ok()?.trim();
+    if v.is_empty() || v.len() > 10 || !v.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let ms: u64 = v.parse().ok()?;
+    (ms > 0).then(|| Duration::from_millis(ms))
+}
+
+/// Ends `proc` (its whole tree, SIGKILL) when `timeout` passes before it exits: E2B's envd
+/// runs a started command under the start's `Connect-Timeout-Ms` and kills it there,
+/// whether or not a client still reads its stream.
+fn kill_at_timeout(table: Arc<ProcessTable>, proc: Arc<Proc>, timeout: Duration) {
+    tokio::spawn(async move {
+        let mut exit = proc.exit.subscribe();
+        tokio::select! {
+            _ = tokio::time::sleep(timeout) => {}
+            _ = exit.wait_for(|v| v.is_some()) => return,
+        }
+        // Not a later command that was given the same pid.
+        if proc.is_running() && table.holds(&proc) {
+            tracing::debug!(pid = proc.pid, ?timeout, "command timed out; killing it");
+            kill_tree(proc.pid, NixSignal::SIGKILL);
+        }
+    });
 }
 
 /// Undoes what the agent set for itself but commands must not inherit.
@@ -916,6 +978,9 @@ impl Process for ProcessService {
             supervise,
         };
         let (proc, missed, rx) = self.table.spawn(spec)?;
+        if let Some(t) = connect_timeout(&ctx) {
+            kill_at_timeout(self.table.clone(), proc.clone(), t);
+        }
         let wrap = |ev: ProcessEvent| StartResponse {
             event: ev.into(),
             ..Default::default()
@@ -1010,10 +1075,10 @@ impl Process for ProcessService {
     ) -> ServiceResult<SendSignalResponse> {
         let req = request.to_owned_message();
         let proc = self.table.get(&req.process)?;
+        // An ended command is no longer there to signal: E2B's envd answers NOT_FOUND, and
+        // its SDKs' `kill` turns that into `false`.
         if !proc.is_running() {
-            return Err(ConnectError::failed_precondition(
-                "process has already ended",
-            ));
+            return Err(ConnectError::not_found("process not found (it has ended)"));
         }
         match req.signal.as_known() {
             Some(Signal::SIGNAL_SIGKILL) => kill_tree(proc.pid, NixSignal::SIGKILL),
@@ -1071,4 +1136,24 @@ pub async fn reap(table: Arc<ProcessTable>, mut sigchld: tokio::signal::unix::Si
 pub unsafe fn owned_fd(fd: i32) -> OwnedFd {
     // SAFETY: guaranteed by the caller.
     unsafe { OwnedFd::from_raw_fd(fd) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_relative_cwd_is_taken_from_the_home_and_cannot_climb_out() {
+        let ok = |raw: &str, home: &str| resolve_cwd(raw, home).unwrap();
+        assert_eq!(ok("work/sub", "/home/user"), "/home/user/work/sub");
+        assert_eq!(ok("~", "/home/user"), "/home/user");
+        assert_eq!(ok("~/w/../x", "/home/user"), "/home/user/x");
+        assert_eq!(ok("rw", "/root"), "/root/rw");
+        assert_eq!(ok("/tmp/./a", "/home/user"), "/tmp/a");
+        assert_eq!(ok("..", "/home/user"), "/home");
+        for bad in ["../../..", "~/../../..", "~root", "~user/x", "a\0b", "/.."] {
+            let e = resolve_cwd(bad, "/home/user").unwrap_err();
+            assert_eq!(e.code, connectrpc::ErrorCode::InvalidArgument, "{bad:?}");
+        }
+    }
 }

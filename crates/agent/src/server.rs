@@ -65,7 +65,14 @@ pub fn router(cfg: Arc<AgentConfig>, table: Arc<ProcessTable>) -> Result<Router,
         .with_state(root)
         .layer(axum::extract::DefaultBodyLimit::disable())
         .merge(crate::interp::router(cfg))
-        .fallback_service(connect.into_axum_service()))
+        // Server streams (a command's output, a directory watch) end at the client's
+        // `Connect-Timeout-Ms` with DEADLINE_EXCEEDED, as E2B's envd ends them: its SDKs
+        // rely on it (an async `commands.run(..., timeout=2)` raises a TimeoutException).
+        .fallback_service(
+            connect.into_axum_service().with_deadline_policy(
+                connectrpc::DeadlinePolicy::new().with_enforce_on_streams(true),
+            ),
+        ))
 }
 
 /// `POST /init`: applies a caller's env, default user and workdir after start (how a warm,
@@ -94,6 +101,10 @@ pub async fn run(cfg: AgentConfig) -> Result<(), AgentError> {
     let sigchld = signal(SignalKind::child())?;
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
+    // Caught, never acted on: a write past RLIMIT_FSIZE (the process runtime's disk limit)
+    // must fail with EFBIG, answered as a full disk, not kill the agent. A caught signal
+    // goes back to its default in every command the agent execs.
+    let _xfsz = signal(SignalKind::from_raw(libc::SIGXFSZ))?;
     if std::process::id() != 1 {
         // Outside a pid namespace, adopt orphans of our commands so they are reaped here.
         // SAFETY: prctl with integer arguments only.

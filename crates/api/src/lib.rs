@@ -3,6 +3,7 @@
 
 pub mod agents;
 pub mod leases;
+pub mod metrics;
 pub mod network;
 pub mod paths;
 pub mod secrets;

@@ -8,9 +8,11 @@ mod cp;
 mod exec;
 mod leases;
 mod lifecycle;
+mod metrics;
 mod pools;
 mod sandboxes;
 mod templates;
+mod tls;
 mod usage;
 mod util;
 mod volumes;
@@ -230,6 +232,8 @@ enum Command {
     Usage(usage::UsageArgs),
     /// Execution records of a sandbox's commands, newest first.
     Executions(usage::ExecutionsArgs),
+    /// A sandbox's metrics history: CPU, memory, disk and network samples in a range.
+    Metrics(metrics::MetricsArgs),
     /// Agent runtimes (a coding agent in a sandbox), their runs and run events.
     #[command(subcommand)]
     Agent(agent::AgentCommand),
@@ -239,6 +243,9 @@ enum Command {
     /// Approvals of agent runs' risky actions: list, approve, deny.
     #[command(subcommand)]
     Approvals(approvals::ApprovalsCommand),
+    /// TLS for the host form: `tls init` makes a local CA and a wildcard certificate.
+    #[command(subcommand)]
+    Tls(tls::TlsCommand),
 }
 
 #[derive(Debug, Args)]
@@ -262,6 +269,13 @@ struct ServeArgs {
     /// A per-user lease left in `creating` this long is taken over by the next acquirer.
     #[arg(long, value_name = "SECS", default_value_t = 25)]
     lease_stale_secs: u64,
+    /// Serve TLS with this certificate chain (PEM; `sandpit tls init` makes one); needs
+    /// --tls-key. Without both the daemon speaks plain HTTP.
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    tls_cert: Option<std::path::PathBuf>,
+    /// The TLS certificate's private key (PEM, mode 0600 or stricter).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<std::path::PathBuf>,
 }
 
 /// Resource limits of a sandbox (of `create`, `run` and `pool create`).
@@ -645,9 +659,11 @@ async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Lease(cmd) => leases::run(&ctx, cmd).await.map(|()| 0),
         Command::Usage(args) => usage::usage(&ctx, args).await.map(|()| 0),
         Command::Executions(args) => usage::executions(&ctx, args).await.map(|()| 0),
+        Command::Metrics(args) => metrics::metrics(&ctx, args).await.map(|()| 0),
         Command::Agent(cmd) => agent::run(&ctx, cmd).await,
         Command::Workspace(cmd) => agent::workspace(&ctx, cmd).await,
         Command::Approvals(cmd) => approvals::run(&ctx, cmd).await,
+        Command::Tls(cmd) => tls::run(&ctx, cmd).map(|()| 0),
     }
 }
 
@@ -663,6 +679,8 @@ async fn serve(ctx: &Ctx, args: ServeArgs) -> anyhow::Result<()> {
         self_exe,
         config_file: args.config,
         lease_stale_secs: args.lease_stale_secs,
+        tls_cert: args.tls_cert,
+        tls_key: args.tls_key,
     })
     .await?;
     Ok(())

@@ -39,7 +39,7 @@ pub struct ExecutionsArgs {
 }
 
 /// A point in time: unix milliseconds (12 digits or more), else a duration before now.
-fn parse_when(s: &str) -> Result<i64, String> {
+pub(crate) fn parse_when(s: &str) -> Result<i64, String> {
     let t = s.trim();
     if t.len() >= 12 && t.bytes().all(|b| b.is_ascii_digit()) {
         return t

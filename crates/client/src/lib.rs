@@ -21,6 +21,7 @@ mod approvals;
 mod error;
 mod leases;
 mod local;
+mod metrics;
 mod secrets;
 mod stream;
 mod templates;

@@ -20,6 +20,7 @@ pub mod exec;
 pub mod leases;
 pub mod lifecycle;
 pub mod manager;
+pub mod metrics_history;
 pub mod pool_claim;
 pub mod pool_manage;
 pub mod pools;

@@ -223,6 +223,32 @@ impl Manager {
         }
     }
 
+    /// Runs a sandbox's timeout action now (E2B's `timeout: 0`) and returns what is left
+    /// of it (`None`: it was killed). Unlike [`Manager::expire`] the action is done before
+    /// this returns, so the caller sees the sandbox already paused or gone.
+    pub async fn expire_now(
+        &self,
+        rec: &SandboxRecord,
+    ) -> Result<Option<SandboxRecord>, CoreError> {
+        let memory = match rec.life.on_timeout {
+            OnTimeout::Kill => {
+                tracing::info!(id = %rec.id, "sandbox expired at once");
+                self.destroy(rec).await?;
+                return Ok(None);
+            }
+            OnTimeout::Pause => true,
+            OnTimeout::Hibernate => false,
+        };
+        // Paused first: if that fails, the old deadline stays and the timeout retries.
+        let paused = match rec.state {
+            SandboxState::Running => self.pause(rec, memory).await?,
+            _ => rec.clone(),
+        };
+        // Never selected again by the timeout; a resume sets a new deadline.
+        self.store.set_expires_at(&rec.id, i64::MAX).await?;
+        Ok(Some(paused))
+    }
+
     /// Pauses in the background; after a failure the sandbox is left alone for
     /// [`AUTO_RETRY`], so that a sandbox that cannot be paused is not retried every tick.
     pub(crate) fn spawn_pause(

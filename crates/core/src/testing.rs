@@ -130,6 +130,8 @@ struct Inner {
     failures: HashMap<(Step, Option<String>), usize>,
     /// Liveness answers forced per sandbox, whatever its phase.
     liveness: HashMap<String, Liveness>,
+    /// Counters `stats` answers per sandbox (default: all zero).
+    stats: HashMap<String, Stats>,
     next_pid: i32,
 }
 
@@ -242,6 +244,11 @@ impl FakeRuntime {
             Some(l) => inner.liveness.insert(id.to_string(), l),
             None => inner.liveness.remove(id),
         };
+    }
+
+    /// Sets the counters `stats` answers for sandbox `id`.
+    pub(crate) fn set_stats(&self, id: &str, stats: Stats) {
+        self.inner().stats.insert(id.to_string(), stats);
     }
 
     /// The sandbox's agent will accept connections but answer nothing (as one that is
@@ -502,7 +509,7 @@ impl Runtime for FakeRuntime {
 
     fn stats(&self, h: &SandboxHandle) -> Result<Stats, RuntimeError> {
         self.enter(None, Call::Stats(h.id.clone()))?;
-        Ok(Stats::default())
+        Ok(self.inner().stats.get(&h.id).copied().unwrap_or_default())
     }
 
     fn liveness(&self, h: &SandboxHandle) -> Liveness {

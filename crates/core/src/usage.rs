@@ -165,10 +165,15 @@ fn sample(rt: &dyn Runtime, h: &SandboxHandle, id: &str) -> Option<UsageEvent> {
     })
 }
 
-/// Bytes used in a container sandbox's writable layer. The sandbox root is an overlay
-/// whose `statfs` reports its upper layer, the size-capped tmpfs; it is reached through
-/// the agent's `/proc/PID/root` (checked to still be our agent, not a reused pid).
+/// Bytes used in a container sandbox's writable layer.
 pub fn disk_used(h: &SandboxHandle) -> Option<i64> {
+    disk_usage(h).and_then(|(used, _)| i64::try_from(used).ok())
+}
+
+/// Bytes used in a container sandbox's writable layer, and its size. The sandbox root is
+/// an overlay whose `statfs` reports its upper layer, the size-capped tmpfs; it is reached
+/// through the agent's `/proc/PID/root` (checked to still be our agent, not a reused pid).
+pub fn disk_usage(h: &SandboxHandle) -> Option<(u64, u64)> {
     // Only containers have a writable layer of their own; the process runtime's root
     // is a host directory, whose file system is not the sandbox's.
     h.uid_base?;
@@ -176,8 +181,12 @@ pub fn disk_used(h: &SandboxHandle) -> Option<i64> {
         return None;
     }
     let st = nix::sys::statfs::statfs(format!("/proc/{}/root", h.pid).as_str()).ok()?;
+    let block = st.block_size() as u64;
     let used = st.blocks().saturating_sub(st.blocks_free());
-    i64::try_from(used.saturating_mul(st.block_size() as u64)).ok()
+    Some((
+        used.saturating_mul(block),
+        st.blocks().saturating_mul(block),
+    ))
 }
 
 /// The manager's hook at every state change of a sandbox (create → running, pause,

@@ -39,6 +39,15 @@ fn read_u64(path: &Path) -> Option<u64> {
     std::fs::read_to_string(path).ok()?.trim().parse().ok()
 }
 
+/// The value of `key` in a flat-keyed cgroup file (`memory.stat`: `key value` lines).
+fn stat_field(path: &Path, key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(path).ok()?;
+    text.lines().find_map(|l| {
+        let (k, v) = l.split_once(' ')?;
+        (k == key).then(|| v.trim().parse().ok()).flatten()
+    })
+}
+
 impl Cgroups {
     /// Finds the host's layout under `root` (normally /sys/fs/cgroup).
     pub fn detect(root: &Path, parent: &str) -> Result<Self, RuntimeError> {
@@ -345,6 +354,7 @@ impl Cgroups {
                     memory_current_bytes: read_u64(&d.join("memory.current")).unwrap_or(0),
                     memory_peak_bytes: read_u64(&d.join("memory.peak")).unwrap_or(0),
                     pids_current: read_u64(&d.join("pids.current")).unwrap_or(0),
+                    memory_cache_bytes: stat_field(&d.join("memory.stat"), "file").unwrap_or(0),
                 }
             }
             Layout::V1 { .. } => {
@@ -358,6 +368,15 @@ impl Cgroups {
                     memory_current_bytes: get("memory", "memory.usage_in_bytes"),
                     memory_peak_bytes: get("memory", "memory.max_usage_in_bytes"),
                     pids_current: get("pids", "pids.current"),
+                    // `total_cache` counts child cgroups too; `cache` alone on kernels
+                    // that lack it.
+                    memory_cache_bytes: self
+                        .dir_of("memory", id)
+                        .and_then(|d| {
+                            let f = d.join("memory.stat");
+                            stat_field(&f, "total_cache").or_else(|| stat_field(&f, "cache"))
+                        })
+                        .unwrap_or(0),
                 }
             }
         }
@@ -415,6 +434,45 @@ mod tests {
             "+memory +pids +cpu"
         );
         assert_eq!(cg.list(), vec!["s1".to_string()]);
+    }
+
+    #[test]
+    fn stats_read_both_layouts_and_the_page_cache() {
+        let t = tempfile::tempdir().unwrap();
+        std::fs::write(t.path().join("cgroup.controllers"), "memory pids cpu").unwrap();
+        let cg = Cgroups::detect(t.path(), "sandpit").unwrap();
+        let d = t.path().join("sandpit/s1");
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("cpu.stat"), "usage_usec 1500\nuser_usec 1000\n").unwrap();
+        std::fs::write(d.join("memory.current"), "9000\n").unwrap();
+        std::fs::write(
+            d.join("memory.stat"),
+            "anon 100\nfile_mapped 7\nfile 4096\n",
+        )
+        .unwrap();
+        let s = cg.stats("s1");
+        assert_eq!(s.cpu_usage_ns, 1_500_000);
+        assert_eq!(s.memory_current_bytes, 9000);
+        assert_eq!(s.memory_cache_bytes, 4096, "`file`, not `file_mapped`");
+        assert_eq!(cg.stats("missing"), Stats::default());
+
+        let t = tempfile::tempdir().unwrap();
+        for c in ["memory", "pids", "cpu", "cpuacct", "freezer"] {
+            std::fs::create_dir_all(t.path().join(c).join("sandpit/s1")).unwrap();
+            std::fs::write(t.path().join(c).join("cgroup.procs"), "").unwrap();
+        }
+        let cg = Cgroups::detect(t.path(), "sandpit").unwrap();
+        let m = t.path().join("memory/sandpit/s1");
+        std::fs::write(m.join("memory.usage_in_bytes"), "8000").unwrap();
+        std::fs::write(m.join("memory.stat"), "cache 10\nrss 5\ntotal_cache 30\n").unwrap();
+        std::fs::write(t.path().join("cpuacct/sandpit/s1/cpuacct.usage"), "77").unwrap();
+        let s = cg.stats("s1");
+        assert_eq!(
+            (s.cpu_usage_ns, s.memory_current_bytes, s.memory_cache_bytes),
+            (77, 8000, 30)
+        );
+        std::fs::write(m.join("memory.stat"), "cache 10\nrss 5\n").unwrap();
+        assert_eq!(cg.stats("s1").memory_cache_bytes, 10);
     }
 
     #[test]

@@ -737,6 +737,7 @@ fn setup_root(cfg: &InitConfig, userns: Option<&OwnedFd>) -> R<()> {
 
     mark("c_agent");
     mount_proc(&root)?;
+    fresh_boot_id(&root, &layer)?;
     mark("c_proc");
     mnt(
         Some("sysfs"),
@@ -1213,6 +1214,32 @@ fn mount_proc(root: &Path) -> R<()> {
         }
     }
     Ok(())
+}
+
+/// Gives the sandbox a boot id of its own for this start, as a guest kernel has: the
+/// host's would stay the same across a files-only pause and its restart, which E2B's
+/// SDK users read as proof of a cold boot. A freeze keeps it (the mount stays). The file
+/// lives at the top of the layer's tmpfs, beside (never in) the upper layer, so that the
+/// sandbox's mount table names no host path.
+fn fresh_boot_id(root: &Path, layer: &Path) -> R<()> {
+    let target = root.join("proc/sys/kernel/random/boot_id");
+    if !target.exists() {
+        return Ok(());
+    }
+    // Read in the host's procfs, still mounted at /proc until pivot_root.
+    let id = ctx(
+        std::fs::read_to_string("/proc/sys/kernel/random/uuid"),
+        || "read a fresh uuid".into(),
+    )?;
+    let src = layer.join("boot_id");
+    ctx(std::fs::write(&src, id.as_bytes()), || {
+        format!("write {}", src.display())
+    })?;
+    bind_ro(
+        &src,
+        &target,
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+    )
 }
 
 fn mask(root: &Path, rel: &str) -> R<()> {

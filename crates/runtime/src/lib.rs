@@ -216,6 +216,9 @@ pub struct Stats {
     pub memory_current_bytes: u64,
     pub memory_peak_bytes: u64,
     pub pids_current: u64,
+    /// Page cache held by the sandbox (part of `memory_current_bytes`).
+    #[serde(default)]
+    pub memory_cache_bytes: u64,
 }
 
 /// What a runtime offers, reported through the API.

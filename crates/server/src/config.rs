@@ -1,5 +1,5 @@
 //! The daemon's config file (TOML): warm pools, `[pool_limits]` and the `[lifecycle]`, `[snapshots]`,
-//! `[e2b]`, `[proxy]`, `[broker]`, `[network]` and `[http]` sections; flags carry the
+//! `[e2b]`, `[proxy]`, `[broker]`, `[network]`, `[http]`, `[tls]` and `[metrics]` sections; flags carry the
 //! settings a daemon needs before it can read a file (listen address, data directory).
 
 use crate::ServerError;
@@ -82,6 +82,13 @@ pub struct FileConfig {
     /// Approvals of agent runs' risky actions (`[approvals]`).
     #[serde(default)]
     pub approvals: ApprovalsFileConfig,
+    /// TLS on the listener (`[tls]`: `cert_file`, `key_file`; off when absent).
+    #[serde(default)]
+    pub tls: crate::tls::TlsFileConfig,
+    /// The per-sandbox metrics history (`[metrics]`: `enabled`, `sample_interval_secs`,
+    /// `retention_secs`).
+    #[serde(default)]
+    pub metrics: sandpit_core::metrics_history::MetricsConfig,
 }
 
 /// The `[approvals]` section.
@@ -255,6 +262,30 @@ impl AgentsFileConfig {
     }
 }
 
+/// `[metrics]`: an interval and a retention in range, the retention no shorter than the
+/// interval (it would keep nothing).
+fn check_metrics(m: &sandpit_core::metrics_history::MetricsConfig) -> Result<(), ConfigError> {
+    use sandpit_core::metrics_history::{INTERVAL_RANGE, RETENTION_RANGE};
+    let (lo, hi) = INTERVAL_RANGE;
+    if !(lo..=hi).contains(&m.sample_interval_secs) {
+        return Err(ConfigError::OutOfRange {
+            name: "[metrics] sample_interval_secs",
+            min: lo,
+            max: hi,
+        });
+    }
+    let (lo, hi) = RETENTION_RANGE;
+    let lo = lo.max(m.sample_interval_secs);
+    if !(lo..=hi).contains(&m.retention_secs) {
+        return Err(ConfigError::OutOfRange {
+            name: "[metrics] retention_secs",
+            min: lo,
+            max: hi,
+        });
+    }
+    Ok(())
+}
+
 impl FileConfig {
     /// Reads `path`; a missing file is an error only when `required`.
     pub fn load(path: &Path, required: bool) -> Result<Self, ServerError> {
@@ -279,6 +310,7 @@ impl FileConfig {
         cfg.agents.max_run()?;
         cfg.agents.event_limits()?;
         cfg.agents.cancel_grace()?;
+        check_metrics(&cfg.metrics)?;
         let mut names = std::collections::BTreeSet::new();
         for p in &cfg.pools {
             if !names.insert(p.name.as_str()) {
@@ -322,6 +354,39 @@ size = 1
         assert_eq!(cfg.pools[0].limits.cpu_millis, Some(500));
         assert_eq!(cfg.pools[0].limits.memory_bytes, Some(256 << 20));
         assert_eq!(cfg.pools[1].template, None);
+    }
+
+    #[test]
+    fn metrics_section_is_checked() {
+        let cfg = parse("").unwrap();
+        assert!(cfg.metrics.enabled);
+        assert_eq!(
+            (cfg.metrics.sample_interval_secs, cfg.metrics.retention_secs),
+            (5, 86400)
+        );
+        let cfg = parse("[metrics]\nsample_interval_secs = 1\nretention_secs = 3\n").unwrap();
+        assert_eq!(
+            (cfg.metrics.sample_interval_secs, cfg.metrics.retention_secs),
+            (1, 3)
+        );
+        assert!(
+            !parse("[metrics]\nenabled = false\n")
+                .unwrap()
+                .metrics
+                .enabled
+        );
+        for bad in [
+            "sample_interval_secs = 0",
+            "sample_interval_secs = 3601",
+            "retention_secs = 0",
+            "retention_secs = 4",
+            "retention_secs = 7776001",
+            "sample_interval_secs = -1",
+            "interval = 5",
+        ] {
+            let text = format!("[metrics]\n{bad}\n");
+            assert!(parse(&text).is_err(), "{bad} was accepted");
+        }
     }
 
     #[test]

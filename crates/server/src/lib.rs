@@ -7,6 +7,7 @@ pub mod config;
 pub mod error;
 pub mod ingress;
 pub mod listener;
+pub mod tls;
 
 /// The credential broker lives in its own crate; the daemon composes it.
 pub use sandpit_broker as broker;
@@ -43,6 +44,10 @@ pub struct ServeConfig {
     pub config_file: Option<PathBuf>,
     /// A lease left in `creating` longer than this is taken over by the next acquirer.
     pub lease_stale_secs: u64,
+    /// TLS certificate chain (`--tls-cert`); with `tls_key`, wins over `[tls]`.
+    pub tls_cert: Option<PathBuf>,
+    /// TLS private key (`--tls-key`), mode 0600 or stricter.
+    pub tls_key: Option<PathBuf>,
 }
 
 /// Failures that keep the daemon from starting or serving.
@@ -75,6 +80,8 @@ pub enum ServerError {
     Io(String, #[source] std::io::Error),
     #[error("warm pools: {0}")]
     Pools(#[source] sandpit_core::CoreError),
+    #[error("TLS: {0}")]
+    Tls(#[from] tls::TlsError),
 }
 
 /// Name of the file in the data dir holding the first admin key (mode 0600).
@@ -121,11 +128,18 @@ fn raise_fd_limit() {
     }
 }
 
+/// What [`prepare`] builds: the manager, the HTTP application's state, the listener's
+/// settings and its TLS (none: plain HTTP).
+pub type Prepared = (
+    Arc<Manager>,
+    api::AppState,
+    listener::HttpConfig,
+    Option<Arc<rustls::ServerConfig>>,
+);
+
 /// Builds the daemon's state: store, runtimes, manager (after reconciling), and returns it
 /// with the listener's settings from the config file.
-pub async fn prepare(
-    cfg: &ServeConfig,
-) -> Result<(Arc<Manager>, api::AppState, listener::HttpConfig), ServerError> {
+pub async fn prepare(cfg: &ServeConfig) -> Result<Prepared, ServerError> {
     if cfg.insecure_no_auth && !cfg.listen.ip().is_loopback() {
         return Err(ServerError::Config(
             "--insecure-no-auth is only allowed on a loopback address".into(),
@@ -151,6 +165,15 @@ pub async fn prepare(
     let file = match &cfg.config_file {
         Some(p) => config::FileConfig::load(p, true)?,
         None => config::FileConfig::load(&cfg.data_dir.join(config::DEFAULT_CONFIG_FILE), false)?,
+    };
+    // Read before anything changes on the host: a refused key fails the start cleanly.
+    let tls = match tls::resolve(cfg.tls_cert.as_deref(), cfg.tls_key.as_deref(), &file.tls)? {
+        Some(files) => {
+            let config = tls::server_config(&files)?;
+            tracing::info!(cert = %files.cert.display(), "serving TLS");
+            Some(config)
+        }
+        None => None,
     };
     let store = sandpit_store::Store::open(&cfg.data_dir.join("sandpit.db")).await?;
     ensure_admin_key(&store, &cfg.data_dir).await?;
@@ -264,13 +287,20 @@ pub async fn prepare(
             ..Default::default()
         })),
         e2b: Arc::new(file.e2b.clone()),
+        metrics: file.metrics.clone(),
         ingress: Arc::new(ingress::ProxyConfig {
             listen_port: cfg.listen.port(),
+            // A TLS daemon's URLs are https whatever the file says.
+            scheme: if tls.is_some() {
+                "https".into()
+            } else {
+                file.proxy.scheme.clone()
+            },
             ..file.proxy.clone()
         }),
     };
     guard.disarm();
-    Ok((manager, state, file.http))
+    Ok((manager, state, file.http, tls))
 }
 
 /// What a start has done to the host so far, released if it fails before serving: the
@@ -307,10 +337,11 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .map_err(|e| ServerError::Io(format!("listen on {}", cfg.listen), e))?;
-    let (manager, state, http) = prepare(&cfg).await?;
+    let (manager, state, http, tls) = prepare(&cfg).await?;
     tokio::spawn(manager.clone().run_pools());
     state.broker.spawn_refresh();
     usage::start(&manager);
+    sandpit_core::metrics_history::start(&manager, state.metrics.clone());
     let ticker = manager.clone();
     tokio::spawn(async move {
         loop {
@@ -336,7 +367,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServerError> {
             n.audit.close_streams();
         }
     };
-    listener::serve(listener, api::router(state), &http, shutdown).await;
+    listener::serve(listener, api::router(state), &http, tls, shutdown).await;
     manager.stop_pools(Duration::from_secs(30)).await;
     manager.drain_teardowns(Duration::from_secs(30)).await;
     manager.usage().flush(Duration::from_secs(10)).await;

@@ -172,18 +172,30 @@ struct Settings {
 
 /// Serves `app` on `listener` until `shutdown` completes, then stops accepting, lets the
 /// open connections finish their requests (gracefully, as hyper does it) and returns
-/// once all are closed.
-pub async fn serve<F>(listener: TcpListener, app: Router, cfg: &HttpConfig, shutdown: F)
-where
+/// once all are closed. With `tls`, every connection is TLS (its handshake within the
+/// header-read timeout) and its requests carry a [`crate::tls::ConnInfo`].
+pub async fn serve<F>(
+    listener: TcpListener,
+    app: Router,
+    cfg: &HttpConfig,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    shutdown: F,
+) where
     F: Future<Output = ()> + Send + 'static,
 {
-    serve_with(listener, app, cfg.settings(), shutdown).await
+    serve_with(listener, app, cfg.settings(), tls, shutdown).await
 }
 
-async fn serve_with<F>(listener: TcpListener, app: Router, s: Settings, shutdown: F)
-where
+async fn serve_with<F>(
+    listener: TcpListener,
+    app: Router,
+    s: Settings,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    shutdown: F,
+) where
     F: Future<Output = ()> + Send + 'static,
 {
+    let tls = tls.map(tokio_rustls::TlsAcceptor::from);
     let stop = CancellationToken::new();
     tokio::spawn({
         let stop = stop.clone();
@@ -255,18 +267,33 @@ where
             tracing::debug!(error = %e, "cannot set TCP_NODELAY");
         }
         let conn = Arc::new(Conn::new());
-        let io = TokioIo::new(Io {
+        let io = Io {
             tcp,
             conn: conn.clone(),
             _permit: permit,
-        });
+        };
         let svc = Service {
             app: app.clone(),
             conn: conn.clone(),
             limits: limits.clone(),
             peer: peer.ip(),
+            tls: None,
         };
-        tokio::spawn(serve_conn(shared.clone(), io, svc, conn, peer));
+        match &tls {
+            None => {
+                tokio::spawn(serve_conn(shared.clone(), io, svc, conn, peer));
+            }
+            Some(acceptor) => {
+                tokio::spawn(serve_tls(
+                    shared.clone(),
+                    acceptor.clone(),
+                    io,
+                    svc,
+                    conn,
+                    peer,
+                ));
+            }
+        }
     }
     drop(listener);
     drop(shared);
@@ -283,14 +310,47 @@ struct Shared {
     _open: tokio::sync::mpsc::Sender<Infallible>,
 }
 
-async fn serve_conn(
+/// Completes the TLS handshake (within the header-read timeout, which it counts against:
+/// the first request's head is due that long after the accept), then serves the
+/// connection with its SNI name in every request.
+async fn serve_tls(
     shared: Arc<Shared>,
-    io: TokioIo<Io>,
-    svc: Service,
+    acceptor: tokio_rustls::TlsAcceptor,
+    io: Io,
+    mut svc: Service,
     conn: Arc<Conn>,
     peer: SocketAddr,
 ) {
+    let handshake = tokio::time::timeout(shared.timeouts.header, acceptor.accept(io));
+    let stream = tokio::select! {
+        r = handshake => match r {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(%peer, "TLS handshake timed out");
+                return;
+            }
+        },
+        _ = shared.stop.cancelled() => return,
+    };
+    let sni = stream
+        .get_ref()
+        .1
+        .server_name()
+        .map(|n| Arc::<str>::from(n.to_ascii_lowercase()));
+    svc.tls = Some(crate::tls::ConnInfo { sni });
+    serve_conn(shared, stream, svc, conn, peer).await
+}
+
+async fn serve_conn<I>(shared: Arc<Shared>, io: I, svc: Service, conn: Arc<Conn>, peer: SocketAddr)
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
     let (t, stop) = (shared.timeouts, &shared.stop);
+    let io = TokioIo::new(io);
     let mut served = pin!(shared.builder.serve_connection_with_upgrades(io, svc));
     let mut draining = false;
     loop {
@@ -488,6 +548,8 @@ struct Conn {
     idle_since: AtomicU64,
     /// Rings when a deadline may have moved closer.
     wake: Notify,
+    /// An HTTP/1 response body broke off: the socket is closed with a reset.
+    reset_on_close: AtomicBool,
 }
 
 impl Conn {
@@ -501,6 +563,7 @@ impl Conn {
             head_since: AtomicU64::new(1),
             idle_since: AtomicU64::new(0),
             wake: Notify::new(),
+            reset_on_close: AtomicBool::new(false),
         }
     }
 
@@ -576,6 +639,27 @@ struct Io {
     _permit: Permit,
 }
 
+/// A response body that fails half-way (a sandbox killed under a command's stream) ends an
+/// HTTP/1 connection with a TCP reset rather than a plain close: the client then sees a
+/// connection error, as over HTTP/2 it sees the stream's reset, not a truncated message.
+/// E2B's SDKs treat only the former as "the connection dropped", probe the sandbox and
+/// report it killed.
+impl Drop for Io {
+    fn drop(&mut self) {
+        if self.conn.reset_on_close.load(Ordering::SeqCst) {
+            let zero = libc::linger {
+                l_onoff: 1,
+                l_linger: 0,
+            };
+            if let Err(e) =
+                nix::sys::socket::setsockopt(&self.tcp, nix::sys::socket::sockopt::Linger, &zero)
+            {
+                tracing::debug!(error = %e, "cannot set SO_LINGER for a reset");
+            }
+        }
+    }
+}
+
 impl AsyncRead for Io {
     fn poll_read(
         mut self: Pin<&mut Self>,
@@ -628,6 +712,8 @@ struct Service {
     conn: Arc<Conn>,
     limits: Arc<Limits>,
     peer: IpAddr,
+    /// Set on TLS connections, and given to each of their requests.
+    tls: Option<crate::tls::ConnInfo>,
 }
 
 /// The place an HTTP/2 request holds under the connection caps. It is in the request's
@@ -670,6 +756,7 @@ impl hyper::service::Service<Request<Incoming>> for Service {
                             body,
                             _guard: guard,
                             _slot: None,
+                            http1: None,
                         }))
                     });
                 }
@@ -680,7 +767,11 @@ impl hyper::service::Service<Request<Incoming>> for Service {
         if let Some(s) = &slot {
             req.extensions_mut().insert(s.clone());
         }
+        if let Some(info) = &self.tls {
+            req.extensions_mut().insert(info.clone());
+        }
         let connect = req.method() == Method::CONNECT;
+        let http1 = (req.version() < Version::HTTP_2).then(|| self.conn.clone());
         let app = self.app.clone();
         Box::pin(async move {
             let resp = match app.oneshot(req).await {
@@ -699,6 +790,7 @@ impl hyper::service::Service<Request<Incoming>> for Service {
                 body,
                 _guard: guard,
                 _slot: slot,
+                http1,
             }))
         })
     }
@@ -710,6 +802,8 @@ struct Tracked {
     body: axum::body::Body,
     _guard: InFlight,
     _slot: Option<StreamSlot>,
+    /// The connection of an HTTP/1 request, marked for a reset if the body fails.
+    http1: Option<Arc<Conn>>,
 }
 
 impl http_body::Body for Tracked {
@@ -720,7 +814,11 @@ impl http_body::Body for Tracked {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
+        let r = Pin::new(&mut self.body).poll_frame(cx);
+        if let (Poll::Ready(Some(Err(_))), Some(conn)) = (&r, &self.http1) {
+            conn.reset_on_close.store(true, Ordering::SeqCst);
+        }
+        r
     }
 
     fn is_end_stream(&self) -> bool {
@@ -770,6 +868,24 @@ mod tests {
                     axum::body::Body::from_stream(chunks)
                 }),
             )
+            .route(
+                "/broken",
+                get(|| async {
+                    // The break comes a while after the first chunk, as when a sandbox
+                    // dies under a command's stream (a reset drops what is unsent).
+                    let chunks = futures::stream::unfold(0, |i| async move {
+                        match i {
+                            0 => Some((Ok(Bytes::from("first\n")), 1)),
+                            1 => {
+                                tokio::time::sleep(Duration::from_millis(300)).await;
+                                Some((Err(std::io::Error::other("upstream went away")), 2))
+                            }
+                            _ => None,
+                        }
+                    });
+                    axum::body::Body::from_stream(chunks)
+                }),
+            )
     }
 
     struct Server {
@@ -791,7 +907,7 @@ mod tests {
             max_connections: total,
             max_connections_per_ip: per_ip,
         };
-        let done = tokio::spawn(serve_with(l, app(), s, async move {
+        let done = tokio::spawn(serve_with(l, app(), s, None, async move {
             let _ = rx.await;
         }));
         Server {
@@ -835,6 +951,42 @@ mod tests {
                 Ok(Ok(0)) | Ok(Err(_)) => return start.elapsed(),
                 Ok(Ok(_)) => {}
             }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_body_that_breaks_off_resets_an_http1_connection_and_a_complete_one_does_not() {
+        let srv = server(8, 8).await;
+        let mut s = TcpStream::connect(srv.addr).await.unwrap();
+        s.write_all(b"GET /broken HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        let mut chunk = [0u8; 4096];
+        let end = loop {
+            match tokio::time::timeout(Duration::from_secs(10), s.read(&mut chunk))
+                .await
+                .expect("an end in time")
+            {
+                Ok(0) => break None,
+                Ok(n) => got.extend_from_slice(&chunk[..n]),
+                Err(e) => break Some(e.kind()),
+            }
+        };
+        assert!(String::from_utf8_lossy(&got).contains("first"));
+        assert_eq!(
+            end,
+            Some(std::io::ErrorKind::ConnectionReset),
+            "a truncated body must end in a reset, not a plain close"
+        );
+        // A complete answer on a connection the client then closes: no reset anywhere,
+        // and the connection serves the next request.
+        let mut s = TcpStream::connect(srv.addr).await.unwrap();
+        for _ in 0..2 {
+            s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                .await
+                .unwrap();
+            assert!(read_response(&mut s, "ok").await.contains("200 OK"));
         }
     }
 
@@ -1201,5 +1353,87 @@ mod tests {
             huge.check().unwrap_err().to_string(),
             "http.idle_timeout_secs must be between 1 and 604800"
         );
+    }
+
+    /// A TLS listener with a certificate of `tls::init` for `sb.example.test`; its app
+    /// answers `/sni` with the SNI name the request carries.
+    async fn tls_server(dir: &std::path::Path) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
+        let files = crate::tls::init("sb.example.test", dir, false).unwrap();
+        let cfg = crate::tls::server_config(&crate::tls::TlsFiles {
+            cert: files.cert,
+            key: files.key,
+        })
+        .unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let app = app().route(
+            "/sni",
+            get(|req: axum::extract::Request| async move {
+                req.extensions()
+                    .get::<crate::tls::ConnInfo>()
+                    .and_then(|i| i.sni.as_deref().map(str::to_string))
+                    .unwrap_or_else(|| "none".into())
+            }),
+        );
+        let s = Settings {
+            timeouts: T,
+            max_connections: 100,
+            max_connections_per_ip: 100,
+        };
+        tokio::spawn(serve_with(l, app, s, Some(cfg), async move {
+            let _ = rx.await;
+        }));
+        (addr, tx)
+    }
+
+    #[tokio::test]
+    async fn tls_serves_with_the_sni_name_and_cuts_a_silent_handshake() {
+        let dir = tempfile::tempdir().unwrap();
+        let (addr, _stop) = tls_server(dir.path()).await;
+        let mut roots = rustls::RootCertStore::empty();
+        let ca = std::fs::read(dir.path().join(crate::tls::CA_FILE)).unwrap();
+        use rustls_pki_types::pem::PemObject;
+        for c in rustls_pki_types::CertificateDer::pem_slice_iter(&ca) {
+            roots.add(c.unwrap()).unwrap();
+        }
+        let client = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::aws_lc_rs::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        let connector = tokio_rustls::TlsConnector::from(Arc::new(client));
+        let name = "8000-abc.SB.example.test";
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        let server_name = rustls_pki_types::ServerName::try_from(name).unwrap();
+        let mut tls = connector.connect(server_name, tcp).await.unwrap();
+        tls.write_all(
+            b"GET /sni HTTP/1.1\r\nHost: 8000-abc.sb.example.test\r\nConnection: close\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        let mut answer = String::new();
+        tls.read_to_string(&mut answer).await.unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(answer.ends_with("8000-abc.sb.example.test"), "{answer}");
+        // A name the certificate does not cover fails the client's check.
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        let other = rustls_pki_types::ServerName::try_from("sb.other.test").unwrap();
+        assert!(connector.connect(other, tcp).await.is_err());
+        // A connection that never finishes its handshake is closed at the header timeout.
+        let mut silent = connect_from(addr, Ipv4Addr::LOCALHOST).await;
+        let took = closed_after(&mut silent, Duration::from_secs(5)).await;
+        assert!(took < T.idle, "{took:?}");
+        // Plain HTTP gets no HTTP answer.
+        let mut plain = connect_from(addr, Ipv4Addr::LOCALHOST).await;
+        plain
+            .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), plain.read_to_end(&mut got)).await;
+        assert!(!got.starts_with(b"HTTP/"), "{got:?}");
     }
 }

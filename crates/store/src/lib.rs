@@ -1,5 +1,5 @@
 //! Persistent state of the sandpit daemon (API keys, sandboxes, pools, templates,
-//! snapshots, volumes, leases, usage, secrets, network policies and the audit, agent
+//! snapshots, volumes, leases, usage, metrics history, secrets, network policies and the audit, agent
 //! runtimes with their runs, run events and approvals) behind a small repository API. SQLite is the embedded backend; SQL is kept portable for a later
 //! PostgreSQL one.
 #![forbid(unsafe_code)]
@@ -16,6 +16,7 @@ mod error;
 mod keys;
 pub use keys::{E2B_KEY_PREFIX, e2b_key_form};
 mod leases;
+mod metrics;
 mod model;
 mod network;
 mod pools;
@@ -45,6 +46,7 @@ pub use approvals::{
 pub use e2b_templates::{E2bBuildRecord, E2bTagRecord, E2bTemplateRecord};
 pub use error::StoreError;
 pub use leases::{LeaseRecord, LeaseStatus};
+pub use metrics::MetricSample;
 pub use model::{
     ApiKey, Lifecycle, OnTimeout, ParseSandboxStateError, PoolRecord, SandboxFilter, SandboxPage,
     SandboxRecord, SandboxState, SnapshotRecord, TemplateRecord, TemplateState,

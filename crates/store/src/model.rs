@@ -232,12 +232,20 @@ pub struct SandboxFilter {
     pub limit: u32,
     /// Opaque `next_cursor` from a previous page.
     pub cursor: Option<String>,
+    /// Newest first (creation time, then id, both descending) instead of oldest first. A
+    /// cursor continues in the order of the filter it is used with.
+    pub newest_first: bool,
+    /// Only sandboxes created at or after this time (unix ms).
+    pub created_from_ms: Option<i64>,
+    /// Only sandboxes of this template.
+    pub template: Option<String>,
 }
 
 /// One page of [`crate::Store::list_sandboxes`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct SandboxPage {
-    /// Matching sandboxes ordered by creation time, then id.
+    /// Matching sandboxes ordered by creation time, then id (descending when the filter
+    /// asks for the newest first).
     pub items: Vec<SandboxRecord>,
     /// Cursor for the next page; `None` when this page is the last.
     pub next_cursor: Option<String>,

@@ -227,17 +227,28 @@ impl Store {
         if !f.states.is_empty() {
             push_state_in(&mut qb, &f.states);
         }
+        if let Some(from) = f.created_from_ms {
+            qb.push(" AND created_at_ms >= ").push_bind(from);
+        }
+        if let Some(template) = &f.template {
+            qb.push(" AND template = ").push_bind(template.clone());
+        }
+        let (cmp, order) = if f.newest_first {
+            ("<", " ORDER BY created_at_ms DESC, id DESC LIMIT ")
+        } else {
+            (">", " ORDER BY created_at_ms, id LIMIT ")
+        };
         if let Some(pos) = after {
             // Expanded form of (created_at_ms, id) > (?, ?), which not every backend indexes well.
-            qb.push(" AND (created_at_ms > ")
+            qb.push(format!(" AND (created_at_ms {cmp} "))
                 .push_bind(pos.created_at_ms)
                 .push(" OR (created_at_ms = ")
                 .push_bind(pos.created_at_ms)
-                .push(" AND id > ")
+                .push(format!(" AND id {cmp} "))
                 .push_bind(pos.id.clone())
                 .push("))");
         }
-        qb.push(" ORDER BY created_at_ms, id LIMIT ")
+        qb.push(order)
             .push_bind(i64::try_from(batch).unwrap_or(i64::MAX));
         Ok(qb.build().fetch_all(&self.pool).await?)
     }

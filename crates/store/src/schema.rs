@@ -414,6 +414,29 @@ pub(crate) const MIGRATIONS: &[(i64, &[&str])] = &[
         ],
     ),
     (
+        16,
+        &[
+            // Per-sandbox metrics history: a sample every few seconds while running, gone
+            // with the sandbox's record and pruned past the retention.
+            "CREATE TABLE sandbox_metrics (
+            sandbox_id TEXT NOT NULL REFERENCES sandboxes (id) ON DELETE CASCADE,
+            at_ms BIGINT NOT NULL,
+            cpu_count BIGINT NOT NULL,
+            cpu_used_pct DOUBLE PRECISION NOT NULL,
+            mem_used BIGINT NOT NULL,
+            mem_total BIGINT NOT NULL,
+            mem_cache BIGINT NOT NULL,
+            disk_used BIGINT NOT NULL,
+            disk_total BIGINT NOT NULL,
+            net_rx BIGINT NOT NULL,
+            net_tx BIGINT NOT NULL,
+            PRIMARY KEY (sandbox_id, at_ms)
+        )",
+            // Pruning by age.
+            "CREATE INDEX sandbox_metrics_at_idx ON sandbox_metrics (at_ms)",
+        ],
+    ),
+    (
         18,
         &[
             // Templates built through E2B's build API: per owner, by name.

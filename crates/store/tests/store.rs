@@ -500,6 +500,50 @@ async fn listing_filters_and_paginates() {
 }
 
 #[tokio::test]
+async fn listing_newest_first_from_a_time_and_by_template() {
+    let store = Store::open_in_memory().await.unwrap();
+    // Pairs share a timestamp, so the id tie-break is reversed too.
+    for i in 0..9 {
+        let mut s = sandbox(&format!("sb-{i}"), "o", 1000 + (i / 2));
+        if i % 3 == 0 {
+            s.template = "other".into();
+        }
+        store.insert_sandbox(&s).await.unwrap();
+    }
+    let newest: Vec<String> = (0..9).rev().map(|i| format!("sb-{i}")).collect();
+    for limit in [1, 2, 4, 9, 100] {
+        let filter = SandboxFilter {
+            newest_first: true,
+            limit,
+            ..Default::default()
+        };
+        assert_eq!(all_pages(&store, filter).await.0, newest, "limit {limit}");
+    }
+    // The bound is inclusive: sb-4 and sb-5 were created at exactly 1002.
+    let filter = SandboxFilter {
+        created_from_ms: Some(1002),
+        limit: 2,
+        ..Default::default()
+    };
+    let (ids, pages) = all_pages(&store, filter).await;
+    assert_eq!(ids, ["sb-4", "sb-5", "sb-6", "sb-7", "sb-8"]);
+    assert_eq!(pages, 3);
+    let filter = SandboxFilter {
+        created_from_ms: Some(1002),
+        newest_first: true,
+        template: Some("other".into()),
+        limit: 1,
+        ..Default::default()
+    };
+    assert_eq!(all_pages(&store, filter).await.0, ["sb-6"]);
+    let filter = SandboxFilter {
+        template: Some("other".into()),
+        ..Default::default()
+    };
+    assert_eq!(all_pages(&store, filter).await.0, ["sb-0", "sb-3", "sb-6"]);
+}
+
+#[tokio::test]
 async fn malformed_cursor_is_invalid_cursor() {
     let store = Store::open_in_memory().await.unwrap();
     store.insert_sandbox(&sandbox("a", "o", 1)).await.unwrap();

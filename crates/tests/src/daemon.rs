@@ -46,9 +46,19 @@ pub struct DaemonBuilder {
     log_level: Option<String>,
     fd_limit: Option<u64>,
     stray_fd: bool,
+    /// A TLS daemon: the CA file to trust and the host name to probe it under.
+    tls_probe: Option<(PathBuf, String)>,
 }
 
 impl DaemonBuilder {
+    /// The daemon serves TLS (its flags or config say so): its health is probed with
+    /// `curl` under `host` (resolved to 127.0.0.1) trusting `ca`, and [`Daemon::url`] is
+    /// `https://host:port`.
+    pub fn tls_probe(mut self, ca: &Path, host: &str) -> Self {
+        self.tls_probe = Some((ca.to_path_buf(), host.to_string()));
+        self
+    }
+
     /// Adds `serve` flags.
     pub fn args(mut self, args: &[&str]) -> Self {
         self.args.extend(args.iter().map(|a| a.to_string()));
@@ -190,12 +200,29 @@ impl DaemonBuilder {
             None => cmd.stderr(Stdio::inherit()),
         };
         let mut child = cmd.spawn().expect("spawn sandpit serve");
-        let url = format!("http://127.0.0.1:{port}");
-        let probe = Client::new(&url, None).expect("client");
+        let url = match &self.tls_probe {
+            Some((_, host)) => format!("https://{host}:{port}"),
+            None => format!("http://127.0.0.1:{port}"),
+        };
+        let probe = Client::new(&format!("http://127.0.0.1:{port}"), None).expect("client");
+        let healthy = || async {
+            match &self.tls_probe {
+                None => probe.health().await.is_ok(),
+                Some((ca, host)) => {
+                    let mut curl = tokio::process::Command::new("curl");
+                    curl.args(["-sf", "-o", "/dev/null", "--cacert"])
+                        .arg(ca)
+                        .arg("--resolve")
+                        .arg(format!("{host}:{port}:127.0.0.1"))
+                        .arg(format!("https://{host}:{port}/v1/health"));
+                    curl.status().await.is_ok_and(|s| s.success())
+                }
+            }
+        };
         // Generous: on a loaded 2-core CI machine the store's first fsync alone has taken
         // over 5 s. A daemon that exits early fails at once instead of waiting it out.
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        while probe.health().await.is_err() {
+        while !healthy().await {
             if let Ok(Some(status)) = child.try_wait() {
                 panic!("sandpit serve exited before it was healthy: {status}");
             }
@@ -257,6 +284,7 @@ impl Daemon {
             log_level: None,
             fd_limit: None,
             stray_fd: false,
+            tls_probe: None,
         }
     }
 

@@ -157,7 +157,10 @@ async fn errors_use_e2b_bodies_and_statuses() {
             json!({"templateID": "base", "envVars": {"BAD=NAME": "x"}}),
             "bad env name",
         ),
-        (json!({"templateID": "base", "mcp": {"x": {}}}), "mcp"),
+        (
+            json!({"templateID": "base", "mcp": "x"}),
+            "mcp not an object",
+        ),
         (json!({"templateID": ""}), "empty template"),
         (json!({"timeout": 10}), "no template"),
         (
@@ -310,9 +313,18 @@ async fn pause_connect_resume_statuses() {
         .await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
     assert_e2b_error(&v, StatusCode::BAD_REQUEST);
-    // Metrics: one sample with the sandbox's limits.
-    let (s, m, _) = e.call(reqwest::Method::GET, &post("metrics"), None).await;
-    assert_eq!(s, StatusCode::OK);
+    // Metrics: the history fills in as the sampler runs (every 5 s by default); its
+    // samples carry the sandbox's limits.
+    let mut m = json!([]);
+    for _ in 0..60 {
+        let (s, v, _) = e.call(reqwest::Method::GET, &post("metrics"), None).await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        m = v;
+        if m.as_array().is_some_and(|a| !a.is_empty()) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
     assert_eq!(m[0]["memTotal"], json!(512u64 << 20));
     assert!(m[0]["memUsed"].as_u64().is_some_and(|u| u > 0), "{m}");
     d.shutdown().await;

@@ -431,6 +431,15 @@ fn parameters(v: &mut Doc) {
     for p in ["from", "to"] {
         param(v, "/v1/usage", "get", p, json!({"minimum": 0}));
     }
+    for p in ["start", "end"] {
+        param(
+            v,
+            "/v1/sandboxes/{id}/metrics",
+            "get",
+            p,
+            json!({"minimum": 0}),
+        );
+    }
     for m in ["get", "post"] {
         param(
             v,

@@ -7,6 +7,7 @@ pub mod constraints;
 pub mod e2b;
 pub mod files;
 pub mod leases;
+pub mod metrics;
 pub mod network;
 pub mod passthrough;
 pub mod pools;
@@ -45,6 +46,8 @@ pub struct AppState {
     pub leases: Arc<crate::leases::Leases>,
     /// E2B compatibility settings.
     pub e2b: Arc<e2b::E2bConfig>,
+    /// How the metrics history is sampled and kept (`[metrics]`).
+    pub metrics: sandpit_core::metrics_history::MetricsConfig,
 }
 
 /// How long a verified API key is trusted without asking the store again; a revoked key
@@ -287,7 +290,7 @@ async fn authenticate(
         snapshots::verify,
         templates::list, templates::get, templates::build, templates::progress, templates::delete,
         leases::acquire, leases::list, leases::get, leases::release,
-        usage::summary, usage::sandbox, usage::executions,
+        usage::summary, usage::sandbox, usage::executions, metrics::history,
         crate::ingress::api::get, crate::ingress::api::update, crate::ingress::api::port_url,
         secrets::create, secrets::list, secrets::get_one, secrets::delete, secrets::sandbox_get, secrets::sandbox_put,
         network::get_policy, network::set_policy, network::audit, network::audit_stream,
@@ -354,6 +357,7 @@ fn api_router(state: AppState) -> Router {
     ));
     let authed = Router::new()
         .merge(network::routes())
+        .merge(metrics::routes())
         .merge(agents::routes())
         .merge(approvals::routes())
         .route("/v1/info", get(sandboxes::info))

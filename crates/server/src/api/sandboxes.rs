@@ -163,6 +163,7 @@ pub async fn list(
         metadata,
         limit: q.limit.unwrap_or(0),
         cursor: q.cursor,
+        ..Default::default()
     };
     let page = state.store.list_sandboxes(&filter).await?;
     Ok(Json(SandboxList {

@@ -165,14 +165,10 @@ fn forwarded_query(query: Option<&str>, target: Target, grant: &Grant) -> Option
     Some(kept.join("&"))
 }
 
-/// Whether a value has the shape of a sandpit API key (`sp_` + 40 hex digits).
+/// Whether a value has the shape of a sandpit API key, in its own form (`sp_` + 40 hex
+/// digits) or in the E2B form (`e2b_` + the same digits) that authenticates just as well.
 fn daemon_key_shape(v: &str) -> bool {
-    v.strip_prefix("sp_").is_some_and(|rest| {
-        rest.len() == 40
-            && rest
-                .bytes()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    })
+    sandpit_store::e2b_key_form(v).is_some()
 }
 
 /// Whether any value of header `name` holds a word with the shape of a daemon key (every
@@ -543,6 +539,16 @@ mod tests {
         clean_credentials(&mut port, Target::Port(8080), &Grant::Token);
         assert_eq!(port.len(), 1);
         assert_eq!(port["cookie"], "a=1; b=2");
+        // The E2B form of the same key is the same secret: it is stripped too.
+        let e2b_key = format!("e2b_{}", "ab".repeat(20));
+        let mut e2b = HeaderMap::new();
+        e2b.insert("x-api-key", e2b_key.parse().unwrap());
+        e2b.insert(
+            "authorization",
+            format!("Bearer {e2b_key}").parse().unwrap(),
+        );
+        clean_credentials(&mut e2b, Target::Port(8080), &Grant::Token);
+        assert!(e2b.is_empty(), "{e2b:?}");
         // An application's own bearer token passes to its port, not to the agent.
         let mut app = HeaderMap::new();
         app.insert("authorization", "Bearer app-token".parse().unwrap());

@@ -209,37 +209,38 @@ pub fn route_of(
             by_host: false,
         }));
     }
+    Ok(host_route(headers, uri, cfg))
+}
+
+/// The sandbox port the request's host name (`{port}-{id}.{domain}`) addresses, if any;
+/// E2B's headers are not looked at.
+pub(crate) fn host_route(
+    headers: &http::HeaderMap,
+    uri: &http::Uri,
+    cfg: &ProxyConfig,
+) -> Option<Route> {
     // HTTP/2 carries the host in the URI's authority, HTTP/1.1 in the Host header.
     let host = match uri.authority() {
         Some(a) => a.as_str().to_string(),
-        None => match headers
+        None => headers
             .get(http::header::HOST)
-            .and_then(|h| h.to_str().ok())
-        {
-            Some(h) => h.to_string(),
-            None => return Ok(None),
-        },
+            .and_then(|h| h.to_str().ok())?
+            .to_string(),
     };
     let host = host.rsplit_once('@').map_or(host.as_str(), |(_, h)| h);
     let host = strip_port(host).trim_end_matches('.').to_ascii_lowercase();
-    let Some((label, rest)) = host.split_once('.') else {
-        return Ok(None);
-    };
-    let Some((port, id)) = label.split_once('-') else {
-        return Ok(None);
-    };
-    let Some(port) = parse_port(port) else {
-        return Ok(None);
-    };
+    let (label, rest) = host.split_once('.')?;
+    let (port, id) = label.split_once('-')?;
+    let port = parse_port(port)?;
     let ours = rest == cfg.bare_domain();
     if (ours && valid_id(id)) || (cfg.any_domain && !rest.is_empty() && daemon_id_shape(id)) {
-        return Ok(Some(Route {
+        return Some(Route {
             sandbox_id: id.to_string(),
             port,
             by_host: true,
-        }));
+        });
     }
-    Ok(None)
+    None
 }
 
 /// A JSON error in the shape of E2B's proxy: `{code, message, sandboxId[, port]}`.
@@ -292,8 +293,17 @@ pub struct Ingress {
 /// Routes sandbox-port requests to the proxy and all others to the REST API.
 pub async fn dispatch(State(ing): State<Arc<Ingress>>, req: Request, next: Next) -> Response {
     match route_of(req.headers(), req.uri(), &ing.config) {
-        Ok(None) => next.run(req).await,
+        Ok(None) => match crate::tls::unrouted_files(req.uri()) {
+            Some(refused) => refused,
+            None => next.run(req).await,
+        },
         Ok(Some(route)) => {
+            let info = req.extensions().get::<crate::tls::ConnInfo>();
+            if let Err(refused) =
+                crate::tls::check_names(info, req.headers(), req.uri(), &route, &ing.config)
+            {
+                return refused;
+            }
             let https = ing.config.scheme == "https";
             handle(ing.manager.clone(), https, route, req).await
         }

@@ -504,6 +504,8 @@ pub async fn file_upload(
     State(state): State<AppState>,
     owner: Owner,
     headers: HeaderMap,
+    uri: http::Uri,
+    tls: Option<axum::Extension<crate::tls::ConnInfo>>,
     Path((id, hash)): Path<(String, String)>,
 ) -> Result<(StatusCode, Json<FileUpload>), E2bError> {
     check_hash(&hash)?;
@@ -511,20 +513,30 @@ pub async fn file_upload(
     let present =
         std::fs::symlink_metadata(upload_path(&state, &t.id, &hash)).is_ok_and(|m| m.is_file());
     let expires = time::OffsetDateTime::now_utc().unix_timestamp() + UPLOAD_URL_SECS;
-    let host = headers
-        .get(http::header::HOST)
-        .and_then(|h| h.to_str().ok())
+    // HTTP/2 names the host in the URI, HTTP/1.1 in the Host header.
+    let host = uri
+        .authority()
+        .map(|a| a.as_str())
+        .or_else(|| {
+            headers
+                .get(http::header::HOST)
+                .and_then(|h| h.to_str().ok())
+        })
         .filter(|h| {
             h.bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b".-:[]".contains(&b))
         })
         .ok_or_else(|| E2bError::bad_request("the request has no usable Host header"))?;
-    let scheme = match headers
+    // The URL goes back the way the request came: over the daemon's TLS, or a TLS front
+    // end that says so.
+    let forwarded_https = headers
         .get("x-forwarded-proto")
         .and_then(|v| v.to_str().ok())
-    {
-        Some("https") => "https",
-        _ => "http",
+        == Some("https");
+    let scheme = if tls.is_some() || forwarded_https {
+        "https"
+    } else {
+        "http"
     };
     let url = format!(
         "{scheme}://{host}/e2b-uploads/{}/{hash}?expires={expires}&signature={}",

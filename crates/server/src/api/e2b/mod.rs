@@ -3,6 +3,9 @@
 //! the same manager calls as sandpit's own `/v1` API; only names, shapes and statuses differ.
 
 pub mod builds;
+mod lifecycle;
+mod listing;
+mod metrics;
 mod sandboxes;
 mod templates;
 pub mod types;
@@ -47,6 +50,10 @@ pub struct E2bConfig {
     /// (container runtime only). `false` leaves both out: `sudo` is then not found.
     #[serde(default = "yes")]
     pub sudo: bool,
+    /// Whether the ports of an E2B create that does not set `allowPublicTraffic` are open
+    /// without the traffic token, as E2B's default is. `false` makes them private.
+    #[serde(default = "yes")]
+    pub public_ports: bool,
     /// Images E2B template builds may start from (`fromImage`), mapped to the absolute
     /// path of a local OCI layout or `docker save` tarball, or to a template name: this
     /// daemon pulls nothing from a registry.
@@ -72,6 +79,7 @@ impl Default for E2bConfig {
             idle_timeout_secs: 0,
             internet_by_default: true,
             sudo: true,
+            public_ports: true,
             images: BTreeMap::new(),
         }
     }
@@ -202,22 +210,20 @@ pub fn router(state: AppState) -> Router<AppState> {
             "/sandboxes",
             post(sandboxes::create).get(sandboxes::list_running),
         )
-        .route(
-            "/v2/sandboxes",
-            post(sandboxes::create).get(sandboxes::list),
-        )
+        .route("/v2/sandboxes", post(sandboxes::create).get(listing::list))
         .route(
             "/sandboxes/{id}",
             get(sandboxes::detail).delete(sandboxes::kill),
         )
-        .route("/sandboxes/{id}/timeout", post(sandboxes::set_timeout))
+        .route("/sandboxes/{id}/timeout", post(lifecycle::set_timeout))
         .route("/sandboxes/{id}/refreshes", post(sandboxes::refresh))
         .route("/sandboxes/{id}/pause", post(sandboxes::pause))
         .route("/sandboxes/{id}/resume", post(sandboxes::resume))
         .route("/sandboxes/{id}/connect", post(sandboxes::connect))
         .route("/v2/sandboxes/{id}/connect", post(sandboxes::connect))
         .route("/sandboxes/{id}/fork", post(sandboxes::fork))
-        .route("/sandboxes/{id}/metrics", get(sandboxes::metrics))
+        .route("/sandboxes/{id}/metrics", get(metrics::sandbox))
+        .route("/sandboxes/metrics", get(metrics::batch))
         .route(
             "/sandboxes/{id}/network",
             axum::routing::put(sandboxes::update_network),
@@ -414,6 +420,7 @@ pub fn network_spec(
     };
     net.check()?;
     Ok(NetworkSpec {
+        // Unset stays unset: the create applies E2B's default (`lifecycle::public_ports`).
         public: net.allow_public_traffic,
         policy: egress_policy(
             req.allow_internet_access,

@@ -7,8 +7,7 @@ use crate::error::ApiError;
 use crate::manager::now_ms;
 use axum::Json;
 use axum::extract::{Path, State};
-use axum::response::{IntoResponse, Response};
-use http::{HeaderMap, HeaderValue, StatusCode};
+use http::StatusCode;
 use sandpit_api::{CreateSandboxRequest, VolumeMountSpec};
 use sandpit_store::{OnTimeout, SandboxFilter, SandboxRecord, SandboxState};
 
@@ -48,7 +47,7 @@ async fn created(state: &AppState, rec: &SandboxRecord) -> Result<types::Sandbox
     })
 }
 
-fn listed(rec: &SandboxRecord) -> ListedSandbox {
+pub(super) fn listed(rec: &SandboxRecord) -> ListedSandbox {
     ListedSandbox {
         template_id: rec.template.clone(),
         sandbox_id: rec.id.clone(),
@@ -73,11 +72,7 @@ pub async fn create(
     owner: Owner,
     Required(req): Required<types::NewSandbox>,
 ) -> Result<(StatusCode, Json<types::Sandbox>), E2bError> {
-    if req.mcp.as_ref().is_some_and(|v| !v.is_null()) {
-        return Err(E2bError::bad_request(
-            "mcp is not supported by sandpit: run MCP servers as processes in the sandbox",
-        ));
-    }
+    super::lifecycle::check_mcp(req.mcp.as_ref())?;
     if req.iam.as_ref().is_some_and(|v| !v.is_null()) {
         return Err(E2bError::bad_request("iam is not supported by sandpit"));
     }
@@ -85,12 +80,7 @@ pub async fn create(
     let default_internet = state.e2b.internet_by_default && state.manager.net().is_some();
     let network = crate::api::e2b::network_spec(&req, default_internet)?;
     let (template, snapshot) = resolve_template(&state, &owner, &req.template_id).await?;
-    // `autoPauseMemory: false` (the SDKs' `keepMemory: false`) asks for a files-only pause.
-    let on_timeout = match (req.auto_pause, req.auto_pause_memory) {
-        (Some(true), Some(false)) => Some("hibernate".to_string()),
-        (Some(true), _) => Some("pause".to_string()),
-        _ => None,
-    };
+    let life = super::lifecycle::lifecycle_of(&req);
     let create = CreateSandboxRequest {
         template,
         snapshot,
@@ -108,12 +98,16 @@ pub async fn create(
             })
             .collect(),
         idle_timeout: Some(state.e2b.idle_timeout_secs),
-        on_timeout,
-        auto_resume: req.auto_resume.map(|a| a.enabled),
+        on_timeout: Some(life.on_timeout.to_string()),
+        auto_resume: Some(life.auto_resume),
         sudo: Some(state.e2b.sudo),
         ..Default::default()
     };
-    let create = crate::api::e2b::apply_access(create, req.secure, network);
+    let mut create = crate::api::e2b::apply_access(create, req.secure, network);
+    create.public = Some(super::lifecycle::public_ports(
+        create.public,
+        state.e2b.public_ports,
+    ));
     let rec = state.manager.create(&owner.0, create).await?;
     Ok((StatusCode::CREATED, Json(created(&state, &rec).await?)))
 }
@@ -142,7 +136,7 @@ async fn resolve_template(
 
 /// Metadata filters come as one url-encoded query value `k=v&k2=v2` whose keys and values
 /// are url-encoded once more.
-fn metadata_filter(raw: &str) -> Vec<(String, String)> {
+pub(super) fn metadata_filter(raw: &str) -> Vec<(String, String)> {
     form_urlencoded::parse(raw.as_bytes())
         .into_owned()
         .map(|(k, v)| {
@@ -157,98 +151,10 @@ fn metadata_filter(raw: &str) -> Vec<(String, String)> {
         .collect()
 }
 
-fn query_pairs(uri: &http::Uri) -> Vec<(String, String)> {
+pub(super) fn query_pairs(uri: &http::Uri) -> Vec<(String, String)> {
     form_urlencoded::parse(uri.query().unwrap_or("").as_bytes())
         .into_owned()
         .collect()
-}
-
-/// `GET /v2/sandboxes`: running and paused sandboxes, filtered by state and metadata, a page
-/// at a time (`limit`, `nextToken`; the next page's token comes in `X-Next-Token`).
-pub async fn list(
-    State(state): State<AppState>,
-    owner: Owner,
-    uri: http::Uri,
-) -> Result<Response, E2bError> {
-    let mut filter = SandboxFilter {
-        owner: Some(owner.0.clone()),
-        ..Default::default()
-    };
-    let mut template = None;
-    let mut started_after = None;
-    for (k, v) in query_pairs(&uri) {
-        match k.as_str() {
-            "metadata" => filter.metadata.extend(metadata_filter(&v)),
-            "state" => {
-                for s in v.split(',').filter(|s| !s.is_empty()) {
-                    match s {
-                        "running" => filter.states.push(SandboxState::Running),
-                        "paused" => filter
-                            .states
-                            .extend([SandboxState::Paused, SandboxState::Hibernated]),
-                        other => {
-                            return Err(E2bError::bad_request(format!(
-                                "unknown state {other:?} (running, paused)"
-                            )));
-                        }
-                    }
-                }
-            }
-            "limit" => {
-                let n: u32 = v
-                    .parse()
-                    .map_err(|_| E2bError::bad_request("limit must be a number"))?;
-                if n == 0 || n > 1000 {
-                    return Err(E2bError::bad_request("limit must be between 1 and 1000"));
-                }
-                filter.limit = n;
-            }
-            "nextToken" => filter.cursor = Some(v),
-            "template" => template = Some(v),
-            "startedAfter" => started_after = Some(v),
-            // The list is always ordered by start time, oldest first.
-            "order" => {}
-            other => {
-                return Err(E2bError::bad_request(format!(
-                    "unknown query parameter {other:?}"
-                )));
-            }
-        }
-    }
-    if filter.states.is_empty() {
-        filter.states = vec![
-            SandboxState::Creating,
-            SandboxState::Running,
-            SandboxState::Paused,
-            SandboxState::Hibernated,
-        ];
-    }
-    let after_ms = match started_after {
-        Some(t) => Some(parse_time(&t)?),
-        None => None,
-    };
-    let page = state.store.list_sandboxes(&filter).await?;
-    let items: Vec<ListedSandbox> = page
-        .items
-        .iter()
-        .filter(|r| template.as_deref().is_none_or(|t| r.template == t))
-        .filter(|r| after_ms.is_none_or(|a| r.created_at_ms > a))
-        .map(listed)
-        .collect();
-    let mut headers = HeaderMap::new();
-    if let Some(next) = page.next_cursor
-        && let Ok(v) = HeaderValue::from_str(&next)
-    {
-        headers.insert("x-next-token", v);
-    }
-    Ok((headers, Json(items)).into_response())
-}
-
-fn parse_time(t: &str) -> Result<i64, E2bError> {
-    use time::format_description::well_known::Rfc3339;
-    time::OffsetDateTime::parse(t, &Rfc3339)
-        .map(|d| (d.unix_timestamp_nanos() / 1_000_000) as i64)
-        .map_err(|_| E2bError::bad_request(format!("invalid time {t:?} (RFC 3339)")))
 }
 
 /// `GET /sandboxes` (the older list): running sandboxes, filtered by metadata.
@@ -328,18 +234,6 @@ pub async fn kill(
 ) -> Result<StatusCode, E2bError> {
     let rec = live(&state, &owner, &id).await?;
     state.manager.destroy(&rec).await?;
-    Ok(StatusCode::NO_CONTENT)
-}
-
-/// `POST /sandboxes/{id}/timeout`: the sandbox ends `timeout` seconds from now.
-pub async fn set_timeout(
-    State(state): State<AppState>,
-    owner: Owner,
-    Path(id): Path<String>,
-    Required(req): Required<types::TimeoutRequest>,
-) -> Result<StatusCode, E2bError> {
-    let rec = live(&state, &owner, &id).await?;
-    state.manager.set_timeout(&rec, req.timeout).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -479,45 +373,6 @@ pub async fn fork(
         });
     }
     Ok((StatusCode::CREATED, Json(out)))
-}
-
-/// `GET /sandboxes/{id}/metrics`: one sample taken now (sandpit keeps no history).
-pub async fn metrics(
-    State(state): State<AppState>,
-    owner: Owner,
-    Path(id): Path<String>,
-) -> Result<Json<Vec<types::Metric>>, E2bError> {
-    let rec = live(&state, &owner, &id).await?;
-    if rec.state != SandboxState::Running {
-        return Ok(Json(Vec::new()));
-    }
-    let (rt, h) = state.manager.runtime_of(&rec)?;
-    let h2 = h.clone();
-    let stats = tokio::task::spawn_blocking(move || rt.stats(&h2))
-        .await
-        .map_err(|e| ApiError::internal_from("the stats task failed", &e))??;
-    let disk_used = tokio::task::spawn_blocking(move || crate::usage::disk_used(&h))
-        .await
-        .ok()
-        .flatten()
-        .unwrap_or(0);
-    let now = now_ms();
-    let cpus = (rec.cpu_millis.max(1) as u64).div_ceil(1000);
-    let wall_ns = (now - rec.created_at_ms).max(1) as f64 * 1e6;
-    // An average over the sandbox's life: one sample cannot give a rate over an interval.
-    let pct =
-        stats.cpu_usage_ns as f64 / (wall_ns * (rec.cpu_millis.max(1) as f64 / 1000.0)) * 100.0;
-    Ok(Json(vec![types::Metric {
-        timestamp: rfc3339(now),
-        timestamp_unix: now / 1000,
-        cpu_count: cpus,
-        cpu_used_pct: pct.clamp(0.0, 100.0),
-        mem_used: stats.memory_current_bytes,
-        mem_total: rec.memory_bytes.max(0) as u64,
-        mem_cache: 0,
-        disk_used: disk_used.max(0) as u64,
-        disk_total: rec.disk_bytes.max(0) as u64,
-    }]))
 }
 
 /// `PUT /sandboxes/{id}/network`: replaces the sandbox's egress policy; new connections
