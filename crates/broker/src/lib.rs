@@ -10,8 +10,10 @@
 
 pub mod ca;
 pub mod crypto;
+pub mod e2b;
 mod proxy;
 pub mod rules;
+pub mod transform;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
@@ -124,6 +126,10 @@ struct Cache {
     secrets: HashMap<(String, String), Arc<Secret>>,
     /// Sandbox id to its owner and its secrets' names.
     attached: HashMap<String, (String, Vec<String>)>,
+    /// `(owner, name)` of the secrets made through E2B's API: the only ones rules may name.
+    e2b: std::collections::HashSet<(String, String)>,
+    /// Sandbox id to its owner and its egress header rules.
+    egress: HashMap<String, (String, Arc<transform::EgressRules>)>,
 }
 
 pub(crate) struct Inner {
@@ -329,6 +335,26 @@ impl Broker {
                 .1
                 .push(a.name);
         }
+        fresh.e2b = self
+            .inner
+            .store
+            .all_e2b_secret_names()
+            .await?
+            .into_iter()
+            .collect();
+        for r in self.inner.store.all_egress_rules().await? {
+            match serde_json::from_value::<transform::EgressRules>(r.rules) {
+                Ok(rules) => {
+                    fresh
+                        .egress
+                        .insert(r.sandbox_id, (r.owner, Arc::new(rules)));
+                }
+                // One bad row must not take every sandbox's rules down with it.
+                Err(e) => {
+                    tracing::warn!(sandbox = %r.sandbox_id, error = %e, "stored egress rules do not decode; they are not applied")
+                }
+            }
+        }
         *self.inner.cache.write() = fresh;
         Ok(())
     }
@@ -532,11 +558,17 @@ impl Broker {
     pub async fn copy_attachments(&self, from: &str, to: &[String]) -> Result<(), BrokerError> {
         let _w = self.inner.writes.lock().await;
         self.inner.store.copy_sandbox_secrets(from, to).await?;
+        self.inner.store.copy_egress_rules(from, to).await?;
         {
             let mut cache = self.inner.cache.write();
             if let Some(entry) = cache.attached.get(from).cloned() {
                 for id in to {
                     cache.attached.insert(id.clone(), entry.clone());
+                }
+            }
+            if let Some(entry) = cache.egress.get(from).cloned() {
+                for id in to {
+                    cache.egress.insert(id.clone(), entry.clone());
                 }
             }
         }
@@ -557,6 +589,22 @@ impl Inner {
             .collect()
     }
 
+    /// The owner and egress rules of sandbox `id`, if it has any.
+    fn egress_of(&self, id: &str) -> Option<(String, Arc<transform::EgressRules>)> {
+        self.cache.read().egress.get(id).cloned()
+    }
+
+    /// E2B secret `name` of `owner`, if it exists (a secret of the native API is never
+    /// one: rules cannot move it past its own host binding).
+    fn e2b_secret(&self, owner: &str, name: &str) -> Option<Arc<Secret>> {
+        let cache = self.cache.read();
+        let key = (owner.to_string(), name.to_string());
+        if !cache.e2b.contains(&key) {
+            return None;
+        }
+        cache.secrets.get(&key).cloned()
+    }
+
     /// The value of a secret, in the clear for as long as the caller holds it.
     fn open(&self, s: &Secret) -> Result<Zeroizing<Vec<u8>>, BrokerError> {
         let keys = self
@@ -569,12 +617,20 @@ impl Inner {
 
 impl Interceptor for Broker {
     /// Only connections to a host that one of the sandbox's secrets is bound to (over
-    /// plain HTTP, one that allows it); every other connection passes untouched.
+    /// plain HTTP, one that allows it) or that its egress rules name; every other
+    /// connection passes untouched.
     fn wants(&self, conn: &Outbound) -> bool {
         if !self.enabled() {
             return false;
         }
         let host = rules::normal_host(&conn.host);
+        if self
+            .inner
+            .egress_of(&conn.sandbox_id)
+            .is_some_and(|(_, r)| r.lookup(&host).is_some())
+        {
+            return true;
+        }
         self.inner
             .attached_secrets(&conn.sandbox_id)
             .iter()

@@ -7,6 +7,7 @@
 
 use super::Inner;
 use super::rules::{self, Action, Reason, Refusal, RequestView, Secret};
+use super::transform;
 use bytes::{Bytes, BytesMut};
 use http::header::{CONTENT_ENCODING, HOST, UPGRADE};
 use http::{HeaderValue, Request, Response, StatusCode};
@@ -273,7 +274,7 @@ impl ConnCtx {
             return refused(&r);
         }
         let mut masks: Vec<Zeroizing<Vec<u8>>> = Vec::new();
-        let mut used = Vec::new();
+        let mut used: Vec<String> = Vec::new();
         for action in &actions {
             let (index, applied) = match action {
                 Action::SetHeader {
@@ -290,12 +291,23 @@ impl ConnCtx {
             };
             match applied {
                 Ok(value) => {
-                    used.push(secrets[index].name.as_str());
+                    used.push(secrets[index].name.clone());
                     if value.len() >= MIN_MASKED {
                         masks.push(value);
                     }
                 }
                 Err(r) => return refused(&r),
+            }
+        }
+        match self.apply_egress_rules(&mut req) {
+            Ok((names, values)) => {
+                used.extend(names);
+                masks.extend(values.into_iter().filter(|v| v.len() >= MIN_MASKED));
+            }
+            Err(r) => {
+                tracing::info!(sandbox = %self.sandbox_id, host = %self.host, method = %req.method(),
+                    secret = %r.secret, reason = ?r.reason, "credential broker refused a request");
+                return refused(&r);
             }
         }
         if !used.is_empty() {
@@ -348,6 +360,89 @@ impl ConnCtx {
             }
         }
         None
+    }
+
+    /// Sets the headers the sandbox's egress rules give this host, each
+    /// `${e2b.secrets.NAME}` filled in with the owner's secret: the names and values used.
+    /// A secret that is gone, plain HTTP, or a destination the host does not resolve to,
+    /// refuses the request rather than sending the placeholder on.
+    #[allow(clippy::type_complexity)]
+    fn apply_egress_rules(
+        &self,
+        req: &mut Request<Incoming>,
+    ) -> Result<(Vec<String>, Vec<Zeroizing<Vec<u8>>>), Refusal> {
+        let mut names = Vec::new();
+        let mut values = Vec::new();
+        let Some((owner, all)) = self.inner.egress_of(&self.sandbox_id) else {
+            return Ok((names, values));
+        };
+        let Some(rules) = all.lookup(&self.host) else {
+            return Ok((names, values));
+        };
+        for h in &rules.headers {
+            let parts = transform::parse_value(&h.value).map_err(|e| Refusal {
+                secret: String::new(),
+                reason: Reason::Unavailable,
+                message: format!("the rule for header {}: {}", h.name, e.0),
+            })?;
+            let mut full = Zeroizing::new(Vec::with_capacity(h.value.len()));
+            let mut has_secret = false;
+            for part in parts {
+                match part {
+                    transform::Part::Text(t) => full.extend_from_slice(t.as_bytes()),
+                    transform::Part::Secret(name) => {
+                        let s = self
+                            .inner
+                            .e2b_secret(&owner, &name)
+                            .ok_or_else(|| Refusal {
+                                secret: name.clone(),
+                                reason: Reason::Unavailable,
+                                message: format!(
+                                    "secret {name} named by the rule for header {} does not exist",
+                                    h.name
+                                ),
+                            })?;
+                        // As the broker's own secrets by default: never in clear text.
+                        if !self.tls {
+                            return Err(Refusal {
+                                secret: name.clone(),
+                                reason: Reason::Scheme,
+                                message: format!("secret {name} may only be sent over HTTPS"),
+                            });
+                        }
+                        if !self.resolved {
+                            return Err(Refusal {
+                                secret: name.clone(),
+                                reason: Reason::Destination,
+                                message: format!(
+                                    "the connection is not to an address {} resolves to; secret {name} goes only there",
+                                    self.host
+                                ),
+                            });
+                        }
+                        let value = self.open(&s)?;
+                        full.extend_from_slice(&value);
+                        values.push(value);
+                        names.push(name);
+                        has_secret = true;
+                    }
+                }
+            }
+            let unusable = || Refusal {
+                secret: String::new(),
+                reason: Reason::Unavailable,
+                message: format!(
+                    "the rule for header {} does not make a valid header",
+                    h.name
+                ),
+            };
+            let name = http::HeaderName::from_bytes(h.name.as_bytes()).map_err(|_| unusable())?;
+            let mut hv = HeaderValue::from_bytes(&full).map_err(|_| unusable())?;
+            hv.set_sensitive(has_secret);
+            req.headers_mut().remove(&name);
+            req.headers_mut().insert(name, hv);
+        }
+        Ok((names, values))
     }
 
     fn open(&self, s: &Secret) -> Result<Zeroizing<Vec<u8>>, Refusal> {

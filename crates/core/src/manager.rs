@@ -463,6 +463,11 @@ impl Manager {
         &self.usage
     }
 
+    /// The credential broker (the ingress reads a sandbox's `maskRequestHost` from it).
+    pub fn broker(&self) -> &Arc<crate::broker::Broker> {
+        &self.broker
+    }
+
     /// Lets go of host resources held for the process's life (runtime helpers, volume
     /// mounts) at shutdown; sandboxes keep running.
     pub fn release_host(&self) {

@@ -15,6 +15,7 @@ mod e2b_templates;
 mod error;
 mod keys;
 pub use keys::{E2B_KEY_PREFIX, e2b_key_form};
+mod e2b_secrets;
 mod leases;
 mod metrics;
 mod model;
@@ -43,6 +44,7 @@ pub use approvals::{
     ApprovalRecord, ApprovalScope, ApprovalState, ApprovalTarget, Capability, Decided, Decision,
     NewApproval, Requested,
 };
+pub use e2b_secrets::{E2bSecretRecord, EgressRulesRecord};
 pub use e2b_templates::{E2bBuildRecord, E2bTagRecord, E2bTemplateRecord};
 pub use error::StoreError;
 pub use leases::{LeaseRecord, LeaseStatus};

@@ -437,6 +437,29 @@ pub(crate) const MIGRATIONS: &[(i64, &[&str])] = &[
         ],
     ),
     (
+        17,
+        &[
+            // What E2B's /secrets API adds to a broker secret: its id, version and
+            // metadata. A secret with such a row goes out only through a sandbox's rules.
+            "CREATE TABLE e2b_secrets (
+            owner TEXT NOT NULL,
+            name TEXT NOT NULL,
+            id TEXT NOT NULL UNIQUE,
+            version BIGINT NOT NULL,
+            metadata TEXT NOT NULL,
+            updated_at_ms BIGINT NOT NULL,
+            PRIMARY KEY (owner, name),
+            FOREIGN KEY (owner, name) REFERENCES secrets (owner, name) ON DELETE CASCADE
+        )",
+            // A sandbox's egress header rules (E2B's network `rules`), as JSON the broker
+            // interprets; they go with the sandbox.
+            "CREATE TABLE sandbox_egress_rules (
+            sandbox_id TEXT PRIMARY KEY NOT NULL REFERENCES sandboxes (id) ON DELETE CASCADE,
+            rules TEXT NOT NULL
+        )",
+        ],
+    ),
+    (
         18,
         &[
             // Templates built through E2B's build API: per owner, by name.

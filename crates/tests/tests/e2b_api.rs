@@ -647,10 +647,10 @@ async fn e2b_network_settings_become_egress_policies() {
     assert_eq!(p["mode"], "open");
     assert_eq!(p["rules"][0]["action"], "deny");
     assert_eq!(p["rules"][0]["domain"], "evil.example.com");
-    // What sandpit cannot honour is refused, not ignored.
+    // What sandpit cannot honour, or cannot read, is refused, not ignored.
     for body in [
         json!({"templateID": "base", "network": {"dnsServers": ["1.1.1.1"]}}),
-        json!({"templateID": "base", "network": {"maskRequestHost": "x"}}),
+        json!({"templateID": "base", "network": {"maskRequestHost": "not a host"}}),
         json!({"templateID": "base", "network": {"rules": {"api.x": {}}}}),
         json!({"templateID": "base", "network": {"allowOut": ["not a cidr/99"]}}),
     ] {

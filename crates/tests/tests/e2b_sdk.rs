@@ -19,6 +19,8 @@ async fn run_against(d: &Daemon, key: &str, mut cmd: Command) -> (bool, String) 
         .env("E2B_API_KEY", key)
         .env("E2B_API_URL", &d.url)
         .env("E2B_SANDBOX_URL", &d.url)
+        // The volume-content client's own host: the daemon, never E2B's cloud.
+        .env("E2B_VOLUME_API_URL", &d.url)
         .env_remove("E2B_DEBUG")
         .env_remove("E2B_DOMAIN")
         .env_remove("E2B_ACCESS_TOKEN");
@@ -37,7 +39,25 @@ async fn run_against(d: &Daemon, key: &str, mut cmd: Command) -> (bool, String) 
 
 #[tokio::test(flavor = "multi_thread")]
 async fn python_sdk_scenarios_pass() {
-    let d = Daemon::start().await;
+    // A broker key, for the secrets scenarios (`test_secrets_volumes.py`).
+    let b = Daemon::builder();
+    let key = b.data_path().join("broker.key");
+    std::fs::write(
+        &key,
+        "7c1c2a9e8b7d6c5f4e3a2b1c0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f5a4b3c2d1e",
+    )
+    .unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+    let d = b
+        .config(&format!(
+            "[broker]\nkey_file = {:?}\n",
+            key.display().to_string()
+        ))
+        .start()
+        .await;
     let mut cmd = Command::new(test_tool("pytest"));
     cmd.args(["-q", "-p", "no:cacheprovider", "tests/e2b/python"]);
     let (ok, text) = run_against(&d, &d.key, cmd).await;

@@ -116,6 +116,13 @@ pub(super) async fn forward(job: Job) -> Response {
                 pid_start: handle.pid_start,
                 port,
             };
+            // E2B's `maskRequestHost`: the Host the sandbox's server sees.
+            if let Some(mask) = manager.broker().mask_request_host(&id)
+                && let Ok(v) =
+                    HeaderValue::from_str(&crate::broker::transform::masked_host(&mask, port))
+            {
+                parts.headers.insert(header::HOST, v);
+            }
             to_port(dest, parts, path_and_query, body, activity, &route).await
         }
     };

@@ -1,4 +1,5 @@
-//! E2B's REST control plane (`/sandboxes`, `/v2/sandboxes`, `/snapshots`, `/templates`), so
+//! E2B's REST control plane (`/sandboxes`, `/v2/sandboxes`, `/snapshots`, `/templates`,
+//! `/secrets`, `/volumes`), so
 //! that E2B's SDKs pointed at sandpit with `E2B_API_URL` work unchanged. Each route maps onto
 //! the same manager calls as sandpit's own `/v1` API; only names, shapes and statuses differ.
 
@@ -6,9 +7,12 @@ pub mod builds;
 mod lifecycle;
 mod listing;
 mod metrics;
+pub mod rules;
 mod sandboxes;
+pub mod secrets;
 mod templates;
 pub mod types;
+pub mod volumes;
 
 use super::{AppState, resolve_owner};
 use crate::error::ApiError;
@@ -236,9 +240,22 @@ pub fn router(state: AppState) -> Router<AppState> {
             get(templates::get).delete(templates::delete),
         )
         .route("/templates/aliases/{alias}", get(templates::alias))
+        .route("/secrets", get(secrets::list).post(secrets::create))
+        .route(
+            "/secrets/{id}",
+            get(secrets::get_one)
+                .post(secrets::update)
+                .delete(secrets::delete),
+        )
+        .route("/volumes", get(volumes::list).post(volumes::create))
+        .route(
+            "/volumes/{id}",
+            get(volumes::get_one).delete(volumes::delete),
+        )
         .merge(builds::routes())
         .layer(axum::extract::DefaultBodyLimit::max(super::JSON_LIMIT))
         .layer(axum::middleware::from_fn_with_state(state, authenticate))
+        .merge(volumes::content_routes())
         .merge(builds::public_routes())
 }
 
@@ -292,10 +309,12 @@ pub struct E2bNetwork {
     #[serde(default)]
     dns_servers: Vec<String>,
     egress_proxy: Option<serde_json::Value>,
-    mask_request_host: Option<String>,
+    /// Kept with the rules (`rules.rs`); the ingress sets it as the Host.
+    pub(crate) mask_request_host: Option<String>,
     #[serde(default)]
     https_ports: Vec<u16>,
-    rules: Option<serde_json::Value>,
+    /// Header rules, served by the broker (`rules.rs`).
+    pub(crate) rules: Option<serde_json::Value>,
     /// Only in the update body.
     #[serde(rename = "allow_internet_access")]
     allow_internet_access: Option<bool>,
@@ -317,18 +336,6 @@ impl E2bNetwork {
         }
         if self.egress_proxy.as_ref().is_some_and(|v| !v.is_null()) {
             return refuse("egressProxy", "egress goes through the daemon's own proxy");
-        }
-        if self.mask_request_host.is_some() {
-            return refuse(
-                "maskRequestHost",
-                "the proxy forwards the Host a client sends",
-            );
-        }
-        if self.rules.as_ref().is_some_and(|v| !v.is_null()) {
-            return refuse(
-                "rules",
-                "inject credentials with sandpit's broker (/v1/secrets)",
-            );
         }
         if !self.https_ports.is_empty() {
             return refuse(

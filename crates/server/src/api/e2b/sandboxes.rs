@@ -79,6 +79,11 @@ pub async fn create(
     // Without networking on this daemon, only an explicit request for it is an error.
     let default_internet = state.e2b.internet_by_default && state.manager.net().is_some();
     let network = crate::api::e2b::network_spec(&req, default_internet)?;
+    let rules = super::rules::of_create(req.network.as_ref())?;
+    super::rules::check(&state, &owner.0, rules.as_ref()).await?;
+    if let Some(mounts) = &req.volume_mounts {
+        super::volumes::check_mounts(mounts)?;
+    }
     let (template, snapshot) = resolve_template(&state, &owner, &req.template_id).await?;
     let life = super::lifecycle::lifecycle_of(&req);
     let create = CreateSandboxRequest {
@@ -109,6 +114,15 @@ pub async fn create(
         state.e2b.public_ports,
     ));
     let rec = state.manager.create(&owner.0, create).await?;
+    if rules.is_some()
+        && let Err(e) = super::rules::install(&state, &rec.id, &owner.0, rules).await
+    {
+        // No sandbox without the rules it was asked with.
+        if let Err(d) = state.manager.destroy(&rec).await {
+            tracing::warn!(id = %rec.id, error = %d.chain(), "removing a sandbox whose rules failed");
+        }
+        return Err(e);
+    }
     Ok((StatusCode::CREATED, Json(created(&state, &rec).await?)))
 }
 
@@ -223,6 +237,7 @@ pub async fn detail(
             .into(),
         },
         allow_internet_access: access.internet,
+        network: super::rules::shown(&state, &rec.id),
     }))
 }
 
@@ -383,7 +398,19 @@ pub async fn update_network(
     Path(id): Path<String>,
     Required(req): Required<crate::api::e2b::E2bNetwork>,
 ) -> Result<StatusCode, E2bError> {
-    live(&state, &owner, &id).await?;
+    let rec = live(&state, &owner, &id).await?;
+    // The update replaces the whole configuration: no rules in it clears them. Its body
+    // has no maskRequestHost (E2B's SDKs send none), so the create's stays unless given.
+    let rules = super::rules::parse(req.rules.as_ref())?;
+    let given = super::rules::mask(
+        req.mask_request_host
+            .as_ref()
+            .map(|m| serde_json::Value::String(m.clone()))
+            .as_ref(),
+    )?;
+    let mask = given.or_else(|| state.broker.mask_request_host(&rec.id));
+    let rules = super::rules::with_mask(rules, mask);
+    super::rules::check(&state, &owner.0, rules.as_ref()).await?;
     if let Some(policy) = crate::api::e2b::network_update(&req)? {
         let _applied = crate::api::network::set_policy(
             State(state.clone()),
@@ -393,5 +420,6 @@ pub async fn update_network(
         )
         .await?;
     }
+    super::rules::install(&state, &rec.id, &rec.owner, rules).await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -109,6 +109,9 @@ pub struct SandboxDetail {
     pub lifecycle: Lifecycle,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub allow_internet_access: Option<bool>,
+    /// The network `rules` and `maskRequestHost` the sandbox has (`rules.rs`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub network: Option<serde_json::Value>,
 }
 
 /// `POST /sandboxes/{id}/timeout`.
