@@ -56,6 +56,17 @@ impl Manager {
         owner: &str,
         mut req: CreateSandboxRequest,
     ) -> Result<SandboxRecord, CoreError> {
+        // A template built through E2B's build API belongs to the team that built it; to
+        // anyone else it does not exist.
+        if let Some(t) = req.template.as_deref()
+            && self
+                .store
+                .e2b_build_owner(t)
+                .await?
+                .is_some_and(|o| o != owner)
+        {
+            return Err(CoreError::not_found(format!("template {t:?} not found")));
+        }
         let secrets = std::mem::take(&mut req.secrets);
         self.broker.check_names(owner, &secrets).await?;
         let restore = match req.snapshot.as_deref() {

@@ -436,17 +436,17 @@ pub(crate) fn decompress<Rd: Read>(mut src: Rd) -> R<Decoded<Head<Rd>>> {
 /// A cap on everything read from the decompressed stream, and a tighter one while the tar
 /// reader parses a member's headers (which it buffers in memory).
 #[derive(Debug)]
-struct Meter {
-    left: u64,
-    window: Option<u64>,
-    exceeded: bool,
+pub(crate) struct Meter {
+    pub(crate) left: u64,
+    pub(crate) window: Option<u64>,
+    pub(crate) exceeded: bool,
 }
 
-struct Metered<Rd: Read> {
-    inner: Rd,
-    meter: Rc<RefCell<Meter>>,
-    hash: Option<Sha256>,
-    bytes: u64,
+pub(crate) struct Metered<Rd: Read> {
+    pub(crate) inner: Rd,
+    pub(crate) meter: Rc<RefCell<Meter>>,
+    pub(crate) hash: Option<Sha256>,
+    pub(crate) bytes: u64,
 }
 
 impl<Rd: Read> Read for Metered<Rd> {

@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 mod archive;
+mod context;
 mod copy;
 mod error;
 mod fsx;
@@ -16,6 +17,7 @@ mod oci;
 pub use archive::{
     LayerStats, UnpackLimits, UnpackStats, apply_oci_layer, unpack_layer, write_layer,
 };
+pub use context::{ContextLimits, CopySpec, Selection, select_context};
 pub use copy::{CopyStats, copy_layer, merge_layer};
 pub use error::ImageError;
 pub use manifest::{Entry, EntryKind, ID_RANGE, Layer, Manifest, ManifestDiff, Stack, WalkStats};

@@ -11,6 +11,7 @@ mod stored_enum;
 mod access;
 mod agents;
 mod approvals;
+mod e2b_templates;
 mod error;
 mod keys;
 pub use keys::{E2B_KEY_PREFIX, e2b_key_form};
@@ -44,6 +45,7 @@ pub use approvals::{
     NewApproval, Requested,
 };
 pub use e2b_secrets::{E2bSecretRecord, EgressRulesRecord};
+pub use e2b_templates::{E2bBuildRecord, E2bTagRecord, E2bTemplateRecord};
 pub use error::StoreError;
 pub use leases::{LeaseRecord, LeaseStatus};
 pub use metrics::MetricSample;

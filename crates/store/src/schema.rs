@@ -459,10 +459,49 @@ pub(crate) const MIGRATIONS: &[(i64, &[&str])] = &[
         )",
         ],
     ),
+    (
+        18,
+        &[
+            // Templates built through E2B's build API: per owner, by name.
+            "CREATE TABLE e2b_templates (
+            id TEXT PRIMARY KEY NOT NULL,
+            owner TEXT NOT NULL,
+            name TEXT NOT NULL,
+            cpu_count BIGINT NOT NULL,
+            memory_mb BIGINT NOT NULL,
+            created_at_ms BIGINT NOT NULL,
+            updated_at_ms BIGINT NOT NULL,
+            UNIQUE (owner, name)
+        )",
+            // Their builds; a ready build names the sandpit template it made.
+            "CREATE TABLE e2b_builds (
+            id TEXT PRIMARY KEY NOT NULL,
+            template_id TEXT NOT NULL REFERENCES e2b_templates (id) ON DELETE CASCADE,
+            status TEXT NOT NULL,
+            template TEXT,
+            reason TEXT,
+            step TEXT,
+            tags TEXT NOT NULL DEFAULT '[]',
+            created_at_ms BIGINT NOT NULL,
+            updated_at_ms BIGINT NOT NULL
+        )",
+            "CREATE INDEX e2b_builds_template_idx ON e2b_builds (template_id, created_at_ms)",
+            // Whose a sandpit template is, asked at every create.
+            "CREATE INDEX e2b_builds_sandpit_idx ON e2b_builds (template)",
+            // Tags name builds (`name:tag`); `default` is the one a bare name starts.
+            "CREATE TABLE e2b_tags (
+            template_id TEXT NOT NULL REFERENCES e2b_templates (id) ON DELETE CASCADE,
+            tag TEXT NOT NULL,
+            build_id TEXT NOT NULL,
+            created_at_ms BIGINT NOT NULL,
+            PRIMARY KEY (template_id, tag)
+        )",
+        ],
+    ),
 ];
 
 /// Highest schema version this build knows.
-pub const SCHEMA_VERSION: i64 = 17;
+pub const SCHEMA_VERSION: i64 = 18;
 
 /// Brings the database up to [`SCHEMA_VERSION`]; a no-op when it is already there.
 pub(crate) async fn apply(pool: &SqlitePool) -> Result<(), StoreError> {

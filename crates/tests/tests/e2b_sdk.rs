@@ -72,8 +72,12 @@ async fn python_sdk_scenarios_pass() {
 async fn javascript_sdk_scenarios_pass() {
     let d = Daemon::start().await;
     let mut cmd = Command::new("node");
-    cmd.args(["--test", "tests/e2b/js/sdk.test.cjs"])
-        .env("NODE_PATH", repo().join("target/test-node/node_modules"));
+    cmd.args([
+        "--test",
+        "tests/e2b/js/sdk.test.cjs",
+        "tests/e2b/js/template_build.test.cjs",
+    ])
+    .env("NODE_PATH", repo().join("target/test-node/node_modules"));
     let (ok, text) = run_against(&d, &d.key, cmd).await;
     assert!(ok, "the E2B JavaScript SDK scenarios failed:\n{text}");
     assert!(text.contains("# fail 0"), "{text}");

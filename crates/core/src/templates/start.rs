@@ -99,8 +99,10 @@ pub(crate) async fn wait_until_ready(
             break;
         }
         attempts += 1;
+        // An attempt may take what is left: E2B's ready commands include plain waits
+        // (`sleep 10`, the SDKs' `wait_for_timeout`) that a shorter cap would always kill.
         let req = RunCommandRequest {
-            timeout_ms: Some(left.as_millis().clamp(1, 10_000) as u64),
+            timeout_ms: Some(left.as_millis().max(1) as u64),
             max_output_bytes: Some(64 << 10),
             ..check.clone()
         };

@@ -3,6 +3,7 @@
 //! that E2B's SDKs pointed at sandpit with `E2B_API_URL` work unchanged. Each route maps onto
 //! the same manager calls as sandpit's own `/v1` API; only names, shapes and statuses differ.
 
+pub mod builds;
 mod lifecycle;
 mod listing;
 mod metrics;
@@ -57,6 +58,11 @@ pub struct E2bConfig {
     /// without the traffic token, as E2B's default is. `false` makes them private.
     #[serde(default = "yes")]
     pub public_ports: bool,
+    /// Images E2B template builds may start from (`fromImage`), mapped to the absolute
+    /// path of a local OCI layout or `docker save` tarball, or to a template name: this
+    /// daemon pulls nothing from a registry.
+    #[serde(default)]
+    pub images: BTreeMap<String, String>,
 }
 
 fn yes() -> bool {
@@ -78,6 +84,7 @@ impl Default for E2bConfig {
             internet_by_default: true,
             sudo: true,
             public_ports: true,
+            images: BTreeMap::new(),
         }
     }
 }
@@ -245,9 +252,11 @@ pub fn router(state: AppState) -> Router<AppState> {
             "/volumes/{id}",
             get(volumes::get_one).delete(volumes::delete),
         )
+        .merge(builds::routes())
         .layer(axum::extract::DefaultBodyLimit::max(super::JSON_LIMIT))
         .layer(axum::middleware::from_fn_with_state(state, authenticate))
         .merge(volumes::content_routes())
+        .merge(builds::public_routes())
 }
 
 /// What an E2B client needs to reach a sandbox's data plane.

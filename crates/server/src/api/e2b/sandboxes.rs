@@ -142,6 +142,9 @@ async fn resolve_template(
     if let Some(s) = state.store.get_snapshot(&owner.0, id).await? {
         return Ok((None, Some(s.id)));
     }
+    if let Some(t) = super::builds::resolve(state, &owner.0, id).await? {
+        return Ok((Some(t), None));
+    }
     Ok((Some(id.to_string()), None))
 }
 

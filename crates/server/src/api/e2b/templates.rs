@@ -156,8 +156,16 @@ pub async fn list(
     State(state): State<AppState>,
     owner: Owner,
 ) -> Result<Json<Vec<types::Template>>, E2bError> {
-    let all = all_templates(&state, owner).await?;
-    Ok(Json(all.iter().map(|t| to_e2b(&state, t, false)).collect()))
+    let all = all_templates(&state, owner.clone()).await?;
+    let mut out = Vec::new();
+    for t in &all {
+        // A build's own template shows as the E2B template it belongs to (below).
+        if state.store.e2b_build_owner(&t.name).await?.is_none() {
+            out.push(to_e2b(&state, t, false));
+        }
+    }
+    out.extend(super::builds::list(&state, &owner).await?);
+    Ok(Json(out))
 }
 
 /// The sandpit template an E2B template id or alias stands for.
@@ -171,6 +179,9 @@ pub async fn get(
     owner: Owner,
     Path(id): Path<String>,
 ) -> Result<Json<types::Template>, E2bError> {
+    if let Some(t) = super::builds::describe(&state, &owner, &id).await? {
+        return Ok(Json(t));
+    }
     let name = target(&state, &id).to_string();
     let t = crate::api::templates::get(State(state.clone()), owner, crate::api::Path(name)).await?;
     Ok(Json(to_e2b(&state, &t.0, true)))
@@ -182,6 +193,12 @@ pub async fn alias(
     owner: Owner,
     Path(alias): Path<String>,
 ) -> Result<Json<types::TemplateAlias>, E2bError> {
+    if let Some(t) = state.store.e2b_template(&owner.0, &alias).await? {
+        return Ok(Json(types::TemplateAlias {
+            template_id: t.id,
+            public: false,
+        }));
+    }
     let name = target(&state, &alias).to_string();
     let t = crate::api::templates::get(State(state.clone()), owner, crate::api::Path(name)).await?;
     Ok(Json(types::TemplateAlias {
@@ -197,6 +214,9 @@ pub async fn delete(
     owner: Owner,
     Path(id): Path<String>,
 ) -> Result<StatusCode, E2bError> {
+    if super::builds::delete(&state, &owner, &id).await? {
+        return Ok(StatusCode::NO_CONTENT);
+    }
     if let Some(s) = state.store.get_snapshot(&owner.0, &id).await? {
         state
             .manager
