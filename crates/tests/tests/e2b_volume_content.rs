@@ -331,6 +331,14 @@ async fn tokens_open_their_own_volume_and_owners_stay_apart() {
     assert_eq!(del.status(), StatusCode::NO_CONTENT);
     let (s, _) = other.with_token(Method::GET, "dir", "path=/", None).await;
     assert_eq!(s, StatusCode::NOT_FOUND);
+    // Tokens outlive a restart of the daemon.
+    let d = d.restart().start().await;
+    let mine = Vol {
+        url: d.url.clone(),
+        ..mine
+    };
+    let (s, _) = mine.with_token(Method::GET, "dir", "path=/", None).await;
+    assert_eq!(s, StatusCode::OK);
     d.shutdown().await;
 }
 
