@@ -375,7 +375,9 @@ impl VolumeRoot {
         match kind_of(&st) {
             EntryKind::File => {}
             EntryKind::Directory => {
-                return Err(VolumeFileError::WrongType(format!("{shown} is a directory")));
+                return Err(VolumeFileError::WrongType(format!(
+                    "{shown} is a directory"
+                )));
             }
             _ => {
                 return Err(VolumeFileError::WrongType(format!(
@@ -624,7 +626,9 @@ fn remove_in(parent: &OwnedFd, name: &str, is_dir: bool, shown: &str, level: u32
             .map_err(not_found_or(shown, "unlink"));
     }
     if level > 256 {
-        return Err(VolumeFileError::Conflict(format!("{shown}: nested too deep")));
+        return Err(VolumeFileError::Conflict(format!(
+            "{shown}: nested too deep"
+        )));
     }
     // Opened without following: a directory swapped for a symlink is ELOOP, not a walk
     // through the symlink's target.
@@ -688,7 +692,13 @@ mod tests {
         std::os::unix::fs::symlink("../../../../../../etc/passwd", t.path().join("rel"))
             .expect("symlink");
         std::os::unix::fs::symlink("/etc", t.path().join("etc")).expect("symlink");
-        for p in ["abs", "rel", "/../../etc/passwd", "etc/passwd", "../etc/hostname"] {
+        for p in [
+            "abs",
+            "rel",
+            "/../../etc/passwd",
+            "etc/passwd",
+            "../etc/hostname",
+        ] {
             assert!(
                 // `etc -> /etc` makes `/etc/passwd` a loop inside the volume: ELOOP.
                 matches!(
@@ -700,7 +710,10 @@ mod tests {
             );
         }
         // A write through a symlinked directory lands inside the volume, or nowhere.
-        assert!(r.open_write("etc/x", &Meta::default(), false, 1000).is_err());
+        assert!(
+            r.open_write("etc/x", &Meta::default(), false, 1000)
+                .is_err()
+        );
         assert!(!Path::new("/etc/x").exists());
         assert!(matches!(
             r.open_write("abs", &Meta::default(), false, 1000),
@@ -718,12 +731,18 @@ mod tests {
     fn fifos_do_not_block() {
         let (t, r) = tmp();
         nix::unistd::mkfifo(&t.path().join("f"), Mode::from_bits_truncate(0o644)).expect("fifo");
-        assert!(matches!(r.open_read("f"), Err(VolumeFileError::WrongType(_))));
+        assert!(matches!(
+            r.open_read("f"),
+            Err(VolumeFileError::WrongType(_))
+        ));
         assert!(matches!(
             r.open_write("f", &Meta::default(), false, 1000),
             Err(VolumeFileError::WrongType(_))
         ));
-        assert!(matches!(r.open_read("/"), Err(VolumeFileError::WrongType(_))));
+        assert!(matches!(
+            r.open_read("/"),
+            Err(VolumeFileError::WrongType(_))
+        ));
     }
 
     #[test]
@@ -737,8 +756,13 @@ mod tests {
         let (mut f, created) = r.open_write("/a/b/c.txt", &m, true, 1000).expect("write");
         assert!(created);
         f.write_all(b"hello").expect("write");
-        let e = r.finish_write(&f, "/a/b/c.txt", &Meta::default()).expect("finish");
-        assert_eq!((e.size, e.mode, e.uid, e.name.as_str()), (5, 0o644, 1000, "c.txt"));
+        let e = r
+            .finish_write(&f, "/a/b/c.txt", &Meta::default())
+            .expect("finish");
+        assert_eq!(
+            (e.size, e.mode, e.uid, e.name.as_str()),
+            (5, 0o644, 1000, "c.txt")
+        );
         let (mut f, n) = r.open_read("a/b/c.txt").expect("read");
         let mut s = String::new();
         f.read_to_string(&mut s).expect("read");
@@ -751,13 +775,16 @@ mod tests {
         let paths: Vec<_> = l.iter().map(|e| e.path.as_str()).collect();
         assert_eq!(paths, ["/a", "/a/b", "/a/b/c.txt"]);
         assert_eq!(r.list("/a", 1).expect("list").len(), 1);
-        let d = r.make_dir("/a/d", &Meta::default(), false, 1000).expect("mkdir");
+        let d = r
+            .make_dir("/a/d", &Meta::default(), false, 1000)
+            .expect("mkdir");
         assert_eq!((d.kind, d.mode), (EntryKind::Directory, 0o755));
         assert!(matches!(
             r.make_dir("/a/d", &Meta::default(), false, 1000),
             Err(VolumeFileError::Conflict(_))
         ));
-        r.make_dir("/a/d", &Meta::default(), true, 1000).expect("mkdir force");
+        r.make_dir("/a/d", &Meta::default(), true, 1000)
+            .expect("mkdir force");
         let e = r
             .set_meta(
                 "/a/b/c.txt",
@@ -769,12 +796,26 @@ mod tests {
             )
             .expect("meta");
         assert_eq!((e.uid, e.gid, e.mode), (0, 5, 0o600));
-        assert!(r
-            .set_meta("/a", &Meta { uid: Some(1 << 20), ..Meta::default() })
-            .is_err());
-        assert!(r
-            .set_meta("/a", &Meta { mode: Some(0o10000), ..Meta::default() })
-            .is_err());
+        assert!(
+            r.set_meta(
+                "/a",
+                &Meta {
+                    uid: Some(1 << 20),
+                    ..Meta::default()
+                }
+            )
+            .is_err()
+        );
+        assert!(
+            r.set_meta(
+                "/a",
+                &Meta {
+                    mode: Some(0o10000),
+                    ..Meta::default()
+                }
+            )
+            .is_err()
+        );
         r.remove("/a").expect("remove");
         assert!(matches!(r.stat("/a"), Err(VolumeFileError::NotFound(_))));
         assert!(r.remove("/").is_err());

@@ -117,7 +117,12 @@ async fn planted_links_fifos_and_dots_never_leave_the_volume() {
     assert_eq!(r.stdout, "ok\n", "{}", r.stderr);
     // A hard link to a file outside the volume cannot be made at all.
     let r = sh_root(&c, &sbx, "ln /etc/hostname /mnt/v/h 2>&1; echo $?").await;
-    assert_ne!(r.stdout.trim_end().lines().last(), Some("0"), "{}", r.stdout);
+    assert_ne!(
+        r.stdout.trim_end().lines().last(),
+        Some("0"),
+        "{}",
+        r.stdout
+    );
 
     // Reads through the symlinks resolve inside the volume: nothing there.
     for path in [
@@ -141,7 +146,13 @@ async fn planted_links_fifos_and_dots_never_leave_the_volume() {
         assert!(!String::from_utf8_lossy(&b).contains("root:"));
     }
     // Writes through them do not reach the host.
-    for path in ["/abs", "/rel", "/passwd", "/hostdir/host-secret", "/hostdir/new"] {
+    for path in [
+        "/abs",
+        "/rel",
+        "/passwd",
+        "/hostdir/host-secret",
+        "/hostdir/new",
+    ] {
         let (s, b) = v
             .with_token(
                 Method::PUT,
@@ -166,7 +177,10 @@ async fn planted_links_fifos_and_dots_never_leave_the_volume() {
             Some(b"pwned".to_vec()),
         )
         .await;
-    assert_eq!(std::fs::read_to_string(&host_file).unwrap(), "host secret\n");
+    assert_eq!(
+        std::fs::read_to_string(&host_file).unwrap(),
+        "host secret\n"
+    );
     assert_eq!(
         std::fs::read_dir(outside.path()).unwrap().count(),
         1,
@@ -197,10 +211,7 @@ async fn planted_links_fifos_and_dots_never_leave_the_volume() {
     let after = std::fs::metadata(&host_file).unwrap();
     {
         use std::os::unix::fs::MetadataExt;
-        assert_eq!(
-            (before.uid(), before.mode()),
-            (after.uid(), after.mode())
-        );
+        assert_eq!((before.uid(), before.mode()), (after.uid(), after.mode()));
     }
     let (s, _) = v
         .with_token(Method::DELETE, "path", "path=/hostdir", None)
@@ -211,12 +222,20 @@ async fn planted_links_fifos_and_dots_never_leave_the_volume() {
     // Stat reports symlinks as they are.
     let (s, st) = v.json(Method::GET, "path", "path=/abs").await;
     assert_eq!(s, StatusCode::OK, "{st}");
-    assert_eq!((st["type"].as_str(), st["target"].as_str()), (Some("symlink"), Some(hf.as_str())));
+    assert_eq!(
+        (st["type"].as_str(), st["target"].as_str()),
+        (Some("symlink"), Some(hf.as_str()))
+    );
 
     // A FIFO is refused at once, for reading and writing; nothing blocks.
     let started = std::time::Instant::now();
     let (s, b) = v.with_token(Method::GET, "file", "path=/fifo", None).await;
-    assert_eq!(s, StatusCode::BAD_REQUEST, "{}", String::from_utf8_lossy(&b));
+    assert_eq!(
+        s,
+        StatusCode::BAD_REQUEST,
+        "{}",
+        String::from_utf8_lossy(&b)
+    );
     assert_eq!(error_code(&b), json!(400));
     let (s, _) = v
         .with_token(Method::PUT, "file", "path=/fifo", Some(b"x".to_vec()))
@@ -240,7 +259,9 @@ async fn planted_links_fifos_and_dots_never_leave_the_volume() {
         .collect();
     assert_eq!(
         paths,
-        ["/abs", "/fifo", "/hard", "/passwd", "/real", "/rel", "/sub", "/sub/up"]
+        [
+            "/abs", "/fifo", "/hard", "/passwd", "/real", "/rel", "/sub", "/sub/up"
+        ]
     );
     // Bad paths and arguments: 400, never 500.
     for (m, what, q) in [
@@ -305,12 +326,18 @@ async fn tokens_open_their_own_volume_and_owners_stay_apart() {
         }
     };
     assert_eq!(at_bobs(None).await, StatusCode::UNAUTHORIZED);
-    assert_eq!(at_bobs(Some("nonsense".into())).await, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        at_bobs(Some("nonsense".into())).await,
+        StatusCode::UNAUTHORIZED
+    );
     assert_eq!(
         at_bobs(Some(format!("sp_vol_{}", "0".repeat(64)))).await,
         StatusCode::FORBIDDEN
     );
-    assert_eq!(at_bobs(Some(mine.token.clone())).await, StatusCode::FORBIDDEN);
+    assert_eq!(
+        at_bobs(Some(mine.token.clone())).await,
+        StatusCode::FORBIDDEN
+    );
     // Another owner's API key: the volume does not exist for it.
     assert_eq!(at_bobs(Some(d.key.clone())).await, StatusCode::NOT_FOUND);
     // Its owner's key and its own token open it.
@@ -358,7 +385,12 @@ async fn files_cross_between_the_api_and_sandboxes_with_their_owners() {
     assert_eq!(s, StatusCode::CREATED, "{}", String::from_utf8_lossy(&b));
     let st: Value = serde_json::from_slice(&b).unwrap();
     assert_eq!(
-        (st["uid"].clone(), st["gid"].clone(), st["mode"].clone(), st["size"].clone()),
+        (
+            st["uid"].clone(),
+            st["gid"].clone(),
+            st["mode"].clone(),
+            st["size"].clone()
+        ),
         (json!(1000), json!(1000), json!(0o644), json!(13))
     );
     let (s, _) = v
@@ -380,15 +412,22 @@ async fn files_cross_between_the_api_and_sandboxes_with_their_owners() {
     )
     .await;
     assert_eq!(
-        r.stdout,
-        "from the API\nuser user 644\nuser user 755\nroot root 600\ndenied\n",
+        r.stdout, "from the API\nuser user 644\nuser user 755\nroot root 600\ndenied\n",
         "{}",
         r.stderr
     );
-    let (s, b) = v.with_token(Method::GET, "file", "path=/sbx.txt", None).await;
-    assert_eq!((s, b.as_slice()), (StatusCode::OK, b"from the sandbox\n".as_slice()));
+    let (s, b) = v
+        .with_token(Method::GET, "file", "path=/sbx.txt", None)
+        .await;
+    assert_eq!(
+        (s, b.as_slice()),
+        (StatusCode::OK, b"from the sandbox\n".as_slice())
+    );
     let (_, st) = v.json(Method::GET, "path", "path=/sbx.txt").await;
-    assert_eq!((st["uid"].clone(), st["gid"].clone()), (json!(1000), json!(1000)));
+    assert_eq!(
+        (st["uid"].clone(), st["gid"].clone()),
+        (json!(1000), json!(1000))
+    );
     c.delete_sandbox(&sbx).await.unwrap();
     d.shutdown().await;
 }

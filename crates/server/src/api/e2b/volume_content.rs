@@ -275,7 +275,10 @@ async fn read_file(
     let stream = tokio_util::io::ReaderStream::new(tokio::fs::File::from_std(file));
     Ok((
         [
-            (http::header::CONTENT_TYPE, "application/octet-stream".to_string()),
+            (
+                http::header::CONTENT_TYPE,
+                "application/octet-stream".to_string(),
+            ),
             (http::header::CONTENT_LENGTH, size.to_string()),
         ],
         Body::from_stream(stream),
@@ -409,7 +412,11 @@ async fn update(
         gid: m.gid,
         mode: m.mode,
     };
-    Ok(Json(on_root(dir, move |r| r.set_meta(&q.path, &meta)).await?.into()))
+    Ok(Json(
+        on_root(dir, move |r| r.set_meta(&q.path, &meta))
+            .await?
+            .into(),
+    ))
 }
 
 /// `DELETE .../path`: removes a file or a directory with its contents, 204.

@@ -119,7 +119,10 @@ pub async fn get_one(
     owner: Owner,
     Path(id): Path<String>,
 ) -> Result<Json<VolumeAndToken>, E2bError> {
-    Ok(Json(with_token(&state, find(&state, &owner.0, &id).await?)?))
+    Ok(Json(with_token(
+        &state,
+        find(&state, &owner.0, &id).await?,
+    )?))
 }
 
 /// `DELETE /volumes/{id}`: 204; 409 while a sandbox has it mounted.
