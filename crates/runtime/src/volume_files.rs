@@ -47,6 +47,9 @@ pub enum VolumeFileError {
     /// A uid, gid or mode outside the accepted range.
     #[error("{0}")]
     InvalidArgument(String),
+    /// The file system refuses the access (a device node on the `nodev` mount).
+    #[error("{0}: permission denied")]
+    Denied(String),
     /// The volume's file system is full.
     #[error("the volume is full")]
     NoSpace,
@@ -202,6 +205,7 @@ fn not_found_or(path: &str, context: &str) -> impl FnOnce(Errno) -> VolumeFileEr
         Errno::ENOSPC | Errno::EDQUOT => VolumeFileError::NoSpace,
         Errno::EEXIST => VolumeFileError::Conflict(format!("{path} already exists")),
         Errno::EISDIR => VolumeFileError::WrongType(format!("{path} is a directory")),
+        Errno::EACCES | Errno::EPERM => VolumeFileError::Denied(path),
         Errno::ENAMETOOLONG => VolumeFileError::InvalidPath(format!("{path}: name too long")),
         e => VolumeFileError::Sys {
             context: format!("{context} {path}"),
@@ -366,6 +370,15 @@ impl VolumeRoot {
     pub fn open_read(&self, path: &str) -> Result<(std::fs::File, u64)> {
         let p = VPath::parse(path)?;
         let shown = p.display();
+        // What it is, without opening it, for a clear refusal (the check after the open
+        // below is the one that guards).
+        let probe = self.resolve(&p.parts, OFlag::O_PATH, &shown)?;
+        let st = nix::sys::stat::fstat(&probe).map_err(sys(format!("stat {shown}")))?;
+        if kind_of(&st) == EntryKind::Other {
+            return Err(VolumeFileError::WrongType(format!(
+                "{shown} is not a regular file"
+            )));
+        }
         let fd = self.resolve(
             &p.parts,
             OFlag::O_RDONLY | OFlag::O_NONBLOCK | OFlag::O_NOCTTY,
@@ -409,6 +422,13 @@ impl VolumeRoot {
             VolumeFileError::InvalidPath(format!("{shown} names a directory, not a file"))
         })?;
         let dir = self.dir(parent, force.then_some((meta, default_owner)), &shown)?;
+        if let Ok(st) = stat_at(dir.as_fd(), name, &shown)
+            && kind_of(&st) != EntryKind::File
+        {
+            return Err(VolumeFileError::WrongType(format!(
+                "{shown} is not a regular file"
+            )));
+        }
         // The last component is created in the resolved parent and never followed.
         let flags = OFlag::O_WRONLY
             | OFlag::O_NONBLOCK
@@ -743,6 +763,23 @@ mod tests {
             r.open_read("/"),
             Err(VolumeFileError::WrongType(_))
         ));
+        // A device node (here /dev/zero's numbers) is never read, whatever the mount.
+        nix::sys::stat::mknod(
+            &t.path().join("zero"),
+            SFlag::S_IFCHR,
+            Mode::from_bits_truncate(0o666),
+            nix::sys::stat::makedev(1, 5),
+        )
+        .expect("mknod");
+        assert!(matches!(
+            r.open_read("zero"),
+            Err(VolumeFileError::WrongType(_))
+        ));
+        assert!(matches!(
+            r.open_write("zero", &Meta::default(), false, 1000),
+            Err(VolumeFileError::WrongType(_))
+        ));
+        assert_eq!(r.stat("zero").expect("stat").kind, EntryKind::Other);
     }
 
     #[test]

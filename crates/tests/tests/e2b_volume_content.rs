@@ -244,6 +244,23 @@ async fn planted_links_fifos_and_dots_never_leave_the_volume() {
     assert!(started.elapsed() < Duration::from_secs(5));
     let (s, st) = v.json(Method::GET, "path", "path=/fifo").await;
     assert_eq!((s, st["type"].as_str()), (StatusCode::OK, Some("unknown")));
+    // A device node (a sandbox cannot make one; the host can, on the volume's mount):
+    // never opened.
+    let dev = d.data.path().join(format!("volumes/mnt/{}/zero", v.id));
+    nix::sys::stat::mknod(
+        &dev,
+        nix::sys::stat::SFlag::S_IFCHR,
+        nix::sys::stat::Mode::from_bits_truncate(0o666),
+        nix::sys::stat::makedev(1, 5),
+    )
+    .unwrap();
+    let (s, _) = v.with_token(Method::GET, "file", "path=/zero", None).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    let (s, _) = v
+        .with_token(Method::PUT, "file", "path=/zero", Some(b"x".to_vec()))
+        .await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    std::fs::remove_file(&dev).unwrap();
 
     // A hard link inside the volume is just the same file.
     let (s, b) = v.with_token(Method::GET, "file", "path=/hard", None).await;

@@ -161,6 +161,7 @@ impl From<VolumeFileError> for E2bError {
             | VolumeFileError::InvalidArgument(_)
             | VolumeFileError::WrongType(_) => StatusCode::BAD_REQUEST,
             VolumeFileError::NotFound(_) => StatusCode::NOT_FOUND,
+            VolumeFileError::Denied(_) => StatusCode::FORBIDDEN,
             VolumeFileError::Conflict(_) => StatusCode::CONFLICT,
             VolumeFileError::NoSpace => StatusCode::INSUFFICIENT_STORAGE,
             VolumeFileError::Sys { .. } => {
