@@ -448,3 +448,40 @@ async fn files_cross_between_the_api_and_sandboxes_with_their_owners() {
     c.delete_sandbox(&sbx).await.unwrap();
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_volume_is_507_and_leaves_no_half_written_file() {
+    let d = Daemon::start().await;
+    d.client().create_volume("tiny", 16 << 20).await.unwrap();
+    let resp = http()
+        .get(format!("{}/volumes/tiny", d.url))
+        .header("X-API-Key", &d.key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let v: Value = resp.json().await.unwrap();
+    let vol = Vol {
+        url: d.url.clone(),
+        id: v["volumeID"].as_str().unwrap().into(),
+        token: v["token"].as_str().unwrap().into(),
+    };
+    let (s, b) = vol
+        .with_token(Method::PUT, "file", "path=/big", Some(vec![7u8; 32 << 20]))
+        .await;
+    assert_eq!(
+        s,
+        StatusCode::INSUFFICIENT_STORAGE,
+        "{}",
+        String::from_utf8_lossy(&b)
+    );
+    assert_eq!(error_code(&b), json!(507));
+    let (s, _) = vol.with_token(Method::GET, "path", "path=/big", None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    // The space is back: a small file fits.
+    let (s, _) = vol
+        .with_token(Method::PUT, "file", "path=/small", Some(vec![1u8; 1 << 20]))
+        .await;
+    assert_eq!(s, StatusCode::CREATED);
+    d.shutdown().await;
+}
