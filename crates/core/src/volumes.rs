@@ -258,6 +258,13 @@ impl Manager {
             .collect())
     }
 
+    /// The host mount of ready volume `id` (mounted if needed), for the volume-content
+    /// API; the caller has checked who may open it.
+    pub async fn volume_host_dir(&self, id: &str) -> Result<std::path::PathBuf, CoreError> {
+        let (vh, id) = (self.volume_host(), id.to_string());
+        host(move || vh.mount(&id)).await
+    }
+
     /// What the runtime mounts for sandbox `sandbox_id`, each volume mounted on the host
     /// first: at its create, and whenever it starts again on its files (a wake from
     /// hibernation).

@@ -8,6 +8,7 @@ pub mod process;
 pub mod template;
 pub mod trust;
 pub mod volume;
+pub mod volume_files;
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;

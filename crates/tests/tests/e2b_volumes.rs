@@ -1,7 +1,7 @@
 //! E2B's `/volumes` API and `volumeMounts` at create on sandpit's volumes, against a real
 //! daemon: shapes and statuses as E2B's SDK parses them, owners kept apart, mount paths
-//! checked before anything is made, data kept across sandboxes, and the volume-content
-//! API answered with 501 and the way to reach the files instead.
+//! checked before anything is made, and data kept across sandboxes (the volume-content
+//! API is tried by `e2b_volume_content.rs`).
 
 use reqwest::{Method, StatusCode};
 use sandpit_tests::{Daemon, http, sh};
@@ -233,34 +233,5 @@ async fn volume_mounts_are_checked_and_keep_data_across_sandboxes() {
     let r = sh(&c, &second, "cat /mnt/w/note").await;
     assert_eq!(r.stdout, "kept\n", "{}", r.stderr);
     c.delete_sandbox(&second).await.unwrap();
-    d.shutdown().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_volume_content_api_says_it_is_not_served_and_how_to_reach_the_files() {
-    let d = Daemon::start().await;
-    for (m, path) in [
-        (Method::GET, "/volumecontent/v1/file?path=/x"),
-        (Method::PUT, "/volumecontent/v1/file?path=/x"),
-        (Method::GET, "/volumecontent/v1/dir?path=/"),
-        (Method::POST, "/volumecontent/v1/dir?path=/d"),
-        (Method::GET, "/volumecontent/v1/path?path=/x"),
-        (Method::PATCH, "/volumecontent/v1/path?path=/x"),
-        (Method::DELETE, "/volumecontent/v1/path?path=/x"),
-    ] {
-        let resp = http()
-            .request(m.clone(), format!("{}{path}", d.url))
-            .bearer_auth("any-token")
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), StatusCode::NOT_IMPLEMENTED, "{m} {path}");
-        let v: Value = resp.json().await.unwrap();
-        assert_eq!(v["code"], 501);
-        assert!(
-            v["message"].as_str().unwrap().contains("volumeMounts"),
-            "{v}"
-        );
-    }
     d.shutdown().await;
 }

@@ -174,3 +174,28 @@ test('getHost reaches a server in the sandbox', async () => {
   }
   assert.equal(body, 'js sees the sandbox')
 })
+
+test('volume content: write, read, list, stat, metadata, remove', async () => {
+  const { Volume } = require('e2b')
+  const vol = await Volume.create(`js-content-${crypto.randomUUID().slice(0, 8)}`)
+  try {
+    const st = await vol.writeFile('/d/a.txt', 'from js', { force: true })
+    assert.equal(st.path, '/d/a.txt')
+    assert.equal(st.type, 'file')
+    assert.deepEqual([st.uid, st.gid, st.mode, st.size], [1000, 1000, 0o644, 7])
+    assert.equal(await vol.readFile('/d/a.txt'), 'from js')
+    assert.deepEqual(Buffer.from(await vol.readFile('/d/a.txt', { format: 'bytes' })), Buffer.from('from js'))
+    await vol.makeDir('/d/sub', { mode: 0o700 })
+    assert.deepEqual((await vol.list('/d')).map((e) => e.path), ['/d/a.txt', '/d/sub'])
+    assert.equal((await vol.getInfo('/d/sub')).mode, 0o700)
+    const up = await vol.updateMetadata('/d/a.txt', { uid: 0, gid: 0, mode: 0o600 })
+    assert.deepEqual([up.uid, up.gid, up.mode], [0, 0, 0o600])
+    assert.equal(await vol.exists('/d/a.txt'), true)
+    await vol.remove('/d')
+    assert.equal(await vol.exists('/d'), false)
+    const stranger = new Volume(vol.volumeId, vol.name, 'sp_vol_' + '0'.repeat(64))
+    await assert.rejects(stranger.list('/'))
+  } finally {
+    await Volume.destroy(vol.volumeId)
+  }
+})

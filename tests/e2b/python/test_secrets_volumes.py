@@ -185,10 +185,3 @@ def test_mount_paths_over_the_system_are_refused(volume):
     for path in ["/etc", "/usr/lib", "relative", "/mnt/../proc", "/.sandpit"]:
         with pytest.raises(SandboxException):
             Sandbox.create(volume_mounts={path: volume})
-
-
-def test_volume_content_calls_say_they_are_not_served(volume):
-    with pytest.raises(VolumeException) as err:
-        volume.read_file("/note.txt")
-    assert "501" in str(err.value)
-    assert "volumeMounts" in str(err.value)

@@ -12,6 +12,7 @@ mod sandboxes;
 pub mod secrets;
 mod templates;
 pub mod types;
+pub mod volume_content;
 pub mod volumes;
 
 use super::{AppState, resolve_owner};

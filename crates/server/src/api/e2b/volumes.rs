@@ -1,7 +1,6 @@
 //! E2B's `/volumes` routes on sandpit's volumes (create, list, get, delete, by `volumeID`
-//! or name), the checks on `volumeMounts` of an E2B create, and the volume-content API
-//! (`/volumecontent/...`), which sandpit does not serve: it answers 501 saying how to
-//! reach a volume's files instead.
+//! or name), and the checks on `volumeMounts` of an E2B create; the volume-content API
+//! (`/volumecontent/...`) is in `volume_content.rs`.
 
 use super::E2bError;
 use crate::api::{AppState, Owner};
@@ -9,7 +8,6 @@ use crate::error::ApiError;
 use axum::Json;
 use axum::Router;
 use axum::extract::{Path, State};
-use axum::response::{IntoResponse, Response};
 use http::StatusCode;
 use sandpit_store::VolumeRecord;
 use serde::{Deserialize, Serialize};
@@ -17,9 +15,6 @@ use serde::{Deserialize, Serialize};
 /// Size of a volume made through E2B's API, whose create names no size (the file system
 /// is sparse: it takes host disk only as it fills).
 pub const E2B_VOLUME_SIZE: u64 = 1 << 30;
-
-/// What a volume's `token` says: sandpit has no volume-content host for it to open.
-pub const NO_CONTENT_TOKEN: &str = "sandpit-volume-content-not-served";
 
 /// Directories a volume may not be mounted at or below: the sandbox's programs,
 /// libraries and system configuration, and the agent's own sockets.
@@ -64,12 +59,13 @@ pub struct VolumeAndToken {
     pub token: String,
 }
 
-fn with_token(v: VolumeRecord) -> VolumeAndToken {
-    VolumeAndToken {
+/// The volume with its content token (`volume_content::volume_token`).
+fn with_token(state: &AppState, v: VolumeRecord) -> Result<VolumeAndToken, E2bError> {
+    Ok(VolumeAndToken {
+        token: super::volume_content::volume_token(state, &v.id)?,
         volume_id: v.id,
         name: v.name,
-        token: NO_CONTENT_TOKEN.into(),
-    }
+    })
 }
 
 /// The volume of `owner` whose id or name is `selector`.
@@ -98,7 +94,7 @@ pub async fn create(
         .get_volume(&owner.0, &req.name)
         .await?
         .ok_or_else(|| E2bError(ApiError::internal("the new volume's record is gone")))?;
-    Ok((StatusCode::CREATED, Json(with_token(rec))))
+    Ok((StatusCode::CREATED, Json(with_token(&state, rec)?)))
 }
 
 /// `GET /volumes`.
@@ -123,7 +119,10 @@ pub async fn get_one(
     owner: Owner,
     Path(id): Path<String>,
 ) -> Result<Json<VolumeAndToken>, E2bError> {
-    Ok(Json(with_token(find(&state, &owner.0, &id).await?)))
+    Ok(Json(with_token(
+        &state,
+        find(&state, &owner.0, &id).await?,
+    )?))
 }
 
 /// `DELETE /volumes/{id}`: 204; 409 while a sandbox has it mounted.
@@ -163,30 +162,10 @@ pub fn check_mounts(mounts: &[super::types::VolumeMount]) -> Result<(), E2bError
     Ok(())
 }
 
-/// Every request of the volume-content API: sandpit does not serve it.
-async fn content_not_served() -> Response {
-    (
-        StatusCode::NOT_IMPLEMENTED,
-        Json(super::types::Error {
-            code: 501,
-            message: "sandpit does not serve E2B's volume content API: mount the volume into a sandbox (volumeMounts at create) and use the sandbox's files API".into(),
-        }),
-    )
-        .into_response()
-}
-
 /// The volume-content API's paths (the SDKs send them with the volume's token, not an API
 /// key, so they sit outside the authenticated routes).
 pub fn content_routes() -> Router<AppState> {
-    Router::new()
-        .route(
-            "/volumecontent/{id}",
-            axum::routing::any(content_not_served),
-        )
-        .route(
-            "/volumecontent/{id}/{*rest}",
-            axum::routing::any(content_not_served),
-        )
+    super::volume_content::routes()
 }
 
 #[cfg(test)]
