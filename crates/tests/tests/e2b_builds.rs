@@ -511,6 +511,21 @@ async fn a_build_of_steps_on_a_local_image_makes_a_template_sandboxes_start_from
         sandpit_tests::error_status(theirs.create_sandbox(&native).await),
         Some(404)
     );
+    // Nor listed or shown by `/v1/templates`: a built template's name is its team's
+    // business (the admin, who built this one, sees it above).
+    assert_eq!(
+        sandpit_tests::error_status(theirs.get_template(&made).await),
+        Some(404)
+    );
+    let listed: Vec<String> = theirs
+        .list_templates()
+        .await
+        .expect("templates")
+        .into_iter()
+        .map(|t| t.name)
+        .collect();
+    assert!(listed.contains(&"host".to_string()), "{listed:?}");
+    assert!(!listed.contains(&made), "{listed:?}");
     let (t3, b3) = o.request("borrowed").await;
     let (s, v) = o.start(&t3, &b3, json!({"fromTemplate": made})).await;
     assert_eq!(s, 400, "{v}");

@@ -15,22 +15,46 @@ use std::time::Duration;
 #[utoipa::path(get, path = "/v1/templates", responses((status = 200, body = Vec<Template>)))]
 pub async fn list(
     State(state): State<AppState>,
-    _owner: Owner,
+    owner: Owner,
 ) -> Result<Json<Vec<Template>>, ApiError> {
     let mut out = vec![host_template()];
-    out.extend(state.store.list_templates().await?.into_iter().map(to_api));
+    for rec in state.store.list_templates().await? {
+        if visible(&state, &owner, &rec.name).await? {
+            out.push(to_api(rec));
+        }
+    }
     Ok(Json(out))
+}
+
+/// Whether `owner` may see template `name`: a template an E2B build made belongs to the
+/// team that built it (its name can say what they work on); the admin sees every one.
+async fn visible(state: &AppState, owner: &Owner, name: &str) -> Result<bool, ApiError> {
+    if owner.0 == super::pools::ADMIN_OWNER {
+        return Ok(true);
+    }
+    Ok(state
+        .store
+        .e2b_build_owner(name)
+        .await?
+        .is_none_or(|built_by| built_by == owner.0))
 }
 
 /// One template: its settings, source, size and build state.
 #[utoipa::path(get, path = "/v1/templates/{name}", responses((status = 200, body = Template), (status = 404, body = ErrorBody)))]
 pub async fn get(
     State(state): State<AppState>,
-    _owner: Owner,
+    owner: Owner,
     Path(name): Path<String>,
 ) -> Result<Json<Template>, ApiError> {
     if name == "host" {
         return Ok(Json(host_template()));
+    }
+    if !visible(&state, &owner, &name).await? {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("template {name:?} not found"),
+        ));
     }
     let rec = state.manager.templates().get(&state.store, &name).await?;
     Ok(Json(to_api(rec)))
