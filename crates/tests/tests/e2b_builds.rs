@@ -526,6 +526,13 @@ async fn a_build_of_steps_on_a_local_image_makes_a_template_sandboxes_start_from
         .collect();
     assert!(listed.contains(&"host".to_string()), "{listed:?}");
     assert!(!listed.contains(&made), "{listed:?}");
+    let progress = reqwest::Client::new()
+        .get(format!("{}/v1/templates/{made}/build", d.url))
+        .bearer_auth(&other)
+        .send()
+        .await
+        .expect("follow the build");
+    assert_eq!(progress.status(), 404);
     let (t3, b3) = o.request("borrowed").await;
     let (s, v) = o.start(&t3, &b3, json!({"fromTemplate": made})).await;
     assert_eq!(s, 400, "{v}");

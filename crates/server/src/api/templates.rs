@@ -26,6 +26,19 @@ pub async fn list(
     Ok(Json(out))
 }
 
+/// 404, as for a template that does not exist, unless `owner` may see template `name`.
+async fn require_visible(state: &AppState, owner: &Owner, name: &str) -> Result<(), ApiError> {
+    if visible(state, owner, name).await? {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("template {name:?} not found"),
+        ))
+    }
+}
+
 /// Whether `owner` may see template `name`: a template an E2B build made belongs to the
 /// team that built it (its name can say what they work on); the admin sees every one.
 async fn visible(state: &AppState, owner: &Owner, name: &str) -> Result<bool, ApiError> {
@@ -49,13 +62,7 @@ pub async fn get(
     if name == "host" {
         return Ok(Json(host_template()));
     }
-    if !visible(&state, &owner, &name).await? {
-        return Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            "not_found",
-            format!("template {name:?} not found"),
-        ));
-    }
+    require_visible(&state, &owner, &name).await?;
     let rec = state.manager.templates().get(&state.store, &name).await?;
     Ok(Json(to_api(rec)))
 }
@@ -106,10 +113,11 @@ pub struct ProgressQuery {
     responses((status = 200, body = TemplateBuild), (status = 404, body = ErrorBody)))]
 pub async fn progress(
     State(state): State<AppState>,
-    _owner: Owner,
+    owner: Owner,
     Path(name): Path<String>,
     ApiQuery(q): ApiQuery<ProgressQuery>,
 ) -> Result<Json<TemplateBuild>, ApiError> {
+    require_visible(&state, &owner, &name).await?;
     let b = state
         .manager
         .templates()
