@@ -476,6 +476,40 @@ impl<Rd: Read> Read for Metered<Rd> {
     }
 }
 
+/// A hardlink member's target, confined to the archive like a member name, and what
+/// refuses the link (naming the member and its target as written).
+pub(crate) fn hardlink_target<Rd: Read>(
+    entry: &tar::Entry<'_, Rd>,
+    rel: &Path,
+) -> Result<(PathBuf, BadLink), ImageError> {
+    let bad = BadLink {
+        path: show(rel),
+        raw: entry
+            .link_name_bytes()
+            .map(|t| t.into_owned())
+            .unwrap_or_default(),
+    };
+    let target = sanitize(&bad.raw).map_err(|_| bad.refuse("target lies outside the archive"))?;
+    Ok((target, bad))
+}
+
+/// A hardlink member being checked: the error for each reason to refuse it.
+pub(crate) struct BadLink {
+    path: String,
+    raw: Vec<u8>,
+}
+
+impl BadLink {
+    /// `UnsafeHardlink` for this member, saying `reason`.
+    pub(crate) fn refuse(&self, reason: &'static str) -> ImageError {
+        ImageError::UnsafeHardlink {
+            path: self.path.clone(),
+            target: String::from_utf8_lossy(&self.raw).into_owned(),
+            reason,
+        }
+    }
+}
+
 /// Checks a member name and normalizes it: no NUL, not absolute, no `..`, no name longer
 /// than NAME_MAX, the whole no longer than PATH_MAX. `.` and empty components are dropped.
 pub(crate) fn sanitize(raw: &[u8]) -> R<PathBuf> {
@@ -754,19 +788,9 @@ impl Extractor<'_> {
                 fsx::make_symlink(&pfd, name, OsStr::from_bytes(&target), &rel, u, g, mtime)
             }
             T::Link => {
-                let raw_t = entry
-                    .link_name_bytes()
-                    .map(|t| t.into_owned())
-                    .unwrap_or_default();
-                let bad_link = |reason| ImageError::UnsafeHardlink {
-                    path: show(&rel),
-                    target: String::from_utf8_lossy(&raw_t).into_owned(),
-                    reason,
-                };
-                let target =
-                    sanitize(&raw_t).map_err(|_| bad_link("target lies outside the archive"))?;
+                let (target, bad_link) = hardlink_target(entry, &rel)?;
                 if target.as_os_str().is_empty() || !self.files.contains(&target) {
-                    return Err(bad_link("target is not a file this archive extracted"));
+                    return Err(bad_link.refuse("target is not a file this archive extracted"));
                 }
                 if target == rel {
                     self.stats.skipped += 1;
@@ -774,7 +798,7 @@ impl Extractor<'_> {
                 }
                 match self.root.lstat(&target)? {
                     Some(n) if n.kind == NodeKind::File => {}
-                    _ => return Err(bad_link("target is no longer a regular file")),
+                    _ => return Err(bad_link.refuse("target is no longer a regular file")),
                 }
                 self.note_layer_path(&rel);
                 self.clear_for(&rel, false)?;

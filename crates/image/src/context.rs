@@ -13,7 +13,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 use std::rc::Rc;
 
-use crate::archive::{HEADER_WINDOW, Meter, Metered, decompress, sanitize};
+use crate::archive::{HEADER_WINDOW, Meter, Metered, decompress, hardlink_target, sanitize};
 use crate::error::ImageError;
 use crate::fsx::{self, show};
 
@@ -285,23 +285,13 @@ impl Selector<'_> {
                     .map_err(write_err)?;
             }
             (Kind::File, T::Link) => {
-                let raw_t = entry
-                    .link_name_bytes()
-                    .map(|t| t.into_owned())
-                    .unwrap_or_default();
-                let bad_link = |reason| ImageError::UnsafeHardlink {
-                    path: show(&rel),
-                    target: String::from_utf8_lossy(&raw_t).into_owned(),
-                    reason,
-                };
-                let target =
-                    sanitize(&raw_t).map_err(|_| bad_link("target lies outside the archive"))?;
+                let (target, bad_link) = hardlink_target(entry, &rel)?;
                 let out_target = match self.kinds.get(&target) {
                     Some(Kind::File) => self.place(&target, Kind::File)?,
                     _ => None,
                 };
                 let Some(out_target) = out_target.filter(|t| self.written_files.contains(t)) else {
-                    return Err(bad_link("target is not a file copied before it"));
+                    return Err(bad_link.refuse("target is not a file copied before it"));
                 };
                 h.set_entry_type(T::Link);
                 h.set_mode(mode);

@@ -291,31 +291,7 @@ mod tests {
         }
     }
 
-    async fn sandbox(store: &Store, id: &str, owner: &str) {
-        let rec = crate::SandboxRecord {
-            id: id.into(),
-            owner: owner.into(),
-            template: "host".into(),
-            runtime: "container".into(),
-            state: crate::SandboxState::Running,
-            cpu_millis: 1,
-            memory_bytes: 1,
-            disk_bytes: 1,
-            max_processes: 1,
-            env: Default::default(),
-            secret_env: Default::default(),
-            metadata: Default::default(),
-            created_at_ms: 0,
-            updated_at_ms: 0,
-            expires_at_ms: 0,
-            runtime_state: serde_json::Value::Null,
-            error: None,
-            version: 0,
-            pool: None,
-            life: crate::Lifecycle::default(),
-        };
-        store.insert_sandbox(&rec).await.unwrap();
-    }
+    use crate::secrets::tests::sandbox;
 
     #[tokio::test]
     async fn egress_rules_go_with_their_sandbox_and_its_forks() {

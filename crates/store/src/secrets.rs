@@ -239,7 +239,7 @@ impl Store {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::{Lifecycle, SandboxRecord, SandboxState};
 
@@ -254,7 +254,8 @@ mod tests {
         }
     }
 
-    async fn sandbox(store: &Store, id: &str, owner: &str) {
+    /// Records a running sandbox `id` of `owner` (the other stores' tests use it too).
+    pub(crate) async fn sandbox(store: &Store, id: &str, owner: &str) {
         let rec = SandboxRecord {
             id: id.into(),
             owner: owner.into(),
